@@ -1,0 +1,5 @@
+import sys
+
+from mixprec.cli.main import main
+
+sys.exit(main())

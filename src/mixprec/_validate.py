@@ -1,0 +1,61 @@
+"""Argument checks shared by mixprec's public functions: each error names the argument and what is allowed."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "check_choice",
+    "check_dtype",
+    "check_positive_int",
+    "check_positive_float",
+    "check_fraction",
+]
+
+
+def check_choice(name: str, value: Any, allowed: Iterable[Any]) -> Any:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(repr(a) for a in allowed)}; got {value!r}")
+    return value
+
+
+def check_positive_int(name: str, value: Any, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum}; got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}; got {value}")
+    return value
+
+
+def check_positive_float(name: str, value: Any, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a real number; got {type(value).__name__} {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite number {bound}; got {value!r}")
+    return v
+
+
+def check_fraction(name: str, value: Any, *, open_low: bool = True, open_high: bool = True) -> float:
+    """A float in (0, 1) with each end open or closed as asked."""
+    v = check_positive_float(name, value, allow_zero=not open_low)
+    if v > 1 or (v == 1 and open_high):
+        hi = ")" if open_high else "]"
+        lo = "(" if open_low else "["
+        raise ValueError(f"{name} must lie in {lo}0, 1{hi}; got {value!r}")
+    return v
+
+
+def check_dtype(name: str, value: Any, allowed: Iterable[torch.dtype]) -> torch.dtype:
+    allowed = tuple(allowed)
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"{name} must be a torch.dtype, one of {allowed}; got {type(value).__name__}")
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(str(a) for a in allowed)}; got {value}")
+    return value

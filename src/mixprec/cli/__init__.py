@@ -1,0 +1,1 @@
+"""The ``mixprec`` command line: it parses arguments and calls the library, nothing more."""

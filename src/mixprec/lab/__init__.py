@@ -1,0 +1,1 @@
+"""The numerics lab: training runs, comparisons and studies."""

@@ -1,0 +1,450 @@
+"""Loss scalers with a ``torch.amp.GradScaler``-compatible API: dynamic (growth, backoff, hysteresis, floor,
+ceiling, abort when stuck) and static.
+
+Typical loop::
+
+    scaler = mixprec.DynamicLossScaler()
+    for batch in loader:
+        optimizer.zero_grad()
+        loss = model(batch)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)                      # optional: only needed to clip
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        scaler.step(optimizer)                           # skipped when any rank saw inf/NaN
+        scaler.update()
+
+Precision: the scale is kept as an fp32 number, like GradScaler's scale tensor; each growth or backoff
+is computed in fp64 and rounded to fp32, so trajectories match GradScaler's exactly. The reciprocal used
+to unscale is taken in fp64 and rounded to fp32 once.
+
+Synchronisation: ``step`` (or ``has_overflow``) reads the overflow flag on the host, once per optimizer
+per iteration. When ``torch.distributed`` is initialised the flag is first all-reduced (MAX, one fp32
+element) over ``group``, so every rank skips or steps together; this costs one tiny collective.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import math
+import struct
+import warnings
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal, overload
+
+import torch
+import torch.distributed as dist
+
+from mixprec._validate import check_choice, check_fraction, check_positive_float, check_positive_int
+from mixprec.comm.agree import agree_any
+
+__all__ = ["DynamicLossScaler", "LossScaleFloorError", "LossScaler", "StaticLossScaler"]
+
+OnMinScale = Literal["raise", "warn", "ignore"]
+
+
+class LossScaleFloorError(RuntimeError):
+    """Raised when a dynamic scaler keeps overflowing at its ``min_scale`` floor."""
+
+
+class _Stage(enum.Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+@dataclass
+class _OptimizerState:
+    stage: _Stage = _Stage.READY
+    found_inf: torch.Tensor | None = None  # 1-element fp32, already agreed across ranks
+    found_inf_host: bool | None = None
+
+
+def _round_to_fp32(x: float) -> float:
+    """Round a Python float (fp64) to the nearest fp32 value, overflowing to +-inf like a C cast."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+class LossScaler(abc.ABC):
+    """Shared machinery of the static and dynamic scalers; use one of those.
+
+    Subclasses implement ``_apply_rule(found_inf)``, which changes ``self._scale`` after an iteration.
+    """
+
+    def __init__(self, init_scale: float, *, enabled: bool = True, group: dist.ProcessGroup | None = None):
+        self._scale = _round_to_fp32(check_positive_float("init_scale", init_scale))
+        if not math.isfinite(self._scale):
+            raise ValueError(f"init_scale must be representable in fp32 (<= 3.4e38); got {init_scale!r}")
+        self._enabled = bool(enabled)
+        self._group = group
+        self._per_optimizer: dict[int, _OptimizerState] = defaultdict(_OptimizerState)
+        self.steps_taken = 0
+        self.steps_skipped = 0
+        self.last_found_inf: bool | None = None
+
+    # ------------------------------------------------------------------ queries
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def get_scale(self) -> float:
+        """The current loss scale (a float exactly representable in fp32); 1.0 when disabled."""
+        return self._scale if self._enabled else 1.0
+
+    # ------------------------------------------------------------------ verbs
+    @overload
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def scale(self, outputs: Iterable[torch.Tensor]) -> Any: ...
+
+    def scale(self, outputs: Any) -> Any:
+        """Multiply a loss (or a list/tuple of losses) by the scale. The result keeps the input's dtype."""
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            return outputs * self._scale
+        if isinstance(outputs, list | tuple):
+            return type(outputs)(self.scale(o) for o in outputs)
+        raise TypeError(f"outputs must be a tensor or a list/tuple of tensors; got {type(outputs).__name__}")
+
+    def unscale_(self, optimizer: Any) -> None:
+        """Divide the gradients of ``optimizer``'s parameters by the scale, in place, and record overflow.
+
+        Call at most once per optimizer between ``update()`` calls, and only before ``step()``. Uses
+        torch's fused non-finite-check-and-unscale kernel; the reciprocal is taken in fp64, rounded to
+        fp32. fp16 gradients are refused (unscaling them in place would flush the small values loss
+        scaling exists to protect): keep fp32 master gradients with
+        :class:`mixprec.MasterWeightOptimizer`. The overflow flag is agreed across ``group``.
+        """
+        if not self._enabled:
+            return
+        state = self._per_optimizer[id(optimizer)]
+        if state.stage is _Stage.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if state.stage is _Stage.STEPPED:
+            raise RuntimeError("unscale_() is being called after step(); call update() to start a new iteration.")
+        prepare = getattr(optimizer, "mixprec_prepare_grads_", None)
+        if callable(prepare):
+            prepare()
+        state.found_inf = self._unscale_grads(optimizer)
+        state.found_inf_host = None
+        state.stage = _Stage.UNSCALED
+
+    def _unscale_grads(self, optimizer: Any) -> torch.Tensor:
+        by_device_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if g.dtype == torch.float16:
+                    raise ValueError(
+                        "unscale_() refuses fp16 gradients: unscaling them in place flushes small values to "
+                        "zero. Keep fp32 master weights (mixprec.MasterWeightOptimizer) and give their "
+                        "optimizer to the scaler."
+                    )
+                if g.is_sparse:
+                    if g.dtype is not torch.float32 or not g.is_coalesced():
+                        p.grad = g = g.coalesce()
+                    g = g._values()
+                by_device_dtype[(g.device, g.dtype)].append(g)
+        inv_scale_64 = 1.0 / self._scale
+        found: torch.Tensor | None = None
+        for (device, _dtype), grads in by_device_dtype.items():
+            found_dev = torch.zeros(1, dtype=torch.float32, device=device)
+            inv = torch.full((1,), inv_scale_64, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_dev, inv)
+            found = found_dev if found is None else found + found_dev.to(found.device)
+        if found is None:  # an optimizer with no gradients cannot overflow
+            found = torch.zeros(1, dtype=torch.float32)
+        return found
+
+    def has_overflow(self, optimizer: Any) -> bool:
+        """Whether this iteration's gradients for ``optimizer`` held inf/NaN on any rank of ``group``.
+
+        Unscales first if that has not happened yet. One host sync (and one all-reduce when distributed)
+        the first time it is asked per iteration.
+        """
+        if not self._enabled:
+            return False
+        state = self._per_optimizer[id(optimizer)]
+        if state.stage is _Stage.READY:
+            self.unscale_(optimizer)
+        if state.found_inf_host is None:
+            state.found_inf_host = agree_any(self._recorded_flag(state), self._group)
+        return state.found_inf_host
+
+    @staticmethod
+    def _recorded_flag(state: _OptimizerState) -> torch.Tensor:
+        if state.found_inf is None:
+            raise RuntimeError("internal error: no overflow flag recorded for an unscaled optimizer")
+        return state.found_inf
+
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """Unscale if needed, then call ``optimizer.step(*args, **kwargs)`` unless any rank overflowed.
+
+        Returns what ``optimizer.step`` returned, or None when the step was skipped.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not supported with loss scaling (the closure would be unscaled).")
+        state = self._per_optimizer[id(optimizer)]
+        if state.stage is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        overflow = self.has_overflow(optimizer)
+        state.stage = _Stage.STEPPED
+        if overflow:
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def update(self, found_inf: bool | torch.Tensor | None = None) -> None:
+        """End the iteration: feed this iteration's overflow into the scaling rule and reset per-step state.
+
+        Args:
+            found_inf: None to use what ``unscale_``/``step`` recorded (any optimizer overflowed), or a
+                bool (or a tensor, non-zero meaning overflow) for users who check gradients themselves.
+                Either way the flag is agreed across ``group`` before it is used.
+        """
+        if not self._enabled:
+            return
+        if found_inf is None:
+            states = list(self._per_optimizer.values())
+            if not states:
+                raise RuntimeError(
+                    "update() found no overflow checks for this iteration: call unscale_() or step() first, "
+                    "or pass found_inf=True/False."
+                )
+            overflow = False
+            for st in states:
+                if st.found_inf_host is None:
+                    st.found_inf_host = agree_any(self._recorded_flag(st), self._group)
+                overflow = overflow or st.found_inf_host
+        elif isinstance(found_inf, bool | torch.Tensor):
+            overflow = agree_any(found_inf, self._group)
+        else:
+            raise TypeError(f"found_inf must be None, a bool or a tensor; got {type(found_inf).__name__}")
+        self.last_found_inf = overflow
+        if overflow:
+            self.steps_skipped += 1
+        else:
+            self.steps_taken += 1
+        self._per_optimizer.clear()
+        self._apply_rule(overflow)
+
+    @abc.abstractmethod
+    def _apply_rule(self, found_inf: bool) -> None:
+        """Change the scale after an iteration whose (agreed) overflow flag is ``found_inf``."""
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Plain Python scalars; includes GradScaler's keys (``scale``, ``_growth_tracker``, ...)."""
+        if not self._enabled:
+            return {}
+        return {
+            "scale": self._scale,
+            "steps_taken": self.steps_taken,
+            "steps_skipped": self.steps_skipped,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self._enabled:
+            return
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict; got {type(state_dict).__name__}")
+        if len(state_dict) == 0:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled scaler.")
+        if "scale" not in state_dict:
+            raise KeyError("state_dict has no 'scale' entry; was it saved by a loss scaler?")
+        scale = _round_to_fp32(check_positive_float("state_dict['scale']", state_dict["scale"]))
+        self._scale = scale
+        self.steps_taken = int(state_dict.get("steps_taken", 0))
+        self.steps_skipped = int(state_dict.get("steps_skipped", 0))
+        self._per_optimizer.clear()
+
+
+class StaticLossScaler(LossScaler):
+    """A fixed loss scale. Overflowing steps are still detected (and agreed across ranks) and skipped.
+
+    Args:
+        scale: the loss multiplier, > 0; rounded to fp32. ``StaticLossScaler(1.0)`` is a pure inf/NaN guard.
+        enabled: False makes every method a pass-through (as GradScaler's ``enabled``).
+        group: process group over which overflow is agreed; None = the default group when distributed.
+    """
+
+    def __init__(self, scale: float, *, enabled: bool = True, group: dist.ProcessGroup | None = None):
+        super().__init__(scale, enabled=enabled, group=group)
+
+    def _apply_rule(self, found_inf: bool) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"StaticLossScaler(scale={self._scale!r})"
+
+
+class DynamicLossScaler(LossScaler):
+    """Dynamic loss scaling with hysteresis, a floor and a ceiling (torch GradScaler / Megatron / DeepSpeed).
+
+    Rule, applied by ``update()`` once per iteration:
+
+    * overflow: the growth counter resets and one unit of hysteresis is spent; once hysteresis is spent
+      (``<= 0``) the scale is multiplied by ``backoff_factor`` (clamped at ``min_scale``) on this and every
+      further overflow until a growth refills it. An overflow while already at the floor counts towards
+      ``min_patience``; after that many consecutive ones ``on_min_scale`` decides.
+    * clean step: the growth counter increments; when it reaches ``growth_interval`` the scale is
+      multiplied by ``growth_factor`` (clamped at ``max_scale``; a result that would overflow fp32 is
+      not taken) and hysteresis refills. With ``consecutive_hysteresis=True`` every clean step refills
+      hysteresis (DeepSpeed), so only ``hysteresis`` overflows in a row back off.
+
+    With ``hysteresis=1``, ``min_scale=None`` and ``max_scale=None`` the trajectory equals
+    ``torch.amp.GradScaler``'s for the same overflow sequence.
+
+    Args:
+        init_scale: starting scale, > 0 (default 2**16), within [min_scale, max_scale].
+        growth_factor: multiplier on growth, > 1.
+        backoff_factor: multiplier on backoff, in (0, 1).
+        growth_interval: clean iterations between growths, int >= 1.
+        hysteresis: overflows tolerated before backing off, int >= 1 (1 = back off at once).
+        consecutive_hysteresis: refill hysteresis on every clean step (only consecutive overflows count).
+        min_scale: floor, > 0, or None for no floor (default 1.0: below 1 loss scaling shrinks gradients).
+        max_scale: ceiling, or None for none (default 2**24).
+        on_min_scale: ``"raise"`` (LossScaleFloorError), ``"warn"`` (RuntimeWarning) or ``"ignore"``: what
+            happens after ``min_patience`` consecutive overflows at the floor.
+        min_patience: consecutive overflows at the floor before ``on_min_scale`` acts, int >= 1.
+        enabled: False makes every method a pass-through.
+        group: process group over which overflow is agreed; None = the default group when distributed.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
+        min_scale: float | None = 1.0,
+        max_scale: float | None = 2.0**24,
+        on_min_scale: OnMinScale = "raise",
+        group: dist.ProcessGroup | None = None,
+        *,
+        min_patience: int = 10,
+        enabled: bool = True,
+    ):
+        super().__init__(init_scale, enabled=enabled, group=group)
+        self.growth_factor = check_positive_float("growth_factor", growth_factor)
+        if self.growth_factor <= 1.0:
+            raise ValueError(f"growth_factor must be > 1; got {growth_factor!r}")
+        self.backoff_factor = check_fraction("backoff_factor", backoff_factor)
+        self.growth_interval = check_positive_int("growth_interval", growth_interval)
+        self.hysteresis = check_positive_int("hysteresis", hysteresis)
+        if not isinstance(consecutive_hysteresis, bool):
+            raise TypeError(f"consecutive_hysteresis must be a bool; got {consecutive_hysteresis!r}")
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.min_scale = None if min_scale is None else check_positive_float("min_scale", min_scale)
+        self.max_scale = None if max_scale is None else check_positive_float("max_scale", max_scale)
+        if self.min_scale is not None and self.max_scale is not None and self.max_scale < self.min_scale:
+            raise ValueError(f"max_scale ({max_scale}) must be >= min_scale ({min_scale})")
+        if self.min_scale is not None and self._scale < self.min_scale:
+            raise ValueError(f"init_scale ({init_scale}) must be >= min_scale ({min_scale})")
+        if self.max_scale is not None and self._scale > self.max_scale:
+            raise ValueError(f"init_scale ({init_scale}) must be <= max_scale ({max_scale})")
+        self.on_min_scale: OnMinScale = check_choice("on_min_scale", on_min_scale, ("raise", "warn", "ignore"))
+        self.min_patience = check_positive_int("min_patience", min_patience)
+        self._growth_tracker = 0
+        self._hysteresis_left = self.hysteresis
+        self.overflows_at_floor = 0  # consecutive, reset by a clean step
+        self.total_overflows_at_floor = 0
+
+    def _apply_rule(self, found_inf: bool) -> None:
+        if found_inf:
+            self._growth_tracker = 0
+            if self.min_scale is not None and self._scale <= self.min_scale:
+                self.overflows_at_floor += 1
+                self.total_overflows_at_floor += 1
+            self._hysteresis_left -= 1
+            if self._hysteresis_left <= 0:
+                new_scale = _round_to_fp32(self._scale * self.backoff_factor)
+                if self.min_scale is not None:
+                    new_scale = max(new_scale, self.min_scale)
+                self._scale = new_scale
+            if self.overflows_at_floor and self.overflows_at_floor % self.min_patience == 0:
+                self._stuck_at_floor()
+            return
+        self.overflows_at_floor = 0
+        self._growth_tracker += 1
+        if self.consecutive_hysteresis:
+            self._hysteresis_left = self.hysteresis
+        if self._growth_tracker == self.growth_interval:
+            self._growth_tracker = 0
+            self._hysteresis_left = self.hysteresis
+            new_scale = _round_to_fp32(self._scale * self.growth_factor)
+            if math.isfinite(new_scale):
+                if self.max_scale is not None:
+                    new_scale = min(new_scale, self.max_scale)
+                self._scale = new_scale
+
+    def _stuck_at_floor(self) -> None:
+        msg = (
+            f"loss scale is stuck at its floor min_scale={self.min_scale}: {self.overflows_at_floor} "
+            f"consecutive iterations overflowed there (min_patience={self.min_patience}). The gradients are "
+            "inf/NaN even unscaled: look for a diverged loss, a too-high learning rate, or an fp16 "
+            "activation overflow; or lower min_scale."
+        )
+        if self.on_min_scale == "raise":
+            raise LossScaleFloorError(msg)
+        if self.on_min_scale == "warn":
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain scalars. A superset of ``torch.amp.GradScaler.state_dict()``, which can load it (and vice versa)."""
+        if not self._enabled:
+            return {}
+        sd = super().state_dict()
+        sd.update(
+            growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor,
+            growth_interval=self.growth_interval,
+            _growth_tracker=self._growth_tracker,
+            hysteresis=self.hysteresis,
+            hysteresis_left=self._hysteresis_left,
+            consecutive_hysteresis=self.consecutive_hysteresis,
+            min_scale=self.min_scale,
+            max_scale=self.max_scale,
+            overflows_at_floor=self.overflows_at_floor,
+            total_overflows_at_floor=self.total_overflows_at_floor,
+        )
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by this class or by ``torch.amp.GradScaler`` (its keys only: the rest resets).
+
+        As with GradScaler, the saved factors and interval replace the constructor's.
+        """
+        if not self._enabled:
+            return
+        super().load_state_dict(state_dict)
+        self.growth_factor = float(state_dict.get("growth_factor", self.growth_factor))
+        self.backoff_factor = float(state_dict.get("backoff_factor", self.backoff_factor))
+        self.growth_interval = int(state_dict.get("growth_interval", self.growth_interval))
+        self._growth_tracker = int(state_dict.get("_growth_tracker", 0))
+        self.hysteresis = int(state_dict.get("hysteresis", self.hysteresis))
+        self._hysteresis_left = int(state_dict.get("hysteresis_left", self.hysteresis))
+        self.consecutive_hysteresis = bool(state_dict.get("consecutive_hysteresis", self.consecutive_hysteresis))
+        if "min_scale" in state_dict:
+            self.min_scale = state_dict["min_scale"]
+        if "max_scale" in state_dict:
+            self.max_scale = state_dict["max_scale"]
+        self.overflows_at_floor = int(state_dict.get("overflows_at_floor", 0))
+        self.total_overflows_at_floor = int(state_dict.get("total_overflows_at_floor", 0))
+
+    def __repr__(self) -> str:
+        return (
+            f"DynamicLossScaler(scale={self._scale!r}, growth_factor={self.growth_factor}, "
+            f"backoff_factor={self.backoff_factor}, growth_interval={self.growth_interval}, "
+            f"hysteresis={self.hysteresis}, min_scale={self.min_scale}, max_scale={self.max_scale})"
+        )

@@ -1,0 +1,147 @@
+"""One call per optimizer step: gradient accumulation over microbatches with loss scaling (after NNabla's
+``DynamicLossScalingUpdater``, seed 004), with a bounded retry instead of its unbounded recursion.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mixprec._validate import check_positive_float, check_positive_int
+from mixprec.scaling.master import clip_grad_norm_, grad_norm
+from mixprec.scaling.scaler import LossScaler, StaticLossScaler
+
+__all__ = ["UpdateResult", "Updater"]
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """What one :meth:`Updater.step` did.
+
+    Attributes:
+        loss: mean unscaled loss over the microbatches of the last attempt (fp64 Python float).
+        skipped: True when the last attempt overflowed and no optimizer step was taken.
+        scale: the loss scale the last attempt used.
+        grad_norm: global gradient norm after unscaling, before clipping (fp32 accumulation);
+            None when the step was skipped.
+        retries: how many extra attempts were made at a smaller scale (0 when the first one was clean).
+    """
+
+    loss: float
+    skipped: bool
+    scale: float
+    grad_norm: float | None
+    retries: int
+
+
+class Updater:
+    """Zero-grad, accumulate over microbatches, reduce, check overflow, then skip or unscale/clip/decay/step.
+
+    Each microbatch's loss is divided by ``num_microbatches`` and multiplied by the loss scale before its
+    backward, so the accumulated gradient is the mean over the whole batch (seed 002's
+    ``loss'/num_microbatches * loss_scale``). When ``model`` has ``no_sync()`` (torch DDP, mixprec's
+    DistributedDataParallel) every microbatch but the last runs under it, so gradients are reduced once.
+
+    Args:
+        model: the module (its parameters get gradients).
+        optimizer: a torch optimizer or :class:`MasterWeightOptimizer`.
+        loss_fn: ``loss_fn(model, microbatch) -> scalar loss tensor`` (the mean over the microbatch).
+        scaler: a loss scaler; default ``StaticLossScaler(1.0)``, which still detects inf/NaN and skips.
+        num_microbatches: microbatches per step, int >= 1; ``step`` checks it gets that many.
+        grad_reduce: ``grad_reduce(params)`` called once after the last backward and before the overflow
+            check, to reduce ``.grad`` in place (e.g. an all-reduce); None when the model reduces itself.
+        clip_grad_norm: clip the global norm (fp32) to this value after unscaling; None or 0 disables.
+        weight_decay: L2 coefficient added to the gradient (``grad += weight_decay * param``) after
+            clipping, as in seed 004; 0 disables. Prefer the optimizer's own decoupled decay (AdamW).
+        max_retries: on overflow, redo the same microbatches at the backed-off scale up to this many times
+            (0 = just skip, as GradScaler does). Only useful with a dynamic scaler.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+        *,
+        scaler: LossScaler | None = None,
+        num_microbatches: int = 1,
+        grad_reduce: Callable[[list[torch.Tensor]], None] | None = None,
+        clip_grad_norm: float | None = None,
+        weight_decay: float = 0.0,
+        max_retries: int = 0,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+        if not callable(loss_fn):
+            raise TypeError("loss_fn must be callable as loss_fn(model, microbatch)")
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.scaler = scaler if scaler is not None else StaticLossScaler(1.0)
+        self.num_microbatches = check_positive_int("num_microbatches", num_microbatches)
+        self.grad_reduce = grad_reduce
+        self.clip_grad_norm = None if not clip_grad_norm else check_positive_float("clip_grad_norm", clip_grad_norm)
+        self.weight_decay = check_positive_float("weight_decay", weight_decay, allow_zero=True)
+        self.max_retries = check_positive_int("max_retries", max_retries, minimum=0)
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def step(self, microbatches: Sequence[Any]) -> UpdateResult:
+        """Run one optimizer step over ``microbatches`` (exactly ``num_microbatches`` of them)."""
+        if len(microbatches) != self.num_microbatches:
+            raise ValueError(
+                f"microbatches holds {len(microbatches)} items; num_microbatches is {self.num_microbatches}"
+            )
+        retries = 0
+        while True:
+            scale = self.scaler.get_scale()
+            loss = self._forward_backward(microbatches)
+            if self.grad_reduce is not None:
+                self.grad_reduce([p.grad for p in self.model.parameters() if p.grad is not None])
+            self.scaler.unscale_(self.optimizer)
+            if self.scaler.has_overflow(self.optimizer):
+                self.scaler.update()
+                if retries < self.max_retries:
+                    retries += 1
+                    continue
+                return UpdateResult(loss=loss, skipped=True, scale=scale, grad_norm=None, retries=retries)
+            norm = self._clip_and_decay()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            return UpdateResult(loss=loss, skipped=False, scale=scale, grad_norm=norm, retries=retries)
+
+    def _forward_backward(self, microbatches: Sequence[Any]) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        no_sync = getattr(self.model, "no_sync", None)
+        total = 0.0
+        n = self.num_microbatches
+        for i, mb in enumerate(microbatches):
+            ctx = no_sync() if (callable(no_sync) and i < n - 1) else contextlib.nullcontext()
+            with ctx:
+                loss = self.loss_fn(self.model, mb)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise TypeError("loss_fn must return a scalar (one-element) tensor")
+                self.scaler.scale(loss.float() / n).backward()
+            total += float(loss.detach())
+        return total / n
+
+    @torch.no_grad()
+    def _clip_and_decay(self) -> float:
+        prepare = getattr(self.optimizer, "mixprec_prepare_grads_", None)
+        if callable(prepare):
+            prepare()
+        params = [p for p in self._params() if p.grad is not None]
+        if self.clip_grad_norm is not None:
+            norm = float(clip_grad_norm_(params, self.clip_grad_norm))
+        else:
+            norm = float(grad_norm(params))
+        if self.weight_decay:
+            for p in params:
+                p.grad.add_(p, alpha=self.weight_decay)
+        return norm if math.isfinite(norm) else math.nan

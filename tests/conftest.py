@@ -1,0 +1,19 @@
+"""Shared fixtures. Multi-process tests use ``dist_run`` (fork + gloo, see mixprec.testing)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mixprec.testing import run_distributed
+
+# Tests run on a 2-core CI machine; more intra-op threads only add contention with forked ranks.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def dist_run():
+    """``dist_run(fn, world_size, *args, timeout=120, **kwargs) -> [result per rank]``."""
+    return run_distributed
