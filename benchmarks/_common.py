@@ -25,7 +25,7 @@ def cpu_model() -> str:
 
 def machine_header(title: str) -> str:
     """Markdown lines: date (UTC), machine, torch version, load average and the exact command."""
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     cmd = " ".join(["python", *sys.argv])
     return "\n".join(

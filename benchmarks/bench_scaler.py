@@ -9,10 +9,11 @@ only the scaler's own work is measured) + ``update``, on the same fp32 gradients
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
-from _common import machine_header, markdown_table, time_it
 
+from _common import machine_header, markdown_table, time_it
 from mixprec import DynamicLossScaler
 
 
@@ -54,8 +55,8 @@ def main() -> None:
         # growth_interval large, no overflow: both scalers do the same unscale work every iteration
         ours = DynamicLossScaler(init_scale=2.0**16, growth_interval=10**9)
         theirs = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=10**9)
-        t_ours = time_it(lambda: _one_iteration(ours, opt, grads), repeat=repeat)
-        t_theirs = time_it(lambda: _one_iteration(theirs, opt, grads), repeat=repeat)
+        t_ours = time_it(functools.partial(_one_iteration, ours, opt, grads), repeat=repeat)
+        t_theirs = time_it(functools.partial(_one_iteration, theirs, opt, grads), repeat=repeat)
         numel = sum(g.numel() for g in grads)
         rows.append([name, numel, t_theirs * 1e3, t_ours * 1e3, t_ours / t_theirs])
     print(machine_header("Loss-scaler per-step overhead (unscale_ + overflow check + update)"))
