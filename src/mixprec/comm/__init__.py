@@ -1,5 +1,24 @@
 """Collectives with low-precision wire formats and fp32 accumulation."""
 
 from mixprec.comm.agree import agree_any, collective_device, is_distributed
+from mixprec.comm.fp32_accumulate import (
+    DEFAULT_STOCHASTIC_SEED,
+    PendingReduction,
+    all_reduce_fp32_accumulate,
+    reduce_scatter_fp32_accumulate,
+)
+from mixprec.comm.memory import measure_peak_allocated
+from mixprec.comm.rounding import round_into_, stochastic_round
 
-__all__ = ["agree_any", "collective_device", "is_distributed"]
+__all__ = [
+    "DEFAULT_STOCHASTIC_SEED",
+    "PendingReduction",
+    "agree_any",
+    "all_reduce_fp32_accumulate",
+    "collective_device",
+    "is_distributed",
+    "measure_peak_allocated",
+    "reduce_scatter_fp32_accumulate",
+    "round_into_",
+    "stochastic_round",
+]
