@@ -51,9 +51,9 @@ def _stochastic_block(out: torch.Tensor, x: torch.Tensor, generator: torch.Gener
     frac = y - lo  # exact, in [0, 1)
     u = torch.rand(x64.shape, generator=generator, dtype=torch.float64, device=x64.device)
     lo.add_((u < frac).to(torch.float64)).mul_(ulp)
-    # inf/NaN: frac is NaN for them, so the comparison is False and lo is +-inf or NaN already; keep x
-    # explicitly anyway so the rule does not depend on that detail.
-    result = torch.where(torch.isfinite(x64), lo, x64)
+    # copysign: a negative value that rounds to zero gives -0.0, as the nearest cast does (floor + 1
+    # would give +0.0). inf/NaN: frac is NaN for them, so nothing is added; keep x explicitly anyway.
+    result = torch.where(torch.isfinite(x64), torch.copysign(lo, x64), x64)
     out.copy_(result)
 
 

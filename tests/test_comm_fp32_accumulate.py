@@ -1,0 +1,302 @@
+"""reduce_scatter_fp32_accumulate / all_reduce_fp32_accumulate on gloo ranks, against a reference written
+here: every rank regenerates every rank's input from its seed and sums them in numpy float32, in rank
+order, then rounds once with torch's cast. Bit-for-bit, not approximately."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from mixprec.comm import (
+    _compat,
+    all_reduce_fp32_accumulate,
+    measure_peak_allocated,
+    reduce_scatter_fp32_accumulate,
+)
+
+WORLD_SIZES = [2, 3, 4]
+WIRE = [torch.bfloat16, torch.float16]
+# Odd on purpose (not a multiple of the 2**16 summation block, nor of 128): 70_001 crosses a block boundary.
+SHARD = 70_001
+
+
+def rank_input(rank: int, numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Gradients-like values over several binades, so that low-precision sums round often."""
+    gen = torch.Generator().manual_seed(1000 * seed + rank)
+    x = torch.randn(numel, generator=gen) * torch.exp(torch.randn(numel, generator=gen))
+    return x.to(dtype)
+
+
+def reference_sum(inputs: list[torch.Tensor], *, average: bool) -> np.ndarray:
+    """fp32 sum in rank order (numpy float32: one IEEE rounding per addition), fp32 division if averaging."""
+    acc = np.zeros(inputs[0].numel(), dtype=np.float32)
+    for x in inputs:
+        acc = acc + x.float().numpy()
+    if average:
+        acc = acc / np.float32(len(inputs))
+    return acc
+
+
+def _reduce_scatter_case(
+    rank: int, world_size: int, dtype: torch.dtype, average: bool, out_dtype: torch.dtype
+) -> dict[str, object]:
+    numel = SHARD * world_size
+    inputs = [rank_input(r, numel, dtype) for r in range(world_size)]
+    mine = inputs[rank].clone()
+    out = torch.full((SHARD,), 7.0, dtype=out_dtype)
+    reduce_scatter_fp32_accumulate(out, mine, average=average)
+    ref32 = reference_sum(inputs, average=average)[rank * SHARD : (rank + 1) * SHARD]
+    expected = torch.from_numpy(ref32).to(out_dtype)
+    result: dict[str, object] = {
+        "bitwise_equal": torch.equal(out, expected),
+        "input_untouched": torch.equal(mine, inputs[rank]),
+    }
+    if out_dtype == dtype and not average:
+        native = torch.empty(SHARD, dtype=dtype)
+        _compat.reduce_scatter_flat(native, inputs[rank].clone(), None)
+        result["native_differs"] = int((native != expected).sum())
+    return result
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("dtype", WIRE)
+def test_reduce_scatter_is_the_fp32_sum_rounded_once(dist_run, world_size: int, dtype: torch.dtype) -> None:
+    results = dist_run(_reduce_scatter_case, world_size, dtype, False, dtype, timeout=120)
+    assert all(r["bitwise_equal"] for r in results)
+    assert all(r["input_untouched"] for r in results)
+    differing = sum(r["native_differs"] for r in results)
+    if world_size == 2:
+        # One addition of two fp16/bf16 numbers, correctly rounded by gloo too: the same bits.
+        assert differing == 0
+    else:
+        # gloo rounds its running sum at every step: on random data some elements must differ
+        # (measured here: 22% of them at 3 ranks, 32% at 4).
+        assert differing > 0.01 * SHARD * world_size
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_average_and_fp32_output(dist_run, world_size: int) -> None:
+    for out_dtype in (torch.bfloat16, torch.float32):
+        results = dist_run(_reduce_scatter_case, world_size, torch.bfloat16, True, out_dtype, timeout=120)
+        assert all(r["bitwise_equal"] for r in results), out_dtype
+
+
+def test_fp32_inputs(dist_run) -> None:
+    results = dist_run(_reduce_scatter_case, 3, torch.float32, False, torch.float32, timeout=120)
+    assert all(r["bitwise_equal"] for r in results)
+
+
+def _fp16_average_does_not_overflow(rank: int, world_size: int) -> tuple[list[float], list[float]]:
+    # Every rank holds 40000: the sum (160000 at 4 ranks) overflows fp16, the mean does not.
+    x = torch.full((4 * world_size,), 40000.0, dtype=torch.float16)
+    out = torch.empty(4, dtype=torch.float16)
+    reduce_scatter_fp32_accumulate(out, x, average=True)
+    native = x.clone()
+    dist.all_reduce(native, op=dist.ReduceOp.AVG)  # gloo: fp16 sum, then divide
+    return out.tolist(), native.tolist()
+
+
+def test_fp16_average_is_taken_in_fp32(dist_run) -> None:
+    for ours, native in dist_run(_fp16_average_does_not_overflow, 4, timeout=60):
+        assert ours == [40000.0] * 4
+        assert all(math.isinf(v) for v in native)  # the failure mode this avoids
+
+
+def _async_case(rank: int, world_size: int) -> dict[str, object]:
+    numel = 4096 * world_size
+    inputs = [rank_input(r, numel, torch.bfloat16, seed=1) for r in range(world_size)]
+    out = torch.full((4096,), 7.0, dtype=torch.bfloat16)
+    scratch = torch.empty(numel, dtype=torch.bfloat16)
+    handle = reduce_scatter_fp32_accumulate(out, inputs[rank].clone(), async_op=True, scratch=scratch)
+    # The sum happens inside wait(): until then the output is untouched, whatever the transfer did.
+    before = bool((out == 7.0).all()) and not handle.is_completed()
+    handle.wait()
+    handle.wait()  # idempotent
+    expected = torch.from_numpy(reference_sum(inputs, average=False)[rank * 4096 : (rank + 1) * 4096])
+    tensor = inputs[rank].clone()
+    ar = all_reduce_fp32_accumulate(tensor, average=True, async_op=True)
+    ar.wait()
+    return {
+        "before": before,
+        "rs_equal": torch.equal(out, expected.to(torch.bfloat16)),
+        "ar": tensor,
+        "ar_expected": torch.from_numpy(reference_sum(inputs, average=True)).to(torch.bfloat16),
+    }
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_async_handles_and_all_reduce(dist_run, world_size: int) -> None:
+    results = dist_run(_async_case, world_size, timeout=120)
+    for r in results:
+        assert r["before"]
+        assert r["rs_equal"]
+        assert torch.equal(r["ar"], r["ar_expected"])
+    # All ranks hold identical bits after the all-reduce.
+    assert all(torch.equal(r["ar"], results[0]["ar"]) for r in results)
+
+
+def _all_reduce_sync_no_warnings(rank: int, world_size: int) -> dict[str, object]:
+    numel = 384 * world_size
+    inputs = [rank_input(r, numel, torch.float16, seed=2) for r in range(world_size)]
+    tensor = inputs[rank].clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        all_reduce_fp32_accumulate(tensor)
+    expected = torch.from_numpy(reference_sum(inputs, average=False)).to(torch.float16)
+    return {"equal": torch.equal(tensor, expected), "warnings": [str(w.message) for w in caught]}
+
+
+def test_all_reduce_uses_the_non_deprecated_names(dist_run) -> None:
+    for r in dist_run(_all_reduce_sync_no_warnings, 3, timeout=60):
+        assert r["equal"]
+        assert r["warnings"] == []  # no FutureWarning from all_gather_into_tensor on torch >= 2.13
+
+
+def test_compat_falls_back_to_the_old_names(monkeypatch) -> None:
+    import importlib
+
+    monkeypatch.delattr(dist, "all_gather_single", raising=False)
+    monkeypatch.delattr(dist, "reduce_scatter_single", raising=False)
+    try:
+        reloaded = importlib.reload(_compat)
+        assert reloaded._ALL_GATHER is dist.all_gather_into_tensor
+        assert reloaded._REDUCE_SCATTER is dist.reduce_scatter_tensor
+    finally:
+        monkeypatch.undo()
+        importlib.reload(_compat)
+    assert _compat._ALL_GATHER is dist.all_gather_single
+
+
+def _stochastic_case(rank: int, world_size: int, draws: int) -> dict[str, torch.Tensor]:
+    numel = 2048 * world_size
+    inputs = [rank_input(r, numel, torch.bfloat16, seed=3) for r in range(world_size)]
+    exact = torch.from_numpy(reference_sum(inputs, average=False)[rank * 2048 : (rank + 1) * 2048])
+    gen = torch.Generator().manual_seed(100 + rank)
+    out = torch.empty(2048, dtype=torch.bfloat16)
+    total_up = torch.zeros(2048, dtype=torch.float64)
+    outcomes = []
+    for _ in range(draws):
+        reduce_scatter_fp32_accumulate(out, inputs[rank], rounding="stochastic", generator=gen)
+        outcomes.append(out.clone())
+        total_up += out.double()
+    return {"exact": exact, "outcomes": torch.stack(outcomes), "mean": total_up / draws}
+
+
+def test_stochastic_rounding_is_unbiased(dist_run) -> None:
+    """Each element is one of the two bf16 neighbours of the fp32 sum s, with mean s. Over K draws the
+    mean's error, in ulps, has standard deviation at most 1/(2 sqrt K); summed over M elements the
+    z-score sum / (sqrt(M) / (2 sqrt K)) exceeds 5 by chance with probability < 1e-6."""
+    draws = 64
+    for r in dist_run(_stochastic_case, 3, draws, timeout=120):
+        exact, outcomes = r["exact"], r["outcomes"]
+        nearest = exact.to(torch.bfloat16)
+        lo = torch.where(
+            nearest.float().abs() > exact.abs(), torch.nextafter(nearest, torch.zeros_like(nearest)), nearest
+        )
+        away = torch.where(exact < 0, -math.inf, math.inf).to(torch.bfloat16)
+        hi = torch.where(lo.float() == exact, lo, torch.nextafter(lo, away))
+        assert bool(((outcomes == lo) | (outcomes == hi)).all())
+        ulp = (hi.double() - lo.double()).abs()
+        varying = ulp > 0
+        err_ulps = ((r["mean"] - exact.double()) / ulp)[varying]
+        z = float(err_ulps.sum()) / (math.sqrt(err_ulps.numel()) / (2 * math.sqrt(draws)))
+        assert abs(z) < 5, f"z = {z:.2f}"
+        # And it does vary: not a deterministic rounding in disguise.
+        assert bool((outcomes != outcomes[0]).any())
+
+
+def _memory_case(rank: int, world_size: int, numel: int) -> dict[str, int]:
+    x = rank_input(rank, numel, torch.bfloat16, seed=4)
+    shard = numel // world_size
+    out = torch.empty(shard, dtype=torch.bfloat16)
+    scratch = torch.empty(numel, dtype=torch.bfloat16)
+    _, with_scratch = measure_peak_allocated(reduce_scatter_fp32_accumulate, out, x, scratch=scratch)
+    _, without_scratch = measure_peak_allocated(reduce_scatter_fp32_accumulate, out, x)
+    out32 = torch.empty(shard, dtype=torch.float32)
+    _, fp32_out = measure_peak_allocated(reduce_scatter_fp32_accumulate, out32, x, scratch=scratch)
+
+    def cast_then_reduce() -> None:
+        # What a user does without mixprec: an fp32 copy of the whole input, then fp32 reduce-scatter.
+        out_f = torch.empty(shard, dtype=torch.float32)
+        _compat.reduce_scatter_flat(out_f, x.float(), None)
+        out.copy_(out_f)
+
+    _, cast = measure_peak_allocated(cast_then_reduce)
+    return {"with": with_scratch, "without": without_scratch, "fp32_out": fp32_out, "cast": cast}
+
+
+def test_extra_memory_is_one_fp32_shard_plus_scratch(dist_run) -> None:
+    """Measured from torch's allocator events (torch.profiler, profile_memory): see mixprec.comm.memory."""
+    world_size, numel = 4, 1 << 20
+    shard_fp32 = 4 * numel // world_size
+    block = 4 * (1 << 16)  # the fp32 summation block buffer
+    for r in dist_run(_memory_case, world_size, numel, timeout=120):
+        assert r["with"] <= shard_fp32 + block
+        assert r["with"] >= shard_fp32  # the probe does see the fp32 shard
+        assert r["without"] <= shard_fp32 + block + 2 * numel  # + the bf16 receive buffer
+        assert r["fp32_out"] <= block  # fp32 output: it is the accumulator, nothing else
+        # Never an fp32 copy of the input, which the cast-to-fp32 baseline does allocate.
+        assert r["without"] < 4 * numel <= r["cast"]
+
+
+def _bad_arguments(rank: int, world_size: int) -> list[str]:
+    errors: list[str] = []
+
+    def expect(exc_type: type[Exception], fn, *args, **kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+        except exc_type as exc:
+            errors.append(f"{exc_type.__name__}: {exc}")
+        else:
+            errors.append(f"no {exc_type.__name__} raised")
+
+    rs, bf16 = reduce_scatter_fp32_accumulate, torch.bfloat16
+    bf = torch.zeros(10, dtype=bf16)
+    out5 = torch.empty(5, dtype=bf16)
+    expect(ValueError, rs, out5, torch.zeros(11, dtype=bf16))
+    expect(ValueError, rs, torch.empty(4, dtype=bf16), bf)
+    expect(TypeError, rs, torch.empty(5, dtype=torch.float16), bf)
+    expect(TypeError, rs, torch.empty(5, dtype=torch.int32), torch.zeros(10, dtype=torch.int32))
+    expect(ValueError, rs, out5, torch.zeros(10, 2, dtype=bf16)[:, 0])
+    expect(ValueError, rs, torch.empty(5, dtype=torch.float32), bf, rounding="stochastic")
+    expect(ValueError, rs, out5, bf, rounding="up")
+    expect(ValueError, rs, out5, bf, scratch=torch.empty(9, dtype=bf16))
+    expect(TypeError, rs, out5, bf, scratch=torch.empty(10))
+    big = torch.zeros(30, dtype=bf16)
+    expect(ValueError, rs, big[:5], big[10:20], scratch=big[15:])
+    expect(TypeError, rs, out5, bf, average=1)
+    expect(ValueError, all_reduce_fp32_accumulate, torch.zeros(7, dtype=bf16))
+    expect(TypeError, all_reduce_fp32_accumulate, torch.zeros(8, dtype=torch.float64))
+    return errors
+
+
+def test_bad_shapes_and_dtypes_raise_clear_errors(dist_run) -> None:
+    messages = dist_run(_bad_arguments, 2, timeout=60)[0]
+    expected_fragments = [
+        "not divisible by the group size 2",
+        "output must hold input.numel() / group size = 5",
+        "output must have dtype torch.bfloat16 or torch.float32",
+        "input must have dtype",
+        "input must be contiguous",
+        "rounding='stochastic' needs a float16/bfloat16 output",
+        "rounding must be one of",
+        "scratch must hold at least input.numel() = 10",
+        "scratch must have dtype torch.bfloat16",
+        "scratch must not overlap",
+        "average must be a bool",
+        "tensor.numel() = 7 is not divisible by the group size 2",
+        "tensor must have dtype",
+    ]
+    assert len(messages) == len(expected_fragments)
+    for message, fragment in zip(messages, expected_fragments, strict=True):
+        assert fragment in message, (fragment, message)
+
+
+def test_needs_an_initialised_group() -> None:
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        reduce_scatter_fp32_accumulate(torch.empty(1), torch.zeros(2))

@@ -1,0 +1,206 @@
+"""The reducer registry and the two built-in reducers against the collectives they stand for."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from mixprec.parallel import (
+    FP32AccumulateReducer,
+    GradReducer,
+    NativeReducer,
+    bucket_multiple,
+    make_reducer,
+    register_reducer,
+    registered_reducers,
+)
+from mixprec.parallel import reducers as reducers_module
+
+
+def test_registry_names_and_errors(monkeypatch) -> None:
+    assert {"native", "fp32_accumulate"} <= set(registered_reducers())
+    assert isinstance(make_reducer("native"), NativeReducer)
+    r = make_reducer("fp32_accumulate", rounding="stochastic", seed=3)
+    assert isinstance(r, FP32AccumulateReducer) and r.rounding == "stochastic"
+    assert isinstance(r, GradReducer)
+    with pytest.raises(ValueError, match=r"unknown reducer 'nope'; registered reducers: .*fp32_accumulate.*native"):
+        make_reducer("nope")
+    with pytest.raises(TypeError, match="rejected its options"):
+        make_reducer("native", rounding="stochastic")
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        make_reducer("fp32_accumulate", rounding="up")
+    with pytest.raises(ValueError, match="already registered"):
+        register_reducer("native", FP32AccumulateReducer)
+    register_reducer("native", NativeReducer)  # the same factory again: fine
+    with pytest.raises(TypeError, match="callable"):
+        register_reducer("x", 3)  # type: ignore[arg-type]
+    monkeypatch.setitem(reducers_module._REGISTRY, "not_a_reducer", lambda: object())
+    with pytest.raises(TypeError, match="not a GradReducer"):
+        make_reducer("not_a_reducer")
+
+
+def test_uint8_names_import_the_compression_module_lazily(monkeypatch) -> None:
+    """``make_reducer("uint8")`` imports mixprec.compress, whose import registers the name."""
+    created = []
+
+    class FakeUint8:
+        def __init__(self, **options: object) -> None:
+            created.append(options)
+
+        def all_reduce(self, bucket, group, *, average, key):  # pragma: no cover - never called
+            raise AssertionError
+
+        def reduce_scatter(self, shard_out, bucket, group, *, average, key):  # pragma: no cover
+            raise AssertionError
+
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, state: dict) -> None:
+            return None
+
+    fake = types.ModuleType("mixprec.compress")
+    fake.__path__ = []  # type: ignore[attr-defined]
+
+    def import_module(name: str):
+        assert name == "mixprec.compress"
+        reducers_module._REGISTRY["uint8"] = FakeUint8
+        return fake
+
+    monkeypatch.delitem(reducers_module._REGISTRY, "uint8", raising=False)
+    monkeypatch.setattr(reducers_module.importlib, "import_module", import_module)
+    reducer = make_reducer("uint8", block=128)
+    assert isinstance(reducer, FakeUint8) and created == [{"block": 128}]
+    monkeypatch.delitem(reducers_module._REGISTRY, "uint8")
+
+    def broken_import(name: str):
+        raise ImportError("no module named mixprec.compress")
+
+    monkeypatch.setattr(reducers_module.importlib, "import_module", broken_import)
+    with pytest.raises(ValueError, match=r"provided by mixprec.compress, which could not be imported"):
+        make_reducer("uint8_hierarchical")
+
+
+def test_bucket_multiple() -> None:
+    assert bucket_multiple(1) == 128
+    assert bucket_multiple(3) == 384
+    assert bucket_multiple(4) == 128
+    assert bucket_multiple(6) == 384
+    with pytest.raises(ValueError, match="world_size"):
+        bucket_multiple(0)
+
+
+def _rank_bucket(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(rank)
+    return (torch.randn(numel, generator=gen) * torch.exp(torch.randn(numel, generator=gen))).to(dtype)
+
+
+def _reducer_case(rank: int, world_size: int, name: str) -> dict[str, object]:
+    numel = 3 * bucket_multiple(world_size)
+    shard = numel // world_size
+    buckets = [_rank_bucket(r, numel, torch.bfloat16) for r in range(world_size)]
+    fp32_sum = np.zeros(numel, dtype=np.float32)
+    for b in buckets:
+        fp32_sum = fp32_sum + b.float().numpy()
+    mean32 = torch.from_numpy(fp32_sum / np.float32(world_size))
+    reducer = make_reducer(name, max_in_flight=1) if name == "fp32_accumulate" else make_reducer(name)
+    # Several buckets in flight at once, finished out of order.
+    ar = [buckets[rank].clone() for _ in range(3)]
+    handles = [reducer.all_reduce(b, None, average=True, key=k) for k, b in enumerate(ar)]
+    for h in reversed(handles):
+        h.wait()
+    out16 = torch.empty(shard, dtype=torch.bfloat16)
+    out32 = torch.empty(shard, dtype=torch.float32)
+    reducer.reduce_scatter(out16, buckets[rank].clone(), None, average=True, key=5).wait()
+    reducer.reduce_scatter(out32, buckets[rank].clone(), None, average=False, key=6).wait()
+    native_ar = buckets[rank].clone()
+    native_ar.div_(world_size)
+    dist.all_reduce(native_ar)
+    return {
+        "ar": ar,
+        "rs16": out16,
+        "rs32": out32,
+        "mean32": mean32,
+        "sum32": torch.from_numpy(fp32_sum),
+        "native_ar": native_ar,
+        "scratch_buffers": len(getattr(reducer, "_free", [])),
+    }
+
+
+def test_fp32_accumulate_reducer_matches_the_fp32_reference(dist_run) -> None:
+    world_size = 3
+    shard = bucket_multiple(world_size)
+    results = dist_run(_reducer_case, world_size, "fp32_accumulate", timeout=60)
+    for rank, r in enumerate(results):
+        expected = r["mean32"].to(torch.bfloat16)
+        assert all(torch.equal(b, expected) for b in r["ar"])
+        sl = slice(rank * shard, (rank + 1) * shard)
+        assert torch.equal(r["rs16"], expected[sl])
+        # fp32 shard_out: the fp32 sum itself, no rounding to bf16 at all.
+        assert torch.equal(r["rs32"], r["sum32"][sl])
+        # max_in_flight=1: one receive buffer served all five reductions.
+        assert r["scratch_buffers"] == 1
+
+
+def test_native_reducer_is_the_backend_collective(dist_run) -> None:
+    world_size = 3
+    shard = bucket_multiple(world_size)
+    results = dist_run(_reducer_case, world_size, "native", timeout=60)
+    for rank, r in enumerate(results):
+        # Pre-divide then gloo's bf16 SUM: exactly what torch DDP's default hook computes.
+        assert all(torch.equal(b, r["native_ar"]) for b in r["ar"])
+        sl = slice(rank * shard, (rank + 1) * shard)
+        # A bf16 reduce-scatter copied into fp32 differs from the fp32 sum somewhere on random data.
+        assert not torch.equal(r["rs32"], r["sum32"][sl])
+        torch.testing.assert_close(r["rs32"], r["sum32"][sl], rtol=2 * 2**-8 * world_size, atol=1e-2)
+
+
+def _stochastic_state_case(rank: int, world_size: int) -> bool:
+    numel = bucket_multiple(world_size) * 4
+    bucket = _rank_bucket(rank, numel, torch.bfloat16)
+    a = FP32AccumulateReducer(rounding="stochastic", seed=11)
+    b1 = bucket.clone()
+    a.all_reduce(b1, None, average=False, key=0).wait()
+    saved = a.state_dict()
+    b2 = bucket.clone()
+    a.all_reduce(b2, None, average=False, key=0).wait()
+    resumed = FP32AccumulateReducer(rounding="stochastic", seed=11)
+    resumed.load_state_dict(saved)
+    b3 = bucket.clone()
+    resumed.all_reduce(b3, None, average=False, key=0).wait()
+    return torch.equal(b2, b3) and not torch.equal(b1, b2)
+
+
+def test_stochastic_reducer_state_resumes_the_stream(dist_run) -> None:
+    assert all(dist_run(_stochastic_state_case, 2, timeout=60))
+
+
+def _bad_bucket(rank: int, world_size: int) -> list[str]:
+    out = []
+    reducer = FP32AccumulateReducer()
+    for bucket in (torch.zeros(100, dtype=torch.bfloat16), torch.zeros(2, 128), torch.zeros(128, dtype=torch.float64)):
+        try:
+            reducer.all_reduce(bucket, None, average=True, key=0)
+        except (TypeError, ValueError) as exc:
+            out.append(str(exc))
+    try:
+        reducer.reduce_scatter(
+            torch.empty(64, dtype=torch.float16), torch.zeros(128, dtype=torch.bfloat16), None, average=False, key=0
+        )
+    except TypeError as exc:
+        out.append(str(exc))
+    return out
+
+
+def test_bad_buckets_are_refused(dist_run) -> None:
+    messages = dist_run(_bad_bucket, 2, timeout=60)[0]
+    assert "not a multiple of lcm(world_size=2, 128) = 128" in messages[0]
+    assert "1-D contiguous" in messages[1]
+    assert "float16, bfloat16 or float32" in messages[2]
+    assert "shard_out must have dtype torch.bfloat16 or torch.float32" in messages[3]
+    assert len(messages) == 4
+
