@@ -203,4 +203,3 @@ def test_bad_buckets_are_refused(dist_run) -> None:
     assert "float16, bfloat16 or float32" in messages[2]
     assert "shard_out must have dtype torch.bfloat16 or torch.float32" in messages[3]
     assert len(messages) == 4
-
