@@ -1,0 +1,410 @@
+"""8-bit min-max quantization of gradients (after Bagua's ByteGrad), with a documented wire format.
+
+Wire format of one encoded tensor of ``n`` elements, cut into ``C = ceil(n / chunk_size)`` chunks (the last
+one may be shorter), as ONE contiguous uint8 buffer of ``8 * C + n`` bytes:
+
+    bytes [0, 4C)        min of each chunk, float32, little-endian (the machine's byte order)
+    bytes [4C, 8C)       max of each chunk, float32
+    bytes [8C, 8C + n)   one uint8 code per element, in element order
+
+A chunk with ``min == max`` has step 0: every code is 0 and decodes exactly to ``min`` (so an all-zero
+chunk decodes to zeros; only the sign of a zero is not kept, -0.0 decodes to +0.0). A chunk that held NaN
+or +-Inf has ``min = max = NaN`` in the header and zero codes; it decodes to NaN (see ``check_finite``).
+
+Arithmetic (fp32 fast path; ``u = 2**-24``). Per chunk, from the fp32 header, in fp64:
+``R = max - min``, ``scale = fl32(255 / R)`` (0 when R = 0), ``step = fl32(R / 255)``. Per element:
+
+    encode:  d = fl32(x - min)       # offset first: d is in [0, R] and has relative error <= u
+             q = fl32(d * scale)     # in [0, 255 (1 + 3u)]
+             code = rne(q)                      (nearest: round half to even)
+                  = floor(q) + [U < q - floor(q)], clamped to 255   (stochastic, U ~ uniform [0, 1))
+    decode:  y = fl32(fl32(code * step) + min), then one rounding to the output dtype.
+
+Subtracting the offset first is what keeps large offsets harmless: the naive ``x * scale - min * scale``
+cancels two numbers of size ``|min| * scale`` and loses ``u * |min| / R`` codes, which is the whole code
+range once ``|min| > R / u``. Here ``x - min`` is exact when ``min/2 <= x <= 2 min`` (Sterbenz) and
+otherwise off by at most ``u * (x - min) <= u * R``, i.e. at most ``255 u`` codes. Doing the subtraction in
+fp64 would gain nothing measurable and double the memory traffic.
+
+Chunks whose fp32 scalars would be inexact or overflow, ``R > float32 max`` (``x - min`` could overflow)
+or ``0 < R < 255 * float32 tiny`` (``step`` would be subnormal, ``scale`` may overflow), take a float64
+path for that chunk only (rare: only values near the fp32 limits). The result of each chunk depends only
+on that chunk's values.
+
+Error bound, per element, with ``R = max - min``, ``step = R / 255``, ``M = max(|min|, |max|)``:
+
+    |decode(encode(x)) - x| <= k * step + 6.1 u R + 1.1 u M + 2**-150
+
+``k = 1/2`` for nearest, ``k = 1`` for stochastic. The ``6.1 u R`` term collects the fp32 roundings of d,
+scale and q (3u relative on q, i.e. at most ``765 u`` codes) and of ``step`` and ``code * step`` (2u R); the
+``1.1 u M`` term is the final addition of ``min``, which must round to fp32 like any fp32 number of size M;
+``2**-150`` is half the smallest fp32 subnormal (the float64 path's last rounding). For a float16/bfloat16
+output add one more rounding, ``u_out * (M + step) + tiny_out / 2`` (``u_out = 2**-11`` / ``2**-8``).
+
+Stochastic rounding is unbiased: ``P(code = floor(q) + 1) = frac(q)`` exactly up to the 2**-24 granularity
+of ``torch.rand``, so ``E[code] = q`` within ``2**-24`` codes and ``E[decoded] - x`` is bounded by the
+arithmetic terms above (``6.1 u R + 1.1 u M``), not by the step. Its variance per element is at most
+``step**2 / 4``.
+
+Speed: everything is vectorized torch on preallocated buffers, in blocks of ``_BLOCK`` elements that stay
+in the L2 cache (five full-size passes over memory would otherwise dominate); rounding uses the 2**23
+trick (adding 2**23 to q in [0, 256) leaves rne(q) in the low byte of the float's bit pattern), because
+torch's float32 -> uint8 cast is not vectorized on CPU while int32 -> uint8 is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+
+from mixprec._validate import check_choice, check_dtype, check_positive_int
+
+__all__ = ["HEADER_BYTES_PER_CHUNK", "MinMaxUInt8", "NonFiniteError"]
+
+Rounding = Literal["nearest", "stochastic"]
+CheckFinite = Literal["raise", "flag"]
+
+HEADER_BYTES_PER_CHUNK = 8  # fp32 min + fp32 max
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FP32_MAX = torch.finfo(torch.float32).max
+# Below this range the fp32 step R/255 would be subnormal (losing relative precision) and 255/R may overflow.
+_WIDE_BELOW = 255.0 * torch.finfo(torch.float32).tiny
+_MAGIC = 8388608.0  # 2**23: fl32(q + 2**23) = 2**23 + rne(q) for 0 <= q < 2**22, so the low byte holds rne(q)
+# Elements per block of the cache-blocked passes: 512 KiB of fp32 scratch, well inside a 1.25 MiB L2.
+_BLOCK = 1 << 17
+
+
+class NonFiniteError(ValueError):
+    """The tensor to encode holds NaN or +-Inf (``check_finite="raise"``)."""
+
+
+class MinMaxUInt8:
+    """Per-chunk min-max 8-bit quantizer: ``encode(tensor) -> uint8 buffer``, ``decode(buffer, numel, dtype)``.
+
+    The format, the arithmetic and the error bound are in this module's docstring.
+
+    Args:
+        chunk_size: elements per (min, max) pair, int >= 1. Smaller chunks track the local range more
+            closely (smaller step) at ``8 / chunk_size`` bytes of header per element (0.4% at 2048).
+        rounding: ``"nearest"`` (round half to even; biased for a fixed input, error <= step / 2) or
+            ``"stochastic"`` (unbiased, error < 1 step; draws ``numel`` uniforms from ``generator`` per
+            encode, in element order, with one ``torch.rand`` call).
+        generator: torch.Generator for stochastic rounding; None = torch's default generator. In a
+            multi-process run, seed each rank differently (the collectives' reducers do this).
+        check_finite: what ``encode`` does when the input holds NaN/+-Inf: ``"raise"`` a
+            :class:`NonFiniteError`, or ``"flag"``: encode each such chunk as ``min = max = NaN`` (it decodes
+            to NaN, so the overflow reaches the loss scaler) and let the caller ask
+            :meth:`found_nonfinite`. Never spread as a finite value.
+
+    Scratch memory: one fp32 block of ``_BLOCK`` elements (plus one more for stochastic rounding), fp32/
+    fp64 per-chunk scalars, and for stochastic rounding an fp32 buffer of ``numel`` uniforms; kept and
+    reused across calls, so an instance is not thread-safe.
+    """
+
+    def __init__(
+        self,
+        *,
+        chunk_size: int = 2048,
+        rounding: Rounding = "nearest",
+        generator: torch.Generator | None = None,
+        check_finite: CheckFinite = "raise",
+    ) -> None:
+        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.rounding: Rounding = check_choice("rounding", rounding, ("nearest", "stochastic"))
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
+        self.generator = generator
+        self.check_finite: CheckFinite = check_choice("check_finite", check_finite, ("raise", "flag"))
+        self._scratch: dict[str, torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"MinMaxUInt8(chunk_size={self.chunk_size}, rounding={self.rounding!r}, check_finite={self.check_finite!r})"
+        )
+
+    # ------------------------------------------------------------------ sizes
+    def num_chunks(self, numel: int) -> int:
+        """Number of (min, max) pairs for ``numel`` elements: ``ceil(numel / chunk_size)``."""
+        return -(-check_positive_int("numel", numel, minimum=0) // self.chunk_size)
+
+    def encoded_nbytes(self, numel: int) -> int:
+        """Bytes of the encoded buffer: ``8 * num_chunks(numel) + numel``."""
+        return HEADER_BYTES_PER_CHUNK * self.num_chunks(numel) + numel
+
+    # ------------------------------------------------------------------ public API
+    def encode(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Quantize ``tensor`` (fp32/fp16/bf16, any shape, flattened row-major) into one uint8 buffer.
+
+        Args:
+            tensor: the values; not modified.
+            out: optional preallocated buffer: 1-D contiguous uint8 of ``encoded_nbytes(tensor.numel())``
+                bytes on the tensor's device (reuse it across calls to avoid allocation).
+
+        Returns:
+            ``out`` (or a new buffer) holding the header and the codes.
+
+        Raises:
+            NonFiniteError: the tensor holds NaN/Inf and ``check_finite="raise"`` (``out`` is then filled
+                as in ``"flag"`` mode).
+        """
+        x = _check_float_tensor("tensor", tensor).reshape(1, -1)
+        numel = x.shape[1]
+        out = self._check_buffer("out", out, numel, x.device, allocate=True)
+        bad = self._encode_rows(x, out.view(1, -1))
+        if bad and self.check_finite == "raise":
+            raise NonFiniteError(
+                f"tensor holds NaN or Inf in {bad} of its {self.num_chunks(numel)} chunks of {self.chunk_size} "
+                "elements; fix the source (e.g. lower the loss scale) or use check_finite='flag' to get a flag "
+                "(found_nonfinite) for the loss scaler instead"
+            )
+        return out
+
+    def decode(
+        self,
+        buffer: torch.Tensor,
+        numel: int,
+        dtype: torch.dtype = torch.float32,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Invert :meth:`encode`: a 1-D tensor of ``numel`` elements of ``dtype`` (fp32/fp16/bf16).
+
+        Computed in fp32 and rounded once to ``dtype``; chunks flagged non-finite decode to NaN. ``out``
+        (optional) is a contiguous tensor of ``numel`` elements and dtype ``dtype`` to write into.
+        """
+        numel = check_positive_int("numel", numel, minimum=0)
+        buffer = self._check_buffer("buffer", buffer, numel, None, allocate=False)
+        dtype = check_dtype("dtype", dtype, _FLOAT_DTYPES)
+        if out is None:
+            out = torch.empty(numel, dtype=dtype, device=buffer.device)
+        else:
+            _check_float_tensor("out", out)
+            if out.dtype != dtype or out.numel() != numel or not out.is_contiguous() or out.device != buffer.device:
+                raise ValueError(
+                    f"out must be a contiguous {dtype} tensor of {numel} elements on {buffer.device}; "
+                    f"got {out.dtype} with {out.numel()} elements on {out.device}"
+                )
+        self._decode_rows(buffer.view(1, -1), numel, out.view(1, numel))
+        return out.view(-1)
+
+    def header(self, buffer: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-chunk ``(min, max)`` fp32 tensors stored in an encoded buffer (copies, NaN if flagged)."""
+        numel = check_positive_int("numel", numel, minimum=0)
+        buffer = self._check_buffer("buffer", buffer, numel, None, allocate=False)
+        chunks = self.num_chunks(numel)
+        hdr = torch.empty(2 * chunks, dtype=torch.float32, device=buffer.device)
+        hdr.view(torch.uint8).copy_(buffer[: HEADER_BYTES_PER_CHUNK * chunks])
+        return hdr[:chunks], hdr[chunks:]
+
+    def found_nonfinite(self, buffer: torch.Tensor, numel: int) -> bool:
+        """Whether any chunk of an encoded buffer was flagged non-finite (reads only the header)."""
+        mins, maxs = self.header(buffer, numel)
+        return bool(mins.isnan().any() or maxs.isnan().any())
+
+    # ------------------------------------------------------------------ internals
+    def _check_buffer(
+        self, name: str, buffer: torch.Tensor | None, numel: int, device: torch.device | None, *, allocate: bool
+    ) -> torch.Tensor:
+        nbytes = self.encoded_nbytes(numel)
+        if buffer is None and allocate:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if not isinstance(buffer, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(buffer).__name__}")
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+            raise ValueError(
+                f"{name} must be a 1-D contiguous uint8 tensor; got {buffer.dtype} of shape {tuple(buffer.shape)}"
+            )
+        if buffer.numel() != nbytes:
+            raise ValueError(
+                f"{name} must hold encoded_nbytes({numel}) = {nbytes} bytes (8 header bytes per chunk of "
+                f"{self.chunk_size} + 1 per element); got {buffer.numel()}"
+            )
+        if device is not None and buffer.device != device:
+            raise ValueError(f"{name} is on {buffer.device} but the tensor is on {device}")
+        return buffer
+
+    def _buf(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A cached scratch tensor of at least ``numel`` elements (grown, never shrunk)."""
+        buf = self._scratch.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+            self._scratch[name] = buf
+        return buf[:numel]
+
+    def _segments(self, length: int) -> Iterator[tuple[int, int, int, int]]:
+        """Cache blocks of a row of ``length`` elements: ``(first chunk, n chunks, first element, chunk len)``.
+
+        Whole chunks are grouped ``_BLOCK // chunk_size`` at a time; a short last chunk is its own block.
+        """
+        c = self.chunk_size
+        full, tail = divmod(length, c)
+        per_block = max(1, _BLOCK // c)
+        for first in range(0, full, per_block):
+            n = min(per_block, full - first)
+            yield first, n, first * c, c
+        if tail:
+            yield full, 1, full * c, tail
+
+    def _chunk_bounds(self, chunk: int, length: int) -> tuple[int, int]:
+        start = chunk * self.chunk_size
+        return start, min(length, start + self.chunk_size)
+
+    def _encode_rows(self, x: torch.Tensor, out: torch.Tensor) -> int:
+        """Encode each row of ``x`` [R, L] (any float dtype, last dim contiguous) into the matching row of
+        ``out`` [R, encoded_nbytes(L)] (uint8, last dim contiguous). Returns the number of non-finite chunks.
+        """
+        rows, length = x.shape
+        chunks = self.num_chunks(length)
+        device = x.device
+        hdr = self._buf("hdr", rows * 2 * chunks, torch.float32, device).view(rows, 2, chunks)
+        mins, maxs = hdr[:, 0], hdr[:, 1]  # (R, C) each, rows contiguous
+        segments = list(self._segments(length))
+
+        # Pass 1: per-chunk min and max (NaN propagates through amin/amax; +-Inf shows up as a bound).
+        for r in range(rows):
+            for first, n, start, clen in segments:
+                block = x[r, start : start + n * clen].view(n, clen)
+                if x.dtype == torch.float32:
+                    torch.amin(block, dim=1, out=mins[r, first : first + n])
+                    torch.amax(block, dim=1, out=maxs[r, first : first + n])
+                else:  # fp16/bf16 bounds are exact in fp32
+                    mins[r, first : first + n].copy_(torch.amin(block, dim=1))
+                    maxs[r, first : first + n].copy_(torch.amax(block, dim=1))
+
+        # Per-chunk scalars, from the fp32 bounds, in fp64 (C elements: cheap).
+        finite = torch.isfinite(mins) & torch.isfinite(maxs)
+        rng = maxs.double() - mins.double()
+        scale64 = torch.where(rng > 0, 255.0 / rng, torch.zeros_like(rng))
+        scale = scale64.float()
+        wide = finite & ((rng > _FP32_MAX) | ((rng > 0) & (rng < _WIDE_BELOW)))
+        n_bad = int((~finite).sum())
+        if n_bad:
+            mins.masked_fill_(~finite, math.nan)
+            maxs.masked_fill_(~finite, math.nan)
+        out[:, : HEADER_BYTES_PER_CHUNK * chunks].copy_(hdr.view(rows, 2 * chunks).view(torch.uint8))
+
+        codes = out[:, HEADER_BYTES_PER_CHUNK * chunks :]
+        stochastic = self.rounding == "stochastic"
+        # One draw per element, in element order, whatever the blocking (so a reference can replay it).
+        uniforms = self._buf("uniform", rows * length if stochastic else 0, torch.float32, device)
+        if stochastic:
+            torch.rand(rows * length, generator=self.generator, out=uniforms)
+        uniforms = uniforms.view(rows, -1)
+        block_elems = max((n * clen for _, n, _, clen in segments), default=0)
+        work = self._buf("work", block_elems, torch.float32, device)
+        floor = self._buf("floor", block_elems if stochastic else 0, torch.float32, device)
+
+        # Pass 2: codes, block by block (each block's passes hit L2, not DRAM).
+        for r in range(rows):
+            for first, n, start, clen in segments:
+                stop = start + n * clen
+                w = work[: n * clen].view(n, clen)
+                torch.sub(x[r, start:stop].view(n, clen), mins[r, first : first + n, None], out=w)
+                w.mul_(scale[r, first : first + n, None])
+                if stochastic:
+                    f = floor[: n * clen].view(n, clen)
+                    torch.floor(w, out=f)
+                    w.sub_(f)  # frac(q), exact
+                    torch.lt(uniforms[r, start:stop].view(n, clen), w, out=w)  # 1.0 with probability frac(q)
+                    w.add_(f).clamp_max_(255.0)  # q may exceed 255 by a few ulps
+                w.add_(_MAGIC)
+                codes[r, start:stop].view(n, clen).copy_(w.view(torch.int32))  # int32 -> uint8 keeps the low byte
+
+        # Rare paths, chunk by chunk: float64 arithmetic for extreme ranges; zero codes for flagged chunks.
+        for r, chunk in wide.nonzero().tolist():
+            a, b = self._chunk_bounds(chunk, length)
+            xc = x[r, a:b].double()
+            q = (xc - mins[r, chunk].double()) * scale64[r, chunk]
+            if stochastic:
+                fl = q.floor()
+                q = fl + (uniforms[r, a:b].double() < q - fl).double()
+            else:
+                q = q.round()
+            codes[r, a:b].copy_(q.clamp_(0.0, 255.0))
+        if n_bad:
+            for r, chunk in (~finite).nonzero().tolist():
+                a, b = self._chunk_bounds(chunk, length)
+                codes[r, a:b].zero_()
+        return n_bad
+
+    def _decode_rows(self, buf: torch.Tensor, length: int, out: torch.Tensor, *, reduce: bool = False) -> int:
+        """Decode each row of ``buf`` [R, encoded_nbytes(length)] into ``out`` [R, length] (any float dtype,
+        rows contiguous), or with ``reduce=True`` sum the decoded rows in fp32, in row order, into ``out``
+        [length] (fp32): ``out = ((dec_0 + dec_1) + dec_2) + ...``, each ``dec_r`` exactly what
+        :meth:`decode` gives in fp32. Returns the number of flagged (non-finite) chunks seen.
+        """
+        rows = buf.shape[0]
+        chunks = self.num_chunks(length)
+        device = buf.device
+        hb = HEADER_BYTES_PER_CHUNK * chunks
+        hdr = self._buf("dhdr", rows * 2 * chunks, torch.float32, device).view(rows, 2, chunks)
+        hdr.view(rows, 2 * chunks).view(torch.uint8).copy_(buf[:, :hb])
+        mins = hdr[:, 0]
+        rng = hdr[:, 1].double() - mins.double()
+        step = (rng / 255.0).float()  # NaN for flagged chunks: they decode to NaN
+        wide = (rng > _FP32_MAX) | ((rng > 0) & (rng < _WIDE_BELOW))
+        n_bad = int(mins.isnan().sum())
+        codes = buf[:, hb:]
+        segments = list(self._segments(length))
+        if reduce and out.dtype != torch.float32:
+            raise TypeError(f"internal: a reducing decode needs an fp32 output; got {out.dtype}")
+        direct = out.dtype == torch.float32  # decode straight into out, else via an fp32 block
+        block_elems = max((n * clen for _, n, _, clen in segments), default=0)
+        work = self._buf("dwork", block_elems if (reduce or not direct) else 0, torch.float32, device)
+
+        for first, n, start, clen in segments:
+            stop = start + n * clen
+            st = step[:, first : first + n, None]
+            mn = mins[:, first : first + n, None]
+            for r in range(rows):
+                if reduce:
+                    target = out[start:stop].view(n, clen)
+                    w = target if r == 0 else work[: n * clen].view(n, clen)
+                elif direct:
+                    w = out[r, start:stop].view(n, clen)
+                else:
+                    w = work[: n * clen].view(n, clen)
+                w.copy_(codes[r, start:stop].view(n, clen))
+                w.mul_(st[r])
+                w.add_(mn[r])
+                if reduce and r > 0:
+                    target.add_(w)
+                elif not reduce and not direct:
+                    out[r, start:stop].view(n, clen).copy_(w)
+
+        # Chunks needing float64 arithmetic: recompute them (and, when reducing, their whole sum).
+        wide_chunks = sorted({c for _, c in wide.nonzero().tolist()})
+        for chunk in wide_chunks:
+            a, b = self._chunk_bounds(chunk, length)
+            decoded = [
+                self._decode_chunk_wide(codes[r, a:b], mins[r, chunk], rng[r, chunk])
+                if bool(wide[r, chunk])
+                else codes[r, a:b].float() * step[r, chunk] + mins[r, chunk]  # separate fp32 mul and add
+                for r in range(rows)
+            ]
+            if reduce:
+                acc = decoded[0].clone()
+                for d in decoded[1:]:
+                    acc += d
+                out[a:b].copy_(acc)
+            else:
+                for r in range(rows):
+                    if bool(wide[r, chunk]):
+                        out[r, a:b].copy_(decoded[r])
+        return n_bad
+
+    @staticmethod
+    def _decode_chunk_wide(codes: torch.Tensor, chunk_min: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:
+        """One chunk decoded in float64 and rounded once to fp32."""
+        return (chunk_min.double() + codes.double() * (rng / 255.0)).float()
+
+
+def _check_float_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16; got {t.dtype}")
+    return t

@@ -1,0 +1,170 @@
+"""Independent single-process reference of mixprec.compress, for the tests (numpy, one chunk at a time).
+
+Written from the documented format and algorithm, not from the library code: numpy float32 arithmetic
+(IEEE, one correct rounding per operation), ``np.rint`` (round half to even) for nearest rounding, plain
+Python loops over chunks and ranks. The collectives are simulated on the list of every rank's input.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+FP32_MAX = float(np.finfo(np.float32).max)
+WIDE_BELOW = 255.0 * float(np.finfo(np.float32).tiny)
+U32 = 2.0**-24
+
+
+def as_f32(t: torch.Tensor) -> np.ndarray:
+    """Exact fp32 values of a fp32/fp16/bf16 tensor, flattened."""
+    return t.detach().reshape(-1).float().numpy().astype(np.float32)
+
+
+def ref_encode(x: np.ndarray, chunk: int, rounding: str = "nearest", uniforms: np.ndarray | None = None) -> bytes:
+    """Header (all mins, then all maxs, fp32 little-endian) + one uint8 code per element."""
+    n = x.size
+    bounds = [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
+    mins, maxs, codes = [], [], np.zeros(n, dtype=np.uint8)
+    for a, b in bounds:
+        xc = x[a:b]
+        if not np.isfinite(xc).all():
+            mins.append(np.float32(np.nan))
+            maxs.append(np.float32(np.nan))
+            continue  # codes stay 0
+        mn, mx = np.float32(xc.min()), np.float32(xc.max())
+        mins.append(mn)
+        maxs.append(mx)
+        rng = float(mx) - float(mn)
+        scale64 = 255.0 / rng if rng > 0 else 0.0
+        if rng > FP32_MAX or 0 < rng < WIDE_BELOW:
+            q = (xc.astype(np.float64) - float(mn)) * scale64
+        else:
+            d = (xc - mn).astype(np.float32)
+            q = (d * np.float32(scale64)).astype(np.float32)
+        if rounding == "nearest":
+            c = np.rint(q)
+        else:
+            assert uniforms is not None
+            fl = np.floor(q)
+            c = fl + (uniforms[a:b] < (q - fl))
+        codes[a:b] = np.clip(c, 0, 255).astype(np.uint8)
+    header = np.array(mins + maxs, dtype="<f4").tobytes()
+    return header + codes.tobytes()
+
+
+def ref_decode(buf: bytes, n: int, chunk: int) -> np.ndarray:
+    """fp32 values of an encoded buffer."""
+    nchunks = -(-n // chunk)
+    hdr = np.frombuffer(buf[: 8 * nchunks], dtype="<f4")
+    mins, maxs = hdr[:nchunks], hdr[nchunks:]
+    codes = np.frombuffer(buf[8 * nchunks :], dtype=np.uint8)
+    out = np.empty(n, dtype=np.float32)
+    for i in range(nchunks):
+        a, b = i * chunk, min(n, (i + 1) * chunk)
+        rng = float(maxs[i]) - float(mins[i])
+        if rng > FP32_MAX or 0 < rng < WIDE_BELOW:
+            out[a:b] = (float(mins[i]) + codes[a:b].astype(np.float64) * (rng / 255.0)).astype(np.float32)
+        else:
+            step = np.float32(rng / 255.0)
+            out[a:b] = ((codes[a:b].astype(np.float32) * step).astype(np.float32) + mins[i]).astype(np.float32)
+    return out
+
+
+def roundtrip_bound(x: np.ndarray, chunk: int, rounding: str, out_dtype: torch.dtype = torch.float32) -> np.ndarray:
+    """Per-element error bound of the module docstring, from each chunk's exact min and max (float64)."""
+    k = 0.5 if rounding == "nearest" else 1.0
+    bound = np.empty(x.size, dtype=np.float64)
+    u_out, tiny_out = {
+        torch.float32: (0.0, 0.0),
+        torch.bfloat16: (2.0**-8, 2.0**-133),
+        torch.float16: (2.0**-11, 2.0**-24),
+    }[out_dtype]
+    for a in range(0, x.size, chunk):
+        xc = x[a : a + chunk].astype(np.float64)
+        mn, mx = xc.min(), xc.max()
+        rng, big = mx - mn, max(abs(mn), abs(mx))
+        step = rng / 255.0
+        b = k * step + 6.1 * U32 * rng + 1.1 * U32 * big + 2.0**-150
+        bound[a : a + chunk] = b + u_out * (big + step) + tiny_out / 2
+    return bound
+
+
+def ref_flat_all_reduce(
+    inputs: list[np.ndarray],
+    chunk: int,
+    *,
+    average: bool = True,
+    divisor: int | None = None,
+    rounding: str = "nearest",
+    uniforms: list[list[np.ndarray]] | None = None,
+    residuals: dict | None = None,
+) -> tuple[list[np.ndarray], bool]:
+    """ByteGrad's scheme on W simulated ranks; returns every rank's output (fp32) and the non-finite flag.
+
+    Rank r: quantize each of the W parts of its input (part p goes to rank p); rank p decodes the W
+    messages of part p and adds them in fp32 in rank order 0..W-1, divides by ``divisor`` (the world
+    size when ``average``), quantizes the result; every rank decodes every rank's result.
+    ``uniforms[r]`` = [draws of rank r's first encode (all parts, element order), of its second encode].
+    ``residuals`` (error feedback, updated in place): {"worker": [W arrays], "server": [W arrays]}.
+    """
+    world = len(inputs)
+    n = inputs[0].size
+    part = n // world
+    send = []
+    for r in range(world):
+        v = inputs[r].astype(np.float32)
+        if residuals is not None:
+            v = (v + residuals["worker"][r]).astype(np.float32)
+        u = uniforms[r][0] if uniforms is not None else None
+        msgs = []
+        for p in range(world):
+            lo, hi = p * part, (p + 1) * part
+            msgs.append(ref_encode(v[lo:hi], chunk, rounding, None if u is None else u[lo:hi]))
+        if residuals is not None:
+            decoded = np.concatenate([ref_decode(m, part, chunk) for m in msgs])
+            residuals["worker"][r] = (v - decoded).astype(np.float32)
+        send.append(msgs)
+    results = []
+    for p in range(world):
+        acc = ref_decode(send[0][p], part, chunk)
+        for r in range(1, world):
+            acc = (acc + ref_decode(send[r][p], part, chunk)).astype(np.float32)
+        if average or divisor is not None:
+            acc = (acc / np.float32(divisor if divisor is not None else world)).astype(np.float32)
+        if residuals is not None:
+            acc = (acc + residuals["server"][p]).astype(np.float32)
+        u = uniforms[p][1] if uniforms is not None else None
+        msg = ref_encode(acc, chunk, rounding, u)
+        if residuals is not None:
+            residuals["server"][p] = (acc - ref_decode(msg, part, chunk)).astype(np.float32)
+        results.append(msg)
+    out = np.concatenate([ref_decode(m, part, chunk) for m in results])
+    nonfinite = any(np.isnan(np.frombuffer(m[: 8 * -(-part // chunk)], dtype="<f4")).any() for m in results)
+    return [out.copy() for _ in range(world)], nonfinite
+
+
+def ref_hierarchical_all_reduce(
+    inputs: list[np.ndarray], chunk: int, nodes: int, per_node: int, *, average: bool = True
+) -> list[np.ndarray]:
+    """Intra-node fp32 reduce-scatter (local rank l owns slice l; sum in local-rank order), compressed
+    all-reduce of slice l among the nodes' local ranks l (divided by the total world size), intra-node
+    all-gather. Ranks are node-major: rank = node * per_node + local.
+    """
+    n = inputs[0].size
+    sl = n // per_node
+    world = nodes * per_node
+    slices = {}
+    for node in range(nodes):
+        for local in range(per_node):
+            acc = inputs[node * per_node][local * sl : (local + 1) * sl].astype(np.float32)
+            for peer in range(1, per_node):
+                acc = (acc + inputs[node * per_node + peer][local * sl : (local + 1) * sl]).astype(np.float32)
+            slices[node, local] = acc
+    reduced = {}
+    for local in range(per_node):
+        outs, _ = ref_flat_all_reduce(
+            [slices[node, local] for node in range(nodes)], chunk, average=False, divisor=world if average else None
+        )
+        reduced[local] = outs[0]
+    full = np.concatenate([reduced[local] for local in range(per_node)])
+    return [full.copy() for _ in range(world)]
