@@ -1,0 +1,455 @@
+"""Bucketed data parallelism whose gradient reduction sends bf16/fp16 and sums in fp32.
+
+Typical loop (one process per rank, ``torch.distributed`` initialised)::
+
+    ddp = DistributedDataParallel(model, reduce="fp32_accumulate", sharded_optimizer=True)
+    opt = ddp.make_optimizer(torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
+    scaler = mixprec.DynamicLossScaler()
+    for batch in loader:
+        opt.zero_grad()
+        loss = loss_fn(ddp(batch))                 # mean over this rank's batch
+        scaler.scale(loss).backward()             # buckets are reduced while backward runs
+        scaler.unscale_(opt)
+        opt.clip_grad_norm_(1.0)                  # global norm, fp32, agreed over the group
+        scaler.step(opt)                          # skipped on every rank if any rank overflowed
+        scaler.update()
+
+How gradients move. All parameters that require grad get their gradient a fixed place in a flat buffer
+(one per (parameter dtype, gradient dtype); see :mod:`mixprec.parallel.buckets`), cut into buckets padded
+to a multiple of ``lcm(world_size, 128)``. A post-accumulate-grad hook on every parameter puts its
+gradient in place (when ``param.grad`` is not already a view of the buffer it is copied in, and, when the
+dtypes agree, ``param.grad`` becomes that view so later microbatches accumulate straight into the
+buffer). When every parameter of a bucket is ready, the bucket's reduction starts asynchronously
+(``overlap=True``), buckets strictly in index order so that every rank issues the same collectives in the
+same order. At the end of backward (an autograd engine callback), parameters that got no gradient are
+marked ready (their slots hold zero, or what ``param.grad`` already held), the remaining buckets start,
+and all reductions are waited for, so gradients are final when ``backward()`` returns.
+
+Result: gradients are averaged over the group (the mean of the ranks' gradients), reduced by the chosen
+reducer. With ``sharded_optimizer=False`` each ``param.grad`` holds the reduced gradient (in the
+parameter's dtype; a view of the buffer when ``grad_dtype`` is the parameter's dtype). With
+``sharded_optimizer=True`` buckets are reduce-scattered straight into this rank's fp32 gradient shard
+(no rounding to the wire dtype at all with ``"fp32_accumulate"``) and ``param.grad`` keeps the local,
+unreduced gradient; the optimizer from :meth:`make_optimizer` steps fp32 master weights of the shard and
+all-gathers the parameters.
+
+Non-finite gradients (``check_finite=True``): before a bucket is sent, ``torch.aminmax`` over it (one pass,
+no allocation, one host sync per bucket) tells whether it holds inf/NaN; if so, the parameters holding
+them are named in a :class:`NonFiniteGradientWarning` and recorded in :attr:`last_nonfinite`. The bucket
+is still sent (every rank must take part in the collective) and the reducers propagate inf/NaN, so a
+loss scaler's overflow check after backward, which is agreed across ranks, skips the step on every rank.
+Without a loss scaler the warning is the report; the gradients stay non-finite, as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mixprec._validate import check_dtype, check_positive_int
+from mixprec.comm._compat import require_initialized
+from mixprec.parallel.buckets import BucketLayout, build_layout
+from mixprec.parallel.reducers import GradReducer, ReductionHandle, make_reducer
+
+__all__ = ["DistributedDataParallel", "NonFiniteBucket", "NonFiniteGradientWarning"]
+
+_GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class NonFiniteGradientWarning(RuntimeWarning):
+    """A gradient bucket held inf/NaN before it was sent (see ``DistributedDataParallel.last_nonfinite``)."""
+
+
+@dataclass(frozen=True)
+class NonFiniteBucket:
+    """A bucket found to hold inf/NaN on this rank, before reduction, and the parameters responsible."""
+
+    rank: int
+    bucket: int
+    params: tuple[str, ...]
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Data-parallel wrapper with bucketed, overlapped, fp32-accumulating gradient reduction.
+
+    Args:
+        module: the model; its parameters and buffers are broadcast from rank 0 of ``group`` here.
+        group: the data-parallel process group; None = the default group.
+        bucket_size: parameter elements per bucket, int >= 1 (default 40M, Megatron's); a larger
+            parameter gets a bucket of its own. Smaller buckets start reducing earlier in backward.
+        reduce: a registered reducer name (``"fp32_accumulate"``, ``"native"``, or ``"uint8"`` /
+            ``"uint8_hierarchical"`` from mixprec.compress) or a :class:`GradReducer` instance.
+        reduce_options: keyword options for the reducer's factory (only with a name).
+        grad_dtype: dtype of the gradient buffers and so of the wire: float16, bfloat16 or float32;
+            None = each parameter's dtype. E.g. fp32 parameters with ``grad_dtype=torch.bfloat16`` send
+            half the bytes; bf16 parameters with ``torch.float32`` accumulate microbatches in fp32.
+        overlap: start each bucket's reduction during backward as soon as it is complete; False starts
+            them all at the end of backward.
+        sharded_optimizer: ZeRO-1: reduce-scatter into fp32 shards and use :meth:`make_optimizer`.
+        check_finite: check every bucket for inf/NaN before sending it (see the module docstring).
+
+    The gradients are averaged over the group. Parameters that no rank used get a zero gradient.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        group: dist.ProcessGroup | None = None,
+        *,
+        bucket_size: int = 40_000_000,
+        reduce: str | GradReducer = "fp32_accumulate",
+        reduce_options: dict[str, Any] | None = None,
+        grad_dtype: torch.dtype | None = None,
+        overlap: bool = True,
+        sharded_optimizer: bool = False,
+        check_finite: bool = True,
+    ) -> None:
+        super().__init__()
+        require_initialized("DistributedDataParallel")
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module; got {type(module).__name__}")
+        check_positive_int("bucket_size", bucket_size)
+        if grad_dtype is not None:
+            check_dtype("grad_dtype", grad_dtype, _GRAD_DTYPES)
+        for flag_name, flag in (
+            ("overlap", overlap),
+            ("sharded_optimizer", sharded_optimizer),
+            ("check_finite", check_finite),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{flag_name} must be a bool; got {type(flag).__name__}")
+        if isinstance(reduce, str):
+            self.reducer: GradReducer = make_reducer(reduce, **(reduce_options or {}))
+        elif isinstance(reduce, GradReducer):
+            if reduce_options:
+                raise ValueError("reduce_options only apply when reduce is a reducer name, not an instance")
+            self.reducer = reduce
+        else:
+            raise TypeError(f"reduce must be a reducer name or a GradReducer; got {type(reduce).__name__}")
+
+        self.module = module
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.overlap = overlap
+        self.sharded = sharded_optimizer
+        self.check_finite = check_finite
+        self._broadcast_from_rank0()
+
+        aliases: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("module has no parameters that require grad: nothing to reduce")
+        devices = {p.device for _, p in named}
+        if len(devices) != 1:
+            raise ValueError(f"all parameters must be on one device; found {sorted(str(d) for d in devices)}")
+        self._params: list[torch.Tensor] = [p for _, p in named]
+        # Tied parameters are one tensor under several names: report them all.
+        self._names = [" = ".join(aliases[id(p)]) for _, p in named]
+        self.layout: BucketLayout = build_layout(
+            named, world_size=self.world_size, bucket_size=bucket_size, grad_dtype=grad_dtype
+        )
+        device = next(iter(devices))
+        self._grad_buffers = [
+            torch.zeros(n, dtype=gdt, device=device)
+            for (_, gdt), n in zip(self.layout.groups, self.layout.group_numel, strict=True)
+        ]
+        self._bucket_tensors = [self._grad_buffers[b.group][b.offset : b.offset + b.numel] for b in self.layout.buckets]
+        self._grad_views: list[torch.Tensor] = []
+        for slot in self.layout.slots:
+            b = self.layout.buckets[slot.bucket]
+            start = b.offset + slot.start
+            self._grad_views.append(self._grad_buffers[b.group][start : start + slot.numel].view(slot.shape))
+        self._direct = [p.dtype == v.dtype for p, v in zip(self._params, self._grad_views, strict=True)]
+
+        # Sharded mode: parameters become views of flat buffers laid out like the gradients, so the
+        # all-gather after the optimizer step writes straight into them; fp32 gradient shards receive
+        # the reduce-scatter.
+        self._param_buffers: list[torch.Tensor] = []
+        self._shard_base: list[int] = []
+        self.shard_grads: torch.Tensor | None = None
+        if self.sharded:
+            self._flatten_params(device)
+            base = 0
+            for b in self.layout.buckets:
+                self._shard_base.append(base)
+                base += b.numel // self.world_size
+            self.shard_grads = torch.zeros(base, dtype=torch.float32, device=device)
+
+        with torch.no_grad():
+            for i, p in enumerate(self._params):
+                if p.grad is not None:
+                    self._grad_views[i].copy_(p.grad)
+                    p.grad = self._grad_views[i] if self._direct[i] else None
+
+        n_params, n_buckets = len(self._params), len(self.layout.buckets)
+        self._fresh = [True] * n_params  # slot does not hold this accumulation window's gradient yet
+        self._ready = [False] * n_params
+        self._missing = [len(b.slots) for b in self.layout.buckets]
+        self._next_bucket = 0
+        self._handles: list[ReductionHandle | None] = [None] * n_buckets
+        self._callback_queued = False
+        self._no_sync_depth = 0
+        self._require_sync = True
+        self._grads_reduced = False
+        self.last_nonfinite: list[NonFiniteBucket] = []
+
+        self_ref = weakref.ref(self)
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(_make_hook(self_ref, i)) for i, p in enumerate(self._params)
+        ]
+
+    # ------------------------------------------------------------------ setup
+    @torch.no_grad()
+    def _broadcast_from_rank0(self) -> None:
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        for t in list(self.module.parameters()) + list(self.module.buffers()):
+            if self.world_size > 1:
+                dist.broadcast(t.data, src=src, group=self.group)
+
+    @torch.no_grad()
+    def _flatten_params(self, device: torch.device) -> None:
+        self._param_buffers = [
+            torch.zeros(n, dtype=pdt, device=device)
+            for (pdt, _), n in zip(self.layout.groups, self.layout.group_numel, strict=True)
+        ]
+        for slot, p in zip(self.layout.slots, self._params, strict=True):
+            b = self.layout.buckets[slot.bucket]
+            start = b.offset + slot.start
+            flat = self._param_buffers[b.group][start : start + slot.numel]
+            flat.copy_(p.detach().reshape(-1))
+            p.data = flat.view(slot.shape)
+
+    # ------------------------------------------------------------------ forward / no_sync
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module. Whether the next backward reduces is decided here, as in torch DDP."""
+        self._require_sync = self._no_sync_depth == 0
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forward passes run inside accumulate gradients locally; the next synced backward reduces them all."""
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    # ------------------------------------------------------------------ backward machinery
+    @torch.no_grad()
+    def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
+        view = self._grad_views[i]
+        grad = param.grad
+        if grad is not None:
+            if self._direct[i]:
+                if not _same_memory(grad, view):
+                    view.copy_(grad)
+                    param.grad = view
+            else:
+                if self._fresh[i]:
+                    view.copy_(grad)
+                else:
+                    view.add_(grad)  # microbatch accumulation in the buffer's dtype
+                param.grad = None
+        self._fresh[i] = False
+        if not self._require_sync:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            self.last_nonfinite = []
+            torch.autograd.Variable._execution_engine.queue_callback(_make_finalizer(weakref.ref(self)))
+        if self._ready[i]:
+            raise RuntimeError(
+                f"parameter {self._names[i]} received its gradient twice in one synced backward (several "
+                "backward() calls on one forward?). Accumulate microbatches under no_sync() instead."
+            )
+        self._ready[i] = True
+        bucket = self.layout.slots[i].bucket
+        self._missing[bucket] -= 1
+        if self.overlap:
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next_bucket < len(self._missing) and self._missing[self._next_bucket] == 0:
+            self._launch(self._next_bucket)
+            self._next_bucket += 1
+
+    def _launch(self, k: int) -> None:
+        bucket = self._bucket_tensors[k]
+        if self.check_finite:
+            self._check_bucket_finite(k)
+        if self.sharded:
+            shard = self._shard_grad(k)
+            self._handles[k] = self.reducer.reduce_scatter(shard, bucket, self.group, average=True, key=k)
+        else:
+            self._handles[k] = self.reducer.all_reduce(bucket, self.group, average=True, key=k)
+
+    def _shard_grad(self, k: int) -> torch.Tensor:
+        if self.shard_grads is None:
+            raise RuntimeError("internal error: shard gradients exist only with sharded_optimizer=True")
+        size = self.layout.buckets[k].numel // self.world_size
+        return self.shard_grads[self._shard_base[k] : self._shard_base[k] + size]
+
+    def _check_bucket_finite(self, k: int) -> None:
+        lo, hi = torch.aminmax(self._bucket_tensors[k])  # NaN propagates into both; one pass, no temporaries
+        if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):
+            return
+        names = tuple(
+            self._names[s.index]
+            for s in self.layout.buckets[k].slots
+            if not bool(torch.isfinite(self._grad_views[s.index]).all())
+        )
+        self.last_nonfinite.append(NonFiniteBucket(self.rank, k, names))
+        warnings.warn(
+            f"rank {self.rank}: gradient bucket {k} holds inf/NaN before reduction, in {', '.join(names)}. "
+            "It is reduced anyway (inf/NaN propagate); a loss scaler's agreed overflow check skips this "
+            "step on every rank.",
+            NonFiniteGradientWarning,
+            stacklevel=2,
+        )
+
+    @torch.no_grad()
+    def _finalize_backward(self) -> None:
+        try:
+            for i, param in enumerate(self._params):
+                if self._ready[i]:
+                    continue
+                self._fill_unused(i, param)
+                self._ready[i] = True
+                self._missing[self.layout.slots[i].bucket] -= 1
+            for k in range(self._next_bucket, len(self._missing)):
+                self._launch(k)
+            self._next_bucket = len(self._missing)
+            for handle in self._handles:
+                if handle is not None:
+                    handle.wait()
+            if not self.sharded:
+                for i, param in enumerate(self._params):
+                    view = self._grad_views[i]
+                    if self._direct[i]:
+                        if param.grad is None or not _same_memory(param.grad, view):
+                            param.grad = view
+                    else:
+                        param.grad = view.to(param.dtype)
+            self._grads_reduced = True
+            self._fresh = [True] * len(self._params)
+        finally:
+            self._ready = [False] * len(self._params)
+            self._missing = [len(b.slots) for b in self.layout.buckets]
+            self._next_bucket = 0
+            self._handles = [None] * len(self._missing)
+            self._callback_queued = False
+
+    def _fill_unused(self, i: int, param: torch.Tensor) -> None:
+        """A parameter that got no gradient in this backward: its slot must still hold a defined value."""
+        view = self._grad_views[i]
+        grad = param.grad
+        if self._direct[i]:
+            if grad is None:
+                view.zero_()
+            elif not _same_memory(grad, view):
+                view.copy_(grad)
+                param.grad = view
+        elif self._fresh[i]:
+            # Nothing accumulated in this window: the slot takes what param.grad holds (torch semantics:
+            # an un-zeroed gradient is reduced again), or zero.
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad)
+            param.grad = None
+
+    # ------------------------------------------------------------------ optimizer support
+    def make_optimizer(
+        self,
+        optimizer_cls: Callable[..., torch.optim.Optimizer],
+        /,
+        param_groups: Iterable[dict[str, Any]] | None = None,
+        **optimizer_kwargs: Any,
+    ) -> Any:
+        """The optimizer to use with this wrapper.
+
+        With ``sharded_optimizer=True``: a :class:`mixprec.parallel.ShardedOptimizer` (fp32 masters and
+        optimizer state for this rank's shard only). Otherwise: ``optimizer_cls`` itself on the module's
+        parameters, wrapped in :class:`mixprec.MasterWeightOptimizer` when any parameter is fp16/bf16.
+
+        Args:
+            optimizer_cls: a torch optimizer class (or a callable taking param groups and kwargs).
+            param_groups: optional list of dicts ``{"params": [module parameters], **options}``;
+                None = one group with every parameter that requires grad.
+            **optimizer_kwargs: lr, betas, weight_decay, ...
+        """
+        groups = list(param_groups) if param_groups is not None else [{"params": list(self._params)}]
+        if self.sharded:
+            from mixprec.parallel.zero import ShardedOptimizer
+
+            return ShardedOptimizer(self, optimizer_cls, groups, **optimizer_kwargs)
+        if any(p.dtype in (torch.float16, torch.bfloat16) for g in groups for p in g["params"]):
+            from mixprec.scaling import MasterWeightOptimizer
+
+            return MasterWeightOptimizer(groups, optimizer_cls, **optimizer_kwargs)
+        return optimizer_cls(groups, **optimizer_kwargs)
+
+    @torch.no_grad()
+    def zero_grad_buffers(self) -> None:
+        """Zero every gradient buffer in place (``param.grad`` views stay valid)."""
+        for buf in self._grad_buffers:
+            buf.zero_()
+        for i, p in enumerate(self._params):
+            if not self._direct[i]:
+                p.grad = None
+        self._fresh = [True] * len(self._params)
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def found_nonfinite(self) -> bool:
+        """Whether this rank's last synced backward sent a bucket holding inf/NaN."""
+        return bool(self.last_nonfinite)
+
+    def bucket_params(self) -> list[tuple[str, ...]]:
+        """Names of the parameters in each bucket, in bucket (launch) order."""
+        return [tuple(self._names[s.index] for s in b.slots) for b in self.layout.buckets]
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (the module keeps working, without reduction)."""
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles = []
+
+    def extra_repr(self) -> str:
+        return (
+            f"world_size={self.world_size}, buckets={len(self.layout.buckets)}, reducer={self.reducer!r}, "
+            f"sharded_optimizer={self.sharded}, overlap={self.overlap}"
+        )
+
+
+def _make_hook(ref: weakref.ref[DistributedDataParallel], i: int) -> Callable[[torch.Tensor], None]:
+    # A weak reference: a dropped wrapper must not keep reducing through hooks left on the module.
+    def hook(param: torch.Tensor) -> None:
+        ddp = ref()
+        if ddp is not None:
+            ddp._on_grad_ready(i, param)
+
+    return hook
+
+
+def _make_finalizer(ref: weakref.ref[DistributedDataParallel]) -> Callable[[], None]:
+    def finalize() -> None:
+        ddp = ref()
+        if ddp is not None:
+            ddp._finalize_backward()
+
+    return finalize

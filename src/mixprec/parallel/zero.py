@@ -1,0 +1,336 @@
+"""ZeRO-1 (Megatron's distributed optimizer): fp32 master weights and optimizer state for one shard per rank.
+
+Each bucket of :class:`mixprec.parallel.DistributedDataParallel` (``sharded_optimizer=True``) splits into
+``world_size`` equal shards; rank r owns shard r of every bucket. For the parameter elements in its shards
+the rank keeps fp32 master weights and runs the optimizer; the reduce-scatter during backward writes the
+averaged gradient of exactly those elements into fp32 gradient shards (with ``"fp32_accumulate"`` never
+rounded to the wire dtype). After the step each rank rounds its updated masters to the model dtype (once,
+to nearest) and the buckets are all-gathered in the model dtype straight into the parameters.
+
+Each parameter's part in a shard is a separate 1-D fp32 tensor ("piece") handed to the inner optimizer,
+so param groups, per-group options and LR schedulers work as usual. The optimizer sees pieces, not whole
+tensors: elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, Adadelta, ...) behave exactly as on
+full tensors; ones that look at a whole tensor (LAMB's trust ratio, Adafactor's factored moments, LBFGS)
+see only a piece and are not supported.
+
+Memory per rank: ``4 * (numel / world_size)`` bytes of fp32 master weights, as much for the fp32 gradient
+shard, plus the inner optimizer's state for the shard (8 bytes per element for Adam): ``1/world_size`` of
+what unsharded fp32 master weights and Adam state need.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from mixprec._validate import check_positive_float
+from mixprec.comm._compat import all_gather_flat
+from mixprec.parallel.buckets import ShardPiece
+
+if TYPE_CHECKING:
+    from mixprec.parallel.ddp import DistributedDataParallel
+
+__all__ = ["CHECKPOINT_FORMAT", "ShardedOptimizer"]
+
+CHECKPOINT_FORMAT = "mixprec.sharded_optimizer/1"
+
+
+class ShardedOptimizer:
+    """fp32 masters + optimizer state for this rank's shard; build it with ``ddp.make_optimizer(...)``.
+
+    Surface: ``param_groups`` / ``state`` (the inner optimizer's, over fp32 pieces), ``zero_grad``,
+    ``step``, ``clip_grad_norm_``, ``grad_norm``, ``state_dict``/``load_state_dict`` (a full, world-size
+    independent checkpoint) and ``mixprec_prepare_grads_`` (called by mixprec's loss scalers). LR
+    schedulers take ``opt.optimizer``, the inner torch optimizer.
+
+    With a loss scaler: ``scaler.unscale_(opt)`` unscales this rank's fp32 gradient shard and records
+    whether it holds inf/NaN; the scaler agrees on the flag across the group, so every rank skips (or
+    steps) together. Clipping takes the global norm from all shards (fp32, one all-reduce).
+    """
+
+    def __init__(
+        self,
+        ddp: DistributedDataParallel,
+        optimizer_cls: Callable[..., torch.optim.Optimizer],
+        param_groups: list[dict[str, Any]],
+        **optimizer_kwargs: Any,
+    ) -> None:
+        if not ddp.sharded or ddp.shard_grads is None:
+            raise ValueError("ShardedOptimizer needs DistributedDataParallel(..., sharded_optimizer=True)")
+        self.ddp = ddp
+        layout = ddp.layout
+        rank = ddp.rank
+        index_of = {id(p): i for i, p in enumerate(ddp._params)}
+        group_of: dict[int, int] = {}
+        for g, group in enumerate(param_groups):
+            if not isinstance(group, dict) or "params" not in group:
+                raise TypeError("param_groups must be dicts with a 'params' entry")
+            params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
+            for p in params:
+                i = index_of.get(id(p))
+                if i is None:
+                    raise ValueError("param_groups holds a tensor that is not a trainable parameter of the module")
+                if i in group_of:
+                    raise ValueError(f"parameter {ddp._names[i]} appears in more than one param group")
+                group_of[i] = g
+        members: list[list[int]] = [[] for _ in param_groups]
+        for i, g in sorted(group_of.items()):
+            members[g].append(i)
+        self._group_names = [[ddp._names[i] for i in idx] for idx in members]
+
+        self.master = torch.zeros_like(ddp.shard_grads)
+        self._pieces: list[tuple[int, ShardPiece]] = []  # (bucket, piece), in inner-optimizer order
+        piece_params: list[list[torch.Tensor]] = [[] for _ in param_groups]
+        unsorted: list[tuple[int, int, ShardPiece]] = []
+        for bucket in layout.buckets:
+            for piece in layout.pieces(bucket, rank):
+                g = group_of.get(piece.slot.index)
+                if g is not None:
+                    unsorted.append((g, bucket.index, piece))
+        # Inner order: by group, then buffer order (stable sort keeps buffer order within a group).
+        unsorted.sort(key=lambda t: t[0])
+        with torch.no_grad():
+            for g, k, piece in unsorted:
+                start = ddp._shard_base[k] + piece.shard_offset
+                master_view = self.master[start : start + piece.numel]
+                param = ddp._params[piece.slot.index]
+                master_view.copy_(param.detach().reshape(-1)[piece.param_start : piece.param_stop])
+                leaf = torch.nn.Parameter(master_view)  # shares memory with self.master
+                leaf.grad = ddp.shard_grads[start : start + piece.numel]
+                piece_params[g].append(leaf)
+                self._pieces.append((k, piece))
+        self._leaves = [leaf for group in piece_params for leaf in group]
+        inner_groups = [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": leaves}
+            for group, leaves in zip(param_groups, piece_params, strict=True)
+        ]
+        self.optimizer = optimizer_cls(inner_groups, **optimizer_kwargs)
+        self._grads_prepared = False
+
+    # ------------------------------------------------------------------ optimizer surface
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the model's gradient buffers in place (the fp32 shards are overwritten by the next reduction)."""
+        self.ddp.zero_grad_buffers()
+        self._grads_prepared = False
+
+    def mixprec_prepare_grads_(self) -> None:
+        """Check that a synced backward has filled the fp32 gradient shards since the last step."""
+        if self._grads_prepared:
+            return
+        if not self.ddp._grads_reduced:
+            raise RuntimeError(
+                "no reduced gradients since the last step: run forward and backward through the "
+                "DistributedDataParallel wrapper (the last one outside no_sync()) before step()"
+            )
+        self._grads_prepared = True
+
+    def _local_norm_term(self, norm_type: float) -> torch.Tensor:
+        grads = [leaf.grad for leaf in self._leaves if leaf.grad is not None and leaf.numel() > 0]
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=self.master.device)
+        per_piece = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
+        if norm_type == math.inf:
+            return per_piece.max()
+        return per_piece.pow(norm_type).sum()
+
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """Global gradient norm over all ranks' shards: local fp32 terms, one fp32 all-reduce (SUM, or MAX
+        for the inf-norm). Each parameter element is counted once, tied parameters included."""
+        norm_type = float(norm_type)
+        if not (norm_type == math.inf or (math.isfinite(norm_type) and norm_type > 0)):
+            raise ValueError(f"norm_type must be a positive number or math.inf; got {norm_type!r}")
+        self.mixprec_prepare_grads_()
+        term = self._local_norm_term(norm_type).reshape(1).clone()
+        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+        dist.all_reduce(term, op=op, group=self.ddp.group)
+        total = term[0]
+        return total if norm_type == math.inf else total.pow(1.0 / norm_type)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the fp32 gradient shards so the global norm is at most ``max_norm``; returns the norm before.
+
+        Same rule as :func:`mixprec.clip_grad_norm_`: a non-finite norm leaves gradients untouched (the
+        loss scaler skips that step). Call it after ``scaler.unscale_(opt)``.
+        """
+        check_positive_float("max_norm", max_norm)
+        total = self.grad_norm(norm_type)
+        if torch.isfinite(total):
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            if self.ddp.shard_grads is not None:
+                self.ddp.shard_grads.mul_(coef)
+        return total
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        """Step the inner optimizer on the fp32 pieces, then round and all-gather the parameters."""
+        if closure is not None:
+            raise RuntimeError("ShardedOptimizer.step does not take a closure (it would re-run backward)")
+        self.mixprec_prepare_grads_()
+        self.optimizer.step()
+        self._gather_params()
+        self._grads_prepared = False
+        self.ddp._grads_reduced = False
+
+    @torch.no_grad()
+    def _gather_params(self) -> None:
+        ddp = self.ddp
+        ws, rank = ddp.world_size, ddp.rank
+        works = []
+        for b in ddp.layout.buckets:
+            size = b.numel // ws
+            full = ddp._param_buffers[b.group][b.offset : b.offset + b.numel]
+            own = full[rank * size : (rank + 1) * size]
+            own.copy_(self.master[ddp._shard_base[b.index] : ddp._shard_base[b.index] + size])  # one rounding
+            works.append(all_gather_flat(full, own, ddp.group, async_op=True))
+        for w in works:
+            w.wait()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _gather_flat(self, shard: torch.Tensor) -> dict[int, torch.Tensor]:
+        """All-gather a tensor laid out like ``self.master`` into one full tensor per bucket."""
+        ddp = self.ddp
+        out: dict[int, torch.Tensor] = {}
+        for b in ddp.layout.buckets:
+            size = b.numel // ddp.world_size
+            full = torch.empty(b.numel, dtype=shard.dtype, device=shard.device)
+            base = ddp._shard_base[b.index]
+            all_gather_flat(full, shard[base : base + size].contiguous(), ddp.group)
+            out[b.index] = full
+        return out
+
+    def _per_param(self, full: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+        result = {}
+        for slot in self.ddp.layout.slots:
+            t = full[slot.bucket][slot.start : slot.start + slot.numel]
+            result[slot.name] = t.view(slot.shape).clone()
+        return result
+
+    @torch.no_grad()
+    def state_dict(self) -> dict[str, Any]:
+        """A full checkpoint, identical on every rank and independent of the world size (collective).
+
+        Keys: ``format``; ``master`` (name -> full fp32 master weight); ``state`` (name -> {key: full
+        tensor or scalar}); ``elementwise_keys`` (state keys stored as full tensors); ``param_groups``
+        (options and parameter names per group); ``world_size`` (informational). Names are the module's
+        parameter names (the first name of a tied parameter). Save it from one rank with ``torch.save``.
+        """
+        ddp = self.ddp
+        local_keys: dict[str, str] = {}
+        scalars: dict[str, dict[str, Any]] = {}
+        for leaf, (_, piece) in zip(self._leaves, self._pieces, strict=True):
+            st = self.optimizer.state.get(leaf, {})
+            for key, value in st.items():
+                if isinstance(value, torch.Tensor) and value.shape == leaf.shape and leaf.dim() == 1:
+                    local_keys[key] = str(value.dtype).removeprefix("torch.")
+                else:
+                    value = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+                    scalars.setdefault(piece.slot.name, {}).setdefault(key, value)
+        gathered: list[Any] = [None] * ddp.world_size
+        dist.all_gather_object(gathered, (local_keys, scalars), group=ddp.group)
+        elementwise: dict[str, str] = {}
+        merged_scalars: dict[str, dict[str, Any]] = {}
+        for keys, sc in gathered:
+            elementwise.update(keys)
+            for name, entries in sc.items():
+                for key, value in entries.items():
+                    merged_scalars.setdefault(name, {}).setdefault(key, value)
+
+        master = self._per_param(self._gather_flat(self.master))
+        state: dict[str, dict[str, Any]] = {name: dict(entries) for name, entries in merged_scalars.items()}
+        for key in sorted(elementwise):
+            dtype = getattr(torch, elementwise[key])
+            flat = torch.zeros(self.master.numel(), dtype=dtype, device=self.master.device)
+            has = torch.zeros(self.master.numel(), dtype=torch.uint8, device=self.master.device)
+            for leaf, (k, piece) in zip(self._leaves, self._pieces, strict=True):
+                value = self.optimizer.state.get(leaf, {}).get(key)
+                if value is not None:
+                    start = ddp._shard_base[k] + piece.shard_offset
+                    flat[start : start + piece.numel] = value
+                    has[start : start + piece.numel] = 1
+            full = self._per_param(self._gather_flat(flat))
+            present = self._per_param(self._gather_flat(has))
+            for name, tensor in full.items():
+                if bool(present[name].all()):
+                    state.setdefault(name, {})[key] = tensor
+        groups = []
+        for group, names in zip(self.optimizer.param_groups, self._group_names, strict=True):
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(names)})
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "master": master,
+            "state": state,
+            "elementwise_keys": sorted(elementwise),
+            "param_groups": groups,
+            "world_size": ddp.world_size,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint from :meth:`state_dict`, saved at any world size. Sets the model parameters
+        too (the masters rounded to the model dtype). Local: no collective."""
+        if not isinstance(state_dict, dict) or state_dict.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"state_dict must come from ShardedOptimizer.state_dict() (format {CHECKPOINT_FORMAT!r})")
+        ddp = self.ddp
+        master = state_dict["master"]
+        expected = {slot.name for slot in ddp.layout.slots}
+        if set(master) != expected:
+            missing, extra = sorted(expected - set(master)), sorted(set(master) - expected)
+            raise ValueError(f"checkpoint parameters do not match the model: missing {missing}, unexpected {extra}")
+        for slot in ddp.layout.slots:
+            if tuple(master[slot.name].shape) != tuple(slot.shape):
+                raise ValueError(
+                    f"parameter {slot.name}: checkpoint shape {tuple(master[slot.name].shape)} != {tuple(slot.shape)}"
+                )
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self._group_names) or any(
+            list(sg["params"]) != names for sg, names in zip(saved_groups, self._group_names, strict=True)
+        ):
+            raise ValueError("checkpoint param groups do not match this optimizer's (same parameters per group)")
+        elementwise = set(state_dict.get("elementwise_keys", ()))
+        inner_state: dict[int, dict[str, Any]] = {}
+        for idx, (leaf, (_, piece)) in enumerate(zip(self._leaves, self._pieces, strict=True)):
+            name = piece.slot.name
+            leaf.copy_(master[name].reshape(-1)[piece.param_start : piece.param_stop])
+            entries = state_dict["state"].get(name)
+            if not entries:
+                continue
+            inner_state[idx] = {
+                key: (
+                    value.reshape(-1)[piece.param_start : piece.param_stop].clone()
+                    if key in elementwise
+                    else (value.clone() if isinstance(value, torch.Tensor) else value)
+                )
+                for key, value in entries.items()
+            }
+        inner_groups = []
+        next_index = 0
+        for saved, group in zip(saved_groups, self.optimizer.param_groups, strict=True):
+            n = len(group["params"])
+            inner_groups.append(
+                {**{k: v for k, v in saved.items() if k != "params"}, "params": list(range(next_index, next_index + n))}
+            )
+            next_index += n
+        self.optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+        for slot, param in zip(ddp.layout.slots, ddp._params, strict=True):
+            param.copy_(master[slot.name])  # round to the model dtype, locally (every rank has the full tensor)
+        self._grads_prepared = False
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedOptimizer({type(self.optimizer).__name__}, rank={self.ddp.rank}/{self.ddp.world_size}, "
+            f"shard_elements={self.master.numel()})"
+        )
