@@ -202,6 +202,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._next_bucket = 0
         self._handles: list[ReductionHandle | None] = [None] * n_buckets
         self._callback_queued = False
+        self._graph_task = -1
         self._no_sync_depth = 0
         self._require_sync = True
         self._grads_reduced = False
@@ -236,8 +237,20 @@ class DistributedDataParallel(torch.nn.Module):
     # ------------------------------------------------------------------ forward / no_sync
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module. Whether the next backward reduces is decided here, as in torch DDP."""
+        if self._callback_queued:
+            self._abandon_backward()
         self._require_sync = self._no_sync_depth == 0
         return self.module(*args, **kwargs)
+
+    def _abandon_backward(self) -> None:
+        """A backward raised before its end: finish what it launched (every rank launched the same
+        buckets, in order) and start clean, rather than never reducing again."""
+        try:
+            for handle in self._handles:
+                if handle is not None:
+                    handle.wait()
+        finally:
+            self._reset_backward_state()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -267,10 +280,19 @@ class DistributedDataParallel(torch.nn.Module):
         self._fresh[i] = False
         if not self._require_sync:
             return
+        task = torch._C._current_graph_task_id()
         if not self._callback_queued:
             self._callback_queued = True
+            self._graph_task = task
             self.last_nonfinite = []
             torch.autograd.Variable._execution_engine.queue_callback(_make_finalizer(weakref.ref(self)))
+        elif task != self._graph_task:
+            # A nested backward (reentrant checkpointing) would finish before the outer one and end the
+            # reduction early, with the outer backward's gradients still missing.
+            raise RuntimeError(
+                "a nested backward pass (torch.utils.checkpoint with use_reentrant=True?) produced gradients "
+                "inside a synced backward; DistributedDataParallel needs use_reentrant=False"
+            )
         if self._ready[i]:
             raise RuntimeError(
                 f"parameter {self._names[i]} received its gradient twice in one synced backward (several "
@@ -347,11 +369,14 @@ class DistributedDataParallel(torch.nn.Module):
             self._grads_reduced = True
             self._fresh = [True] * len(self._params)
         finally:
-            self._ready = [False] * len(self._params)
-            self._missing = [len(b.slots) for b in self.layout.buckets]
-            self._next_bucket = 0
-            self._handles = [None] * len(self._missing)
-            self._callback_queued = False
+            self._reset_backward_state()
+
+    def _reset_backward_state(self) -> None:
+        self._ready = [False] * len(self._params)
+        self._missing = [len(b.slots) for b in self.layout.buckets]
+        self._next_bucket = 0
+        self._handles = [None] * len(self._missing)
+        self._callback_queued = False
 
     def _fill_unused(self, i: int, param: torch.Tensor) -> None:
         """A parameter that got no gradient in this backward: its slot must still hold a defined value."""

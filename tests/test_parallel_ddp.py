@@ -1,0 +1,437 @@
+"""mixprec.parallel.DistributedDataParallel on gloo ranks.
+
+Two kinds of reference:
+* exact: every rank recomputes every rank's local gradient itself (same model, same microbatch, one
+  thread: the same bits), then sums them in fp32 in rank order and divides, which is what the
+  "fp32_accumulate" reducer must produce, bit for bit, whatever the bucketing, unused or tied parameters;
+* the single-process large-batch gradient, within an error bound derived below for a linear model.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from mixprec.parallel import (
+    DistributedDataParallel,
+    FP32AccumulateReducer,
+    NonFiniteGradientWarning,
+    bucket_multiple,
+    build_layout,
+)
+from mixprec.scaling import DynamicLossScaler
+
+U32 = 2.0**-24
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _import_optimizer_machinery_before_forking() -> None:
+    """The first torch optimizer built in a process imports torch._dynamo (seconds). Build one here, in
+    the parent, so that the forked ranks inherit the imported modules instead of each paying again."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+
+def gamma(n: int, u: float = U32) -> float:
+    return n * u / (1 - n * u)
+
+
+class TiedNet(torch.nn.Module):
+    """Embedding tied to the output layer, a layer no rank uses, and one only rank 0 uses."""
+
+    def __init__(self, vocab: int = 11, width: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.hidden = torch.nn.Linear(width, width)
+        self.unused = torch.nn.Linear(width, 3)
+        self.rank0_only = torch.nn.Linear(width, width)
+        self.out = torch.nn.Linear(width, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, use_rank0_layer: bool) -> torch.Tensor:
+        h = torch.tanh(self.hidden(self.embed(tokens)))
+        if use_rank0_layer:
+            h = h + torch.tanh(self.rank0_only(h))
+        return self.out(h)
+
+
+def _tokens(rank: int, microbatch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * rank + microbatch)
+    return torch.randint(0, 11, (6,), generator=gen), torch.randint(0, 11, (6,), generator=gen)
+
+
+def _local_loss(model: torch.nn.Module, rank: int, microbatch: int = 0) -> torch.Tensor:
+    x, y = _tokens(rank, microbatch)
+    return torch.nn.functional.cross_entropy(model(x, use_rank0_layer=(rank == 0)), y)
+
+
+def _fp32_mean(per_rank: list[torch.Tensor], wire: torch.dtype) -> torch.Tensor:
+    """What fp32_accumulate computes: local grads in the wire dtype, numpy float32 sum in rank order,
+    fp32 division by the world size, one rounding to the wire dtype."""
+    acc = np.zeros(per_rank[0].numel(), dtype=np.float32)
+    for g in per_rank:
+        acc = acc + g.to(wire).float().numpy().reshape(-1)
+    acc = acc / np.float32(len(per_rank))
+    return torch.from_numpy(acc).to(wire).reshape(per_rank[0].shape)
+
+
+def _exact_case(rank: int, world_size: int, grad_dtype: torch.dtype | None, microbatches: int) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = TiedNet()
+    reference_model = copy.deepcopy(model)
+    # Small buckets: several per backward, some parameters split off, padding everywhere.
+    ddp = DistributedDataParallel(model, bucket_size=200, grad_dtype=grad_dtype)
+    launches: list[int] = []
+    inner = ddp.reducer
+
+    class Counting:
+        def all_reduce(self, bucket, group, *, average, key):
+            launches.append(key)
+            return inner.all_reduce(bucket, group, average=average, key=key)
+
+        def reduce_scatter(self, shard_out, bucket, group, *, average, key):  # pragma: no cover
+            raise AssertionError("not sharded")
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            return None
+
+    ddp.reducer = Counting()
+    for mb in range(microbatches):
+        if mb < microbatches - 1:
+            with ddp.no_sync():
+                x, y = _tokens(rank, mb)
+                torch.nn.functional.cross_entropy(ddp(x, use_rank0_layer=(rank == 0)), y).backward()
+            launched_during_no_sync = len(launches)
+        else:
+            x, y = _tokens(rank, mb)
+            torch.nn.functional.cross_entropy(ddp(x, use_rank0_layer=(rank == 0)), y).backward()
+    # Reference: every rank's local gradient (sum over its microbatches), recomputed here.
+    wire = grad_dtype or torch.float32
+    per_rank: dict[str, list[torch.Tensor]] = {}
+    for r in range(world_size):
+        ref = copy.deepcopy(reference_model)
+        for mb in range(microbatches):
+            _local_loss(ref, r, mb).backward()
+        for name, p in ref.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            per_rank.setdefault(name, []).append(g.to(wire) if microbatches == 1 or wire == torch.float32 else g)
+    return {
+        "grads": {name: p.grad.clone() for name, p in model.named_parameters()},
+        "expected": {name: _fp32_mean(gs, wire).to(torch.float32) for name, gs in per_rank.items()},
+        "launches": launches,
+        "no_sync_launches": launched_during_no_sync if microbatches > 1 else 0,
+        "buckets": ddp.bucket_params(),
+        "tied_same_grad": model.out.weight.grad is model.embed.weight.grad,
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_grads_are_the_fp32_mean_of_local_grads_bit_for_bit(dist_run, world_size: int) -> None:
+    results = dist_run(_exact_case, world_size, None, 1, timeout=120)
+    for r in results:
+        for name, g in r["grads"].items():
+            assert torch.equal(g, r["expected"][name]), name
+        assert r["launches"] == list(range(len(r["buckets"])))  # every bucket once, in order
+        assert r["tied_same_grad"]
+    # The layer no rank used has a zero gradient; the rank-0-only layer gets rank 0's gradient / P.
+    assert float(results[0]["grads"]["unused.weight"].abs().max()) == 0.0
+    assert float(results[0]["grads"]["rank0_only.weight"].abs().max()) > 0.0
+    # The tied weight appears once, under both names.
+    assert any("embed.weight = out.weight" in names for names in results[0]["buckets"])
+
+
+def test_bf16_wire_for_fp32_params(dist_run) -> None:
+    """grad_dtype=bfloat16: local grads rounded to bf16, fp32 sum, one rounding to bf16."""
+    for r in dist_run(_exact_case, 3, torch.bfloat16, 1, timeout=120):
+        for name, g in r["grads"].items():
+            assert g.dtype == torch.float32
+            assert torch.equal(g, r["expected"][name]), name
+
+
+def test_no_sync_accumulates_locally_and_reduces_once(dist_run) -> None:
+    for r in dist_run(_exact_case, 2, None, 3, timeout=120):
+        assert r["no_sync_launches"] == 0
+        assert r["launches"] == list(range(len(r["buckets"])))
+        for name, g in r["grads"].items():
+            # fp32 microbatch sums: the same additions in the same order as the reference's backward.
+            assert torch.equal(g, r["expected"][name]), name
+
+
+def _linear_case(rank: int, world_size: int, batch: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    model = torch.nn.Linear(24, 5)
+    gen = torch.Generator().manual_seed(7)
+    x, y = torch.randn(batch, 24, generator=gen), torch.randn(batch, 5, generator=gen)
+    ddp = DistributedDataParallel(model, bucket_size=64)
+    rows = slice(rank * batch // world_size, (rank + 1) * batch // world_size)
+    loss = ((ddp(x[rows]) - y[rows]) ** 2).sum() / (batch // world_size)
+    loss.backward()
+    return {"w": model.weight.grad.clone(), "b": model.bias.grad.clone()}
+
+
+def test_grads_match_the_large_batch_reference_within_the_fp32_bound(dist_run) -> None:
+    """Linear model, loss (1/B) sum_i |W x_i + b - y_i|^2, gradient (2/B) sum_i r_i x_i^T.
+
+    Error bound (Higham, ch. 3), elementwise, d = 24 inputs, B = 48 samples, P = 3 ranks:
+    * the residual r_i = W x_i + b - y_i: a dot product of d + 2 terms, |r^_i - r_i| <= gamma_{d+2} s_i
+      with s_i = |W| |x_i| + |b| + |y_i|;
+    * each term r_i x_i^T: one more rounding; the local sum of B/P terms and the fp32 sum of P local
+      means and the division: at most gamma_{B/P + P + 2} on the absolute sum.
+    So |g^ - g| <= (2/B) sum_i (gamma_{d+3} s_i + gamma_{B/P+P+2} |r_i|) |x_i|, computed here in float64.
+    The single-process fp32 gradient obeys the same bound with B instead of B/P + P.
+    """
+    world_size, batch = 3, 48
+    results = dist_run(_linear_case, world_size, batch, timeout=60)
+    torch.manual_seed(1)
+    model = torch.nn.Linear(24, 5)
+    gen = torch.Generator().manual_seed(7)
+    x, y = torch.randn(batch, 24, generator=gen), torch.randn(batch, 5, generator=gen)
+    w, b = model.weight.detach().double(), model.bias.detach().double()
+    x64, y64 = x.double(), y.double()
+    r = x64 @ w.T + b - y64  # (B, 5)
+    exact_w = 2 / batch * r.T @ x64
+    exact_b = 2 / batch * r.sum(0)
+    s = x64.abs() @ w.abs().T + b.abs() + y64.abs()  # (B, 5)
+    g_res, g_sum = gamma(24 + 3), gamma(batch + 2)
+    bound_w = 2 / batch * ((g_res * s + g_sum * r.abs()).T @ x64.abs())
+    bound_b = 2 / batch * (g_res * s + g_sum * r.abs()).sum(0)
+    for res in results:
+        assert bool(((res["w"].double() - exact_w).abs() <= bound_w).all())
+        assert bool(((res["b"].double() - exact_b).abs() <= bound_b).all())
+        assert torch.equal(res["w"], results[0]["w"])
+    # The bound is not vacuous: a bf16 reduction's error (rounding the exact gradient to bf16) breaks it.
+    bf16_err = (exact_w.to(torch.bfloat16).double() - exact_w).abs()
+    assert bool((bf16_err > bound_w).any())
+
+
+def _broadcast_case(rank: int, world_size: int) -> list[torch.Tensor]:
+    torch.manual_seed(rank)  # different weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    model[1].running_mean.fill_(rank)
+    DistributedDataParallel(model)
+    return [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
+
+
+def test_parameters_and_buffers_are_broadcast_from_rank0(dist_run) -> None:
+    results = dist_run(_broadcast_case, 3, timeout=60)
+    torch.manual_seed(0)
+    expected = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    for rank_tensors in results:
+        for t, e in zip(rank_tensors[:2], expected.parameters(), strict=False):
+            assert torch.equal(t, e.detach())
+        assert float(rank_tensors[4].abs().max()) == 0.0  # running_mean from rank 0
+
+
+def _events_case(rank: int, world_size: int, overlap: bool) -> list[tuple[str, int]]:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 16) for _ in range(4)]
+    model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.Tanh())])
+    log: list[tuple[str, int]] = []
+
+    def mark_output(j: int):
+        def forward_hook(mod: torch.nn.Module, inp: object, out: torch.Tensor) -> None:
+            # When the gradient reaches layer j's output, backward is about to run through layer j.
+            out.register_hook(lambda g: log.append(("reach", j)))
+
+        return forward_hook
+
+    for j, layer in enumerate(layers):
+        layer.register_forward_hook(mark_output(j))
+    inner = FP32AccumulateReducer()
+
+    class Recording:
+        def all_reduce(self, bucket, group, *, average, key):
+            log.append(("launch", key))
+            return inner.all_reduce(bucket, group, average=average, key=key)
+
+        def reduce_scatter(self, shard_out, bucket, group, *, average, key):  # pragma: no cover
+            raise AssertionError
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            return None
+
+    # One bucket per layer (16*16 + 16 = 272 elements): bucket k holds layer 3 - k.
+    ddp = DistributedDataParallel(model, bucket_size=272, reduce=Recording(), overlap=overlap)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    ddp(x).square().mean().backward()
+    log.append(("backward returned", -1))
+    assert ddp.bucket_params()[0] == ("6.bias", "6.weight")
+    return log
+
+
+def test_reductions_start_during_backward(dist_run) -> None:
+    """Instrumented, not timed: the order of events "bucket k launched" and "backward reached layer j"."""
+    log = dist_run(_events_case, 2, True, timeout=60)[0]
+    assert [e for e in log if e[0] == "launch"] == [("launch", k) for k in range(4)]
+    # Bucket 0 (the last layer) starts before backward even reaches the first layer, and each bucket
+    # k < 3 starts before backward reaches layer 2 - k's predecessor: interleaved, not after.
+    assert log.index(("launch", 0)) < log.index(("reach", 0))
+    assert log.index(("launch", 1)) < log.index(("reach", 0))
+    assert log.index(("launch", 2)) < log.index(("reach", 0))
+    assert log[-1] == ("backward returned", -1)
+    # Control: with overlap=False every launch comes after backward has passed the first layer.
+    log = dist_run(_events_case, 2, False, timeout=60)[0]
+    first_launch = next(i for i, e in enumerate(log) if e[0] == "launch")
+    assert first_launch > log.index(("reach", 0))
+
+
+def _overflow_case(rank: int, world_size: int, sharded: bool) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).half()
+    ddp = DistributedDataParallel(model, bucket_size=80, sharded_optimizer=sharded)
+    opt = ddp.make_optimizer(torch.optim.SGD, lr=0.1)
+    scaler = DynamicLossScaler(init_scale=2.0**10)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)).half()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.zero_grad()
+        loss = ddp(x).float().square().mean()
+        if rank == 1:
+            loss = loss * 1e6  # this rank's scaled fp16 gradients overflow; rank 0's do not
+        scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    stepped = scaler.step(opt)
+    scaler.update()
+    after = [p.detach().clone() for p in model.parameters()]
+    return {
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, NonFiniteGradientWarning)],
+        "nonfinite": ddp.last_nonfinite,
+        "skipped": scaler.steps_skipped,
+        "stepped": stepped,
+        "scale": scaler.get_scale(),
+        "unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+    }
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_fp16_overflow_on_one_rank_skips_the_step_on_all(dist_run, sharded: bool) -> None:
+    results = dist_run(_overflow_case, 2, sharded, timeout=60)
+    assert results[0]["warnings"] == [] and results[0]["nonfinite"] == []
+    assert len(results[1]["nonfinite"]) >= 1
+    named = {name for b in results[1]["nonfinite"] for name in b.params}
+    assert "0.weight" in named  # the first layer's weight gradient holds the inf
+    assert any("holds inf/NaN before reduction" in w and "0.weight" in w for w in results[1]["warnings"])
+    for r in results:
+        assert r["skipped"] == 1 and r["stepped"] is None
+        assert r["unchanged"]
+        assert r["scale"] == 2.0**9  # backed off together
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.inner, self.outer = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.outer(checkpoint(self.inner, x, use_reentrant=self.use_reentrant))
+
+
+def _reentrant_checkpoint(rank: int, world_size: int, use_reentrant: bool) -> str:
+    torch.manual_seed(0)
+    model = _Checkpointed(use_reentrant)
+    ddp = DistributedDataParallel(model, bucket_size=20)
+    x = torch.randn(2, 4, requires_grad=True)
+    try:
+        ddp(x).sum().backward()
+    except RuntimeError as exc:
+        return str(exc)
+    ddp(x).sum().backward()  # and the next backward works too
+    return "ok"
+
+
+def test_reentrant_checkpointing_is_refused_with_a_clear_error(dist_run) -> None:
+    # The first checkpoint() call in a process costs seconds of lazy imports: pay it once here, before
+    # the ranks fork, instead of in every rank of both runs.
+    _Checkpointed(False)(torch.randn(1, 4, requires_grad=True)).sum().backward()
+    for message in dist_run(_reentrant_checkpoint, 2, True, timeout=60):
+        assert "use_reentrant=False" in message
+    assert dist_run(_reentrant_checkpoint, 2, False, timeout=60) == ["ok", "ok"]
+
+
+def _bad_arguments(rank: int, world_size: int) -> list[str]:
+    out = []
+    model = torch.nn.Linear(2, 2)
+    for kwargs in (
+        {"bucket_size": 0},
+        {"grad_dtype": torch.float64},
+        {"grad_dtype": "bf16"},
+        {"reduce": "bogus"},
+        {"reduce": FP32AccumulateReducer(), "reduce_options": {"rounding": "stochastic"}},
+        {"reduce": 3},
+        {"overlap": 1},
+    ):
+        try:
+            DistributedDataParallel(model, **kwargs)
+            out.append("no error")
+        except (TypeError, ValueError) as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+    try:
+        DistributedDataParallel(torch.nn.ReLU())
+    except ValueError as exc:
+        out.append(str(exc))
+    return out
+
+
+def test_bad_arguments_raise_clear_errors(dist_run) -> None:
+    messages = dist_run(_bad_arguments, 2, timeout=60)[0]
+    fragments = [
+        "bucket_size must be an int >= 1",
+        "grad_dtype must be one of",
+        "grad_dtype must be a torch.dtype",
+        "unknown reducer 'bogus'",
+        "reduce_options only apply",
+        "reduce must be a reducer name or a GradReducer",
+        "overlap must be a bool",
+        "no parameters that require grad",
+    ]
+    for message, fragment in zip(messages, fragments, strict=True):
+        assert fragment in message, (fragment, message)
+
+
+def test_needs_an_initialised_group() -> None:
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        DistributedDataParallel(torch.nn.Linear(2, 2))
+
+
+def test_layout_pads_buckets_and_shards_cover_each_parameter_once() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(10, 30), torch.nn.Linear(30, 7), torch.nn.Linear(7, 1000))
+    named = list(model.named_parameters())
+    for world_size in (1, 2, 3, 4, 6):
+        layout = build_layout(named, world_size=world_size, bucket_size=500, grad_dtype=None)
+        multiple = bucket_multiple(world_size)
+        assert all(b.numel % multiple == 0 and b.numel >= b.used for b in layout.buckets)
+        # Reverse registration order: the first bucket holds the last layer (7000 elements, alone).
+        assert [s.name for s in layout.buckets[0].slots] == ["2.bias"]
+        assert [s.name for s in layout.buckets[1].slots] == ["2.weight"]
+        covered = {s.name: torch.zeros(s.numel, dtype=torch.int32) for s in layout.slots}
+        for bucket in layout.buckets:
+            for rank in range(world_size):
+                for piece in layout.pieces(bucket, rank):
+                    covered[piece.slot.name][piece.param_start : piece.param_stop] += 1
+        assert all(bool((c == 1).all()) for c in covered.values())
+        assert sum(layout.group_numel) == sum(b.numel for b in layout.buckets)
+    mixed = [
+        ("a", torch.zeros(3, dtype=torch.bfloat16)),
+        ("b", torch.zeros(5)),
+        ("c", torch.zeros(2, dtype=torch.bfloat16)),
+    ]
+    layout = build_layout(mixed, world_size=2, bucket_size=100, grad_dtype=None)
+    assert layout.groups == [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)]
+    assert [[s.name for s in b.slots] for b in layout.buckets] == [["c", "a"], ["b"]]
+    layout = build_layout(mixed, world_size=2, bucket_size=100, grad_dtype=torch.float32)
+    assert layout.groups == [(torch.bfloat16, torch.float32), (torch.float32, torch.float32)]
+    assert math.lcm(2, 128) == layout.buckets[0].numel
