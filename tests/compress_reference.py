@@ -89,6 +89,49 @@ def roundtrip_bound(x: np.ndarray, chunk: int, rounding: str, out_dtype: torch.d
     return bound
 
 
+def ref_flat_reduce(
+    inputs: list[np.ndarray],
+    chunk: int,
+    *,
+    divisor: int | None,
+    rounding: str = "nearest",
+    uniforms: list[np.ndarray] | None = None,
+    residuals: dict | None = None,
+) -> list[np.ndarray]:
+    """First half of ByteGrad's scheme on W simulated ranks: the fp32 reduced part p owned by rank p.
+
+    Rank r quantizes each of the W parts of its input (part p goes to rank p); rank p decodes the W
+    messages of part p and adds them in fp32 in rank order 0..W-1, then divides by ``divisor``.
+    ``uniforms[r]``: rank r's draws for this encode (all parts, element order). ``residuals`` (error
+    feedback, updated in place): {"worker": [W arrays], "server": [W arrays]}.
+    """
+    world = len(inputs)
+    part = inputs[0].size // world
+    send = []
+    for r in range(world):
+        v = inputs[r].astype(np.float32)
+        if residuals is not None:
+            v = (v + residuals["worker"][r]).astype(np.float32)
+        u = uniforms[r] if uniforms is not None else None
+        msgs = []
+        for p in range(world):
+            lo, hi = p * part, (p + 1) * part
+            msgs.append(ref_encode(v[lo:hi], chunk, rounding, None if u is None else u[lo:hi]))
+        if residuals is not None:
+            decoded = np.concatenate([ref_decode(m, part, chunk) for m in msgs])
+            residuals["worker"][r] = (v - decoded).astype(np.float32)
+        send.append(msgs)
+    reduced = []
+    for p in range(world):
+        acc = ref_decode(send[0][p], part, chunk)
+        for r in range(1, world):
+            acc = (acc + ref_decode(send[r][p], part, chunk)).astype(np.float32)
+        if divisor is not None:
+            acc = (acc / np.float32(divisor)).astype(np.float32)
+        reduced.append(acc)
+    return reduced
+
+
 def ref_flat_all_reduce(
     inputs: list[np.ndarray],
     chunk: int,
@@ -101,36 +144,25 @@ def ref_flat_all_reduce(
 ) -> tuple[list[np.ndarray], bool]:
     """ByteGrad's scheme on W simulated ranks; returns every rank's output (fp32) and the non-finite flag.
 
-    Rank r: quantize each of the W parts of its input (part p goes to rank p); rank p decodes the W
-    messages of part p and adds them in fp32 in rank order 0..W-1, divides by ``divisor`` (the world
-    size when ``average``), quantizes the result; every rank decodes every rank's result.
-    ``uniforms[r]`` = [draws of rank r's first encode (all parts, element order), of its second encode].
-    ``residuals`` (error feedback, updated in place): {"worker": [W arrays], "server": [W arrays]}.
+    :func:`ref_flat_reduce`, then rank p quantizes its reduced part (after adding its server residual),
+    and every rank decodes every rank's result. ``divisor`` defaults to W when ``average``.
+    ``uniforms[r]`` = [draws of rank r's first encode, draws of its second encode].
     """
     world = len(inputs)
-    n = inputs[0].size
-    part = n // world
-    send = []
-    for r in range(world):
-        v = inputs[r].astype(np.float32)
-        if residuals is not None:
-            v = (v + residuals["worker"][r]).astype(np.float32)
-        u = uniforms[r][0] if uniforms is not None else None
-        msgs = []
-        for p in range(world):
-            lo, hi = p * part, (p + 1) * part
-            msgs.append(ref_encode(v[lo:hi], chunk, rounding, None if u is None else u[lo:hi]))
-        if residuals is not None:
-            decoded = np.concatenate([ref_decode(m, part, chunk) for m in msgs])
-            residuals["worker"][r] = (v - decoded).astype(np.float32)
-        send.append(msgs)
+    part = inputs[0].size // world
+    if divisor is None and average:
+        divisor = world
+    reduced = ref_flat_reduce(
+        inputs,
+        chunk,
+        divisor=divisor,
+        rounding=rounding,
+        uniforms=None if uniforms is None else [u[0] for u in uniforms],
+        residuals=residuals,
+    )
     results = []
     for p in range(world):
-        acc = ref_decode(send[0][p], part, chunk)
-        for r in range(1, world):
-            acc = (acc + ref_decode(send[r][p], part, chunk)).astype(np.float32)
-        if average or divisor is not None:
-            acc = (acc / np.float32(divisor if divisor is not None else world)).astype(np.float32)
+        acc = reduced[p]
         if residuals is not None:
             acc = (acc + residuals["server"][p]).astype(np.float32)
         u = uniforms[p][1] if uniforms is not None else None
@@ -143,6 +175,18 @@ def ref_flat_all_reduce(
     return [out.copy() for _ in range(world)], nonfinite
 
 
+def _node_slices(inputs: list[np.ndarray], nodes: int, per_node: int, layout: np.ndarray) -> dict:
+    """Intra-node fp32 reduce-scatter: slice l of the node's (re-laid-out) input, summed in local-rank order."""
+    slices = {}
+    for node in range(nodes):
+        for local in range(per_node):
+            acc = layout(inputs[node * per_node])[local].astype(np.float32)
+            for peer in range(1, per_node):
+                acc = (acc + layout(inputs[node * per_node + peer])[local]).astype(np.float32)
+            slices[node, local] = acc
+    return slices
+
+
 def ref_hierarchical_all_reduce(
     inputs: list[np.ndarray], chunk: int, nodes: int, per_node: int, *, average: bool = True
 ) -> list[np.ndarray]:
@@ -150,21 +194,33 @@ def ref_hierarchical_all_reduce(
     all-reduce of slice l among the nodes' local ranks l (divided by the total world size), intra-node
     all-gather. Ranks are node-major: rank = node * per_node + local.
     """
-    n = inputs[0].size
-    sl = n // per_node
     world = nodes * per_node
-    slices = {}
-    for node in range(nodes):
-        for local in range(per_node):
-            acc = inputs[node * per_node][local * sl : (local + 1) * sl].astype(np.float32)
-            for peer in range(1, per_node):
-                acc = (acc + inputs[node * per_node + peer][local * sl : (local + 1) * sl]).astype(np.float32)
-            slices[node, local] = acc
-    reduced = {}
+    slices = _node_slices(inputs, nodes, per_node, lambda x: x.reshape(per_node, -1))
+    reduced = []
     for local in range(per_node):
         outs, _ = ref_flat_all_reduce(
             [slices[node, local] for node in range(nodes)], chunk, average=False, divisor=world if average else None
         )
-        reduced[local] = outs[0]
-    full = np.concatenate([reduced[local] for local in range(per_node)])
+        reduced.append(outs[0])
+    full = np.concatenate(reduced)
     return [full.copy() for _ in range(world)]
+
+
+def ref_hierarchical_reduce_scatter(
+    inputs: list[np.ndarray], chunk: int, nodes: int, per_node: int, *, average: bool = True
+) -> list[np.ndarray]:
+    """Rank r = node * n + l gets part r: local rank l's slice holds parts {i * n + l} in node order, summed
+    over the node in fp32; the compressed reduce-scatter among the nodes hands node i its part i.
+    """
+    world = nodes * per_node
+    slices = _node_slices(
+        inputs, nodes, per_node, lambda x: x.reshape(nodes, per_node, -1).transpose(1, 0, 2).reshape(per_node, -1)
+    )
+    shards = [None] * world
+    for local in range(per_node):
+        parts = ref_flat_reduce(
+            [slices[node, local] for node in range(nodes)], chunk, divisor=world if average else None
+        )
+        for node in range(nodes):
+            shards[node * per_node + local] = parts[node]
+    return shards

@@ -1,5 +1,36 @@
-"""8-bit min-max gradient compression (after Bagua's ByteGrad): quantizer, compressed collectives, reducers."""
+"""8-bit min-max gradient compression (after Bagua's ByteGrad): quantizer, compressed collectives, reducers.
 
+* :class:`MinMaxUInt8`: per-chunk min-max uint8 quantizer with a documented wire format.
+* :func:`compressed_all_reduce` / :func:`compressed_reduce_scatter`: uint8 on the wire, fp32 sums, flat or
+  hierarchical (:class:`Topology`), optional :class:`ErrorFeedback`, per-call :class:`CompressionStats`.
+* Reducers ``"uint8"`` and ``"uint8_hierarchical"`` for :class:`mixprec.parallel.DistributedDataParallel`
+  (registered when this package is imported) and :func:`uint8_compress_hook` for torch DDP.
+"""
+
+from mixprec.compress.collectives import (
+    CompressedReduction,
+    CompressionStats,
+    CompressionWorkspace,
+    ErrorFeedback,
+    compressed_all_reduce,
+    compressed_reduce_scatter,
+    start_compressed_all_reduce,
+    start_compressed_reduce_scatter,
+)
 from mixprec.compress.quantize import HEADER_BYTES_PER_CHUNK, MinMaxUInt8, NonFiniteError
+from mixprec.compress.topology import Topology
 
-__all__ = ["HEADER_BYTES_PER_CHUNK", "MinMaxUInt8", "NonFiniteError"]
+__all__ = [
+    "HEADER_BYTES_PER_CHUNK",
+    "CompressedReduction",
+    "CompressionStats",
+    "CompressionWorkspace",
+    "ErrorFeedback",
+    "MinMaxUInt8",
+    "NonFiniteError",
+    "Topology",
+    "compressed_all_reduce",
+    "compressed_reduce_scatter",
+    "start_compressed_all_reduce",
+    "start_compressed_reduce_scatter",
+]

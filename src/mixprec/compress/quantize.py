@@ -61,10 +61,11 @@ from typing import Literal
 import torch
 
 from mixprec._validate import check_choice, check_dtype, check_positive_int
+from mixprec.comm.rounding import Rounding
+from mixprec.compress._scratch import Scratch
 
 __all__ = ["HEADER_BYTES_PER_CHUNK", "MinMaxUInt8", "NonFiniteError"]
 
-Rounding = Literal["nearest", "stochastic"]
 CheckFinite = Literal["raise", "flag"]
 
 HEADER_BYTES_PER_CHUNK = 8  # fp32 min + fp32 max
@@ -118,7 +119,7 @@ class MinMaxUInt8:
             raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
         self.generator = generator
         self.check_finite: CheckFinite = check_choice("check_finite", check_finite, ("raise", "flag"))
-        self._scratch: dict[str, torch.Tensor] = {}
+        self._scratch = Scratch()
 
     def __repr__(self) -> str:
         return (
@@ -227,12 +228,7 @@ class MinMaxUInt8:
         return buffer
 
     def _buf(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A cached scratch tensor of at least ``numel`` elements (grown, never shrunk)."""
-        buf = self._scratch.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
-            buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
-            self._scratch[name] = buf
-        return buf[:numel]
+        return self._scratch.get(name, numel, dtype, device)
 
     def _segments(self, length: int) -> Iterator[tuple[int, int, int, int]]:
         """Cache blocks of a row of ``length`` elements: ``(first chunk, n chunks, first element, chunk len)``.

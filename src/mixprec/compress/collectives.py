@@ -1,0 +1,574 @@
+"""Compressed all-reduce and reduce-scatter: uint8 on the wire, fp32 sums, optional error feedback.
+
+Flat scheme (ByteGrad's scatter-reduce / all-gather), on a group of W ranks, for a tensor of N elements cut
+into W parts of L = N / W:
+
+1. each rank quantizes each of its W parts with :class:`MinMaxUInt8` (one buffer per part);
+2. one ``all_to_all_single`` of the uint8 buffers: rank p receives every rank's buffer of part p (gloo
+   refuses float8 tensors but moves uint8);
+3. rank p decodes the W buffers and adds them in fp32, in rank order 0, 1, ..., W-1 (deterministic),
+   divides by W when averaging (one fp32 division);
+4. rank p quantizes its reduced part once more, the buffers are all-gathered, and every rank decodes all
+   W of them, its own included, so all ranks end with identical bits.
+
+Hierarchical scheme (``topology`` given; m nodes of n ranks):
+
+1. intra-node, full precision: a reduce-scatter that sends the input dtype and adds in fp32
+   (:func:`mixprec.comm.reduce_scatter_fp32_accumulate`): local rank l of every node gets slice l
+   (N / n elements) summed over its node;
+2. inter-node, compressed: the flat scheme above on slice l among the m ranks with local rank l, one per
+   node, dividing by m * n when averaging;
+3. intra-node: all-gather of the n slices (in the tensor dtype).
+
+Compared with ByteGrad's leader scheme (reduce to one leader GPU per node, the leader alone quantizes and
+exchanges the whole N elements with the other leaders, then broadcasts in the node): the bytes crossing
+each node boundary are the same, ``2 (m-1)/m N`` plus headers, but here they are spread over the n ranks
+(n parallel streams, n NICs where a node has several) and each rank quantizes N/n elements instead of one
+leader quantizing N while the others wait; the intra-node steps are a balanced reduce-scatter and
+all-gather (each rank sends ``(n-1)/n N`` elements) instead of a reduce into and a broadcast out of one
+leader, whose link carries ``(n-1) N``. Against the flat uint8 scheme over all m*n ranks, the
+hierarchical one moves n times fewer bytes across node boundaries (flat sends ``2 n (m-1)/m N`` per node).
+
+Error: each quantization adds at most half a step of its chunk (one step for stochastic rounding) plus the
+fp32 terms of :mod:`mixprec.compress.quantize`; an element of the result carries W worker-side errors
+(summed, then divided by W when averaging) and one server-side error. The fp32 sums add
+``gamma_{W-1}``-relative rounding. With ``error_feedback``, what each quantization lost is added to the next
+call's input (worker side) or reduced part (server side), so summed over many calls the result tracks the
+exact sum within one call's error instead of drifting.
+
+Non-finite values: a chunk holding NaN/Inf is flagged in its header (see ``check_finite`` of the
+compressor); it reduces and decodes to NaN on every rank (never to a finite value), and every rank
+learns it: ``found_nonfinite`` in the returned stats is identical on all ranks. With the compressor's
+``check_finite="raise"`` (its default) every rank then raises :class:`NonFiniteError` after the collective
+completes (raising before it would leave the peers waiting); ``"flag"`` only reports. Error-feedback
+residuals are cleared in that case: the step is skipped, and they would carry part of its gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mixprec.comm._compat import all_gather_flat, require_initialized
+from mixprec.comm.agree import agree_any
+from mixprec.comm.fp32_accumulate import reduce_scatter_fp32_accumulate
+from mixprec.compress._scratch import Scratch
+from mixprec.compress.quantize import HEADER_BYTES_PER_CHUNK, MinMaxUInt8, NonFiniteError
+from mixprec.compress.topology import resolve_topology
+
+__all__ = [
+    "CompressedReduction",
+    "CompressionStats",
+    "CompressionWorkspace",
+    "ErrorFeedback",
+    "compressed_all_reduce",
+    "compressed_reduce_scatter",
+]
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class CompressionStats:
+    """What one compressed collective sent from this rank (bytes handed to the backend, payload only).
+
+    Attributes:
+        numel: elements reduced (the caller's tensor, before any padding).
+        world_size: ranks in the group.
+        bytes_sent: all bytes this rank sent, both phases, all links (``compressed + full_precision``).
+        bytes_sent_compressed: bytes of uint8 buffers (codes + headers): the flat scheme's all-to-all and
+            all-gather, or the hierarchical scheme's inter-node traffic.
+        bytes_sent_full_precision: bytes of the hierarchical scheme's intra-node reduce-scatter and
+            all-gather (in the tensor dtype); 0 in the flat scheme.
+        header_bytes: the part of ``bytes_sent_compressed`` that is per-chunk (min, max) headers.
+        fp32_baseline_bytes: what a ring fp32 collective of the same tensor sends per rank:
+            ``2 (W-1)/W * 4N`` for an all-reduce, ``(W-1)/W * 4N`` for a reduce-scatter.
+        found_nonfinite: some rank's input held NaN/Inf (identical on every rank).
+    """
+
+    numel: int
+    world_size: int
+    bytes_sent: int
+    bytes_sent_compressed: int
+    bytes_sent_full_precision: int
+    header_bytes: int
+    fp32_baseline_bytes: int
+    found_nonfinite: bool
+
+    @property
+    def ratio_to_fp32(self) -> float:
+        """``bytes_sent / fp32_baseline_bytes`` (about 0.25 plus headers in the flat scheme)."""
+        return self.bytes_sent / self.fp32_baseline_bytes if self.fp32_baseline_bytes else 0.0
+
+
+class ErrorFeedback:
+    """Error-feedback residuals of ONE tensor's compressed reductions: keep one per tensor (or bucket).
+
+    ``worker``: fp32, what this rank's quantization of its input lost in the last call (the input's
+    length, padded to a multiple of the group size; in hierarchical mode the node slice's length). It is
+    added to the next call's input before quantizing. ``server``: fp32, what the re-quantization of the
+    reduced part this rank owns lost (one part's length); added to that part next call. Both start at
+    zero, are created on first use, and are cleared when a call finds NaN/Inf.
+    """
+
+    _SIDES = ("worker", "server")
+
+    def __init__(self) -> None:
+        self._residuals: dict[str, torch.Tensor] = {}
+
+    @property
+    def worker(self) -> torch.Tensor | None:
+        return self._residuals.get("worker")
+
+    @property
+    def server(self) -> torch.Tensor | None:
+        return self._residuals.get("server")
+
+    def residual(self, side: str, numel: int, device: torch.device) -> torch.Tensor:
+        """The fp32 residual of ``side`` ("worker"/"server"), created as zeros on first use."""
+        res = self._residuals.get(side)
+        if res is None:
+            res = self._residuals[side] = torch.zeros(numel, dtype=torch.float32, device=device)
+        elif res.numel() != numel:
+            raise ValueError(
+                f"error_feedback holds a {side} residual of {res.numel()} elements but this call needs {numel}: "
+                "use one ErrorFeedback per tensor (the same tensor size, group and topology at every call)"
+            )
+        elif res.device != device:
+            res = self._residuals[side] = res.to(device)
+        return res
+
+    def reset(self) -> None:
+        """Zero both residuals (keeps their memory)."""
+        for res in self._residuals.values():
+            res.zero_()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """``{"worker": fp32 tensor, "server": fp32 tensor}`` (only those created so far), cloned."""
+        return {side: res.detach().clone() for side, res in self._residuals.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict; got {type(state).__name__}")
+        unknown = set(state) - set(self._SIDES)
+        if unknown:
+            raise ValueError(f"unknown error-feedback state keys {sorted(unknown)}; expected 'worker', 'server'")
+        for side, res in state.items():
+            if not isinstance(res, torch.Tensor) or res.dtype != torch.float32 or res.dim() != 1:
+                raise TypeError(f"state[{side!r}] must be a 1-D float32 tensor")
+        self._residuals = {side: res.detach().clone() for side, res in state.items()}
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{side}={res.numel()}" for side, res in self._residuals.items())
+        return f"ErrorFeedback({sizes})"
+
+
+class CompressionWorkspace:
+    """Communication and fp32 buffers of compressed collectives, reused across calls.
+
+    Pass the same workspace to repeated calls on same-sized tensors to avoid reallocating (a fresh large
+    buffer costs page faults on first touch). Not thread-safe; one workspace per concurrently pending
+    collective. Holds about ``3 N`` bytes of uint8 buffers plus ``4 N / W`` of fp32 for an N-element tensor
+    (more with error feedback, hierarchical mode or padding).
+    """
+
+    def __init__(self) -> None:
+        self.scratch = Scratch()
+
+    def nbytes(self) -> int:
+        return self.scratch.nbytes()
+
+
+class CompressedReduction:
+    """A started compressed collective: ``wait()`` finishes it (blocking) and returns its stats.
+
+    Until ``wait()`` returns, do not touch the tensor(s). ``wait()`` may be called again; it returns the
+    same stats.
+    """
+
+    def __init__(self, finish: Callable[[], CompressionStats]) -> None:
+        self._finish: Callable[[], CompressionStats] | None = finish
+        self._stats: CompressionStats | None = None
+
+    def wait(self) -> CompressionStats:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            self._stats = finish()
+        if self._stats is None:
+            raise RuntimeError("this compressed collective failed in an earlier wait(); its result is undefined")
+        return self._stats
+
+
+_default_compressor: MinMaxUInt8 | None = None
+_default_workspace = CompressionWorkspace()
+
+
+def _compressor(compressor: MinMaxUInt8 | None) -> MinMaxUInt8:
+    global _default_compressor
+    if compressor is None:
+        if _default_compressor is None:
+            _default_compressor = MinMaxUInt8()
+        return _default_compressor
+    if not isinstance(compressor, MinMaxUInt8):
+        raise TypeError(f"compressor must be a mixprec.compress.MinMaxUInt8 or None; got {type(compressor).__name__}")
+    return compressor
+
+
+class _FlatPhase:
+    """The flat scheme on one group, split at the all-to-all: ``__init__`` quantizes and starts it,
+    ``reduce`` finishes it and sums, ``gather`` re-quantizes the owned part and all-gathers.
+    """
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        comp: MinMaxUInt8,
+        ef: ErrorFeedback | None,
+        inflight: Scratch,
+        shared: Scratch,
+        tag: str,
+    ) -> None:
+        self.group, self.comp, self.ef, self.shared, self.tag = group, comp, ef, shared, tag
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        n = x.numel()
+        self.part = n // self.world
+        self.nbytes = comp.encoded_nbytes(self.part)
+        self.header = HEADER_BYTES_PER_CHUNK * comp.num_chunks(self.part)
+        device = x.device
+        send = inflight.get(tag + "send", self.world * self.nbytes, torch.uint8, device).view(self.world, -1)
+        self.recv = inflight.get(tag + "recv", self.world * self.nbytes, torch.uint8, device).view(self.world, -1)
+        v = x
+        if ef is not None:
+            worker = ef.residual("worker", n, device)
+            v = shared.get(tag + "v", n, torch.float32, device)
+            torch.add(x, worker, out=v)
+        self.local_bad = comp._encode_rows(v.view(self.world, self.part), send)
+        if ef is not None and not self.local_bad:
+            comp._decode_rows(send, self.part, worker.view(self.world, self.part))
+            torch.sub(v, worker, out=worker)  # what this quantization lost
+        self._work = dist.all_to_all_single(self.recv.view(-1), send.view(-1), group=group, async_op=True)
+        self.recv_bad = 0
+
+    def bytes_per_phase(self) -> tuple[int, int]:
+        """(bytes, header bytes) this rank sends in one of the two phases: W-1 buffers."""
+        return (self.world - 1) * self.nbytes, (self.world - 1) * self.header
+
+    def reduce(self, divisor: int | None) -> torch.Tensor:
+        """Wait for the all-to-all; the fp32 sum (divided by ``divisor``) of this rank's part."""
+        self._work.wait()
+        acc = self.shared.get(self.tag + "acc", self.part, torch.float32, self.recv.device)
+        self.recv_bad = self.comp._decode_rows(self.recv, self.part, acc, reduce=True)
+        if divisor is not None:
+            acc.div_(divisor)
+        return acc
+
+    def gather(self, acc: torch.Tensor, out: torch.Tensor) -> int:
+        """Quantize ``acc`` (+ server residual), all-gather, decode every part into ``out`` [W * part].
+
+        Returns the number of flagged chunks among all ranks' parts (the same on every rank).
+        """
+        device = acc.device
+        gathered = self.shared.get(self.tag + "gather", self.world * self.nbytes, torch.uint8, device)
+        gathered = gathered.view(self.world, -1)
+        own = gathered[self.rank : self.rank + 1]
+        server = None
+        if self.ef is not None:
+            server = self.ef.residual("server", self.part, device)
+            acc.add_(server)
+        bad = self.comp._encode_rows(acc.view(1, -1), own)
+        if server is not None and not bad:
+            self.comp._decode_rows(own, self.part, server.view(1, -1))
+            torch.sub(acc, server, out=server)
+        all_gather_flat(gathered.view(-1), own.view(-1), self.group)
+        return self.comp._decode_rows(gathered, self.part, out.view(self.world, self.part))
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16; got {t.dtype}")
+    return t
+
+
+def _check_common(
+    compressor: MinMaxUInt8 | None,
+    average: bool,
+    error_feedback: ErrorFeedback | None,
+    workspace: CompressionWorkspace | None,
+) -> tuple[MinMaxUInt8, Scratch]:
+    comp = _compressor(compressor)
+    if not isinstance(average, bool):
+        raise TypeError(f"average must be a bool; got {type(average).__name__}")
+    if error_feedback is not None and not isinstance(error_feedback, ErrorFeedback):
+        raise TypeError(
+            f"error_feedback must be a mixprec.compress.ErrorFeedback or None; got {type(error_feedback).__name__}"
+        )
+    return comp, _scratch_of("workspace", workspace)
+
+
+def _scratch_of(name: str, workspace: CompressionWorkspace | None) -> Scratch:
+    if workspace is None:
+        return _default_workspace.scratch
+    if not isinstance(workspace, CompressionWorkspace):
+        raise TypeError(f"{name} must be a CompressionWorkspace or None; got {type(workspace).__name__}")
+    return workspace.scratch
+
+
+def _conclude(
+    found: bool, comp: MinMaxUInt8, ef: ErrorFeedback | None, stats: CompressionStats, what: str
+) -> CompressionStats:
+    if found:
+        if ef is not None:
+            ef.reset()
+        if comp.check_finite == "raise":
+            raise NonFiniteError(
+                f"{what}: some rank's input holds NaN or Inf (the affected chunks reduced to NaN on every rank); "
+                "use a compressor with check_finite='flag' to get stats.found_nonfinite for the loss scaler instead"
+            )
+    return stats
+
+
+def start_compressed_all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    compressor: MinMaxUInt8 | None = None,
+    average: bool = True,
+    topology: Any = None,
+    error_feedback: ErrorFeedback | None = None,
+    workspace: CompressionWorkspace | None = None,
+    shared_workspace: CompressionWorkspace | None = None,
+) -> CompressedReduction:
+    """:func:`compressed_all_reduce`, split: quantizes and starts the first exchange, returns a handle.
+
+    ``workspace`` holds the buffers in flight until ``wait()``; ``shared_workspace`` (default: the same)
+    the ones used only inside this call or ``wait()``, which concurrently pending collectives may share.
+    """
+    require_initialized("compressed_all_reduce")
+    _check_tensor("tensor", tensor)
+    comp, inflight = _check_common(compressor, average, error_feedback, workspace)
+    shared = inflight if shared_workspace is None else _scratch_of("shared_workspace", shared_workspace)
+    world = dist.get_world_size(group)
+    hier = resolve_topology(topology, group) if topology is not None else None
+    numel = tensor.numel()
+    padded = -(-numel // world) * world
+    if tensor.is_contiguous() and padded == numel:
+        flat = tensor.view(-1)
+    else:  # pad with zeros to W equal parts (the zeros join the last part's range)
+        flat = inflight.get("padded", padded, tensor.dtype, tensor.device)
+        flat[:numel].copy_(tensor.reshape(-1))
+        flat[numel:].zero_()
+    fp32_baseline = 2 * (world - 1) * 4 * numel // world
+
+    def copy_back() -> None:
+        if flat.data_ptr() != tensor.data_ptr() or flat.numel() != numel:
+            tensor.copy_(flat[:numel].view(tensor.shape))
+
+    if hier is None:
+        phase = _FlatPhase(flat, group, comp, error_feedback, inflight, shared, "")
+
+        def finish_flat() -> CompressionStats:
+            acc = phase.reduce(world if average else None)
+            n_bad = phase.gather(acc, flat)  # flagged chunks travel in the gathered headers: no extra collective
+            copy_back()
+            sent, header = phase.bytes_per_phase()
+            stats = CompressionStats(numel, world, 2 * sent, 2 * sent, 0, 2 * header, fp32_baseline, n_bad > 0)
+            return _conclude(n_bad > 0, comp, error_feedback, stats, "compressed_all_reduce")
+
+        return CompressedReduction(finish_flat)
+
+    per_node = hier.ranks_per_node
+    slice_len = padded // per_node
+    slice_acc = shared.get("slice", slice_len, torch.float32, flat.device)
+    intra_recv = inflight.get("intra_recv", padded, flat.dtype, flat.device)
+    pending = reduce_scatter_fp32_accumulate(
+        slice_acc, flat, hier.intra, average=False, async_op=True, scratch=intra_recv
+    )
+
+    def finish_hierarchical() -> CompressionStats:
+        if pending is not None:
+            pending.wait()
+        phase = _FlatPhase(slice_acc, hier.inter, comp, error_feedback, shared, shared, "inter.")
+        acc = phase.reduce(world if average else None)
+        own = flat[hier.local * slice_len : (hier.local + 1) * slice_len]
+        n_bad = phase.gather(acc, own)
+        all_gather_flat(flat, own, hier.intra)
+        # Every inter-node group saw its own slices' flags; one tiny all-reduce tells the whole node.
+        found = agree_any(n_bad > 0, hier.intra) if per_node > 1 else n_bad > 0
+        copy_back()
+        sent, header = phase.bytes_per_phase()
+        full = 2 * (per_node - 1) * slice_len * flat.element_size()
+        stats = CompressionStats(numel, world, 2 * sent + full, 2 * sent, full, 2 * header, fp32_baseline, found)
+        return _conclude(found, comp, error_feedback, stats, "compressed_all_reduce")
+
+    return CompressedReduction(finish_hierarchical)
+
+
+def compressed_all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    compressor: MinMaxUInt8 | None = None,
+    average: bool = True,
+    topology: Any = None,
+    error_feedback: ErrorFeedback | None = None,
+    workspace: CompressionWorkspace | None = None,
+) -> CompressionStats:
+    """In-place all-reduce of ``tensor`` with uint8 min-max compression (the schemes of this module).
+
+    Wire dtype: uint8 codes plus fp32 per-chunk (min, max) headers, about ``1/4`` of fp32's bytes:
+    flat, each rank sends ``2 (W-1)/W`` of the encoded tensor (``N + 8 N / chunk_size`` bytes); hierarchical,
+    the same over the inter-node group of m ranks on ``N / n`` elements, plus intra-node traffic in the
+    tensor dtype. Accumulation: fp32, in rank order (node order, then local order, in hierarchical mode).
+    Extra memory: about ``3 N`` bytes of uint8 buffers and ``4 N / W`` bytes of fp32 (the owned part's
+    sum), kept in ``workspace``; ``+ 4 N`` with error feedback (worker residual and its staging copy) and,
+    hierarchical, ``N`` elements of the tensor dtype (intra-node receive buffer) and ``4 N / n`` of fp32.
+
+    Args:
+        tensor: fp32/fp16/bf16, any shape; reduced in place. Identical bits on every rank afterwards.
+            If it is not contiguous or its size is not a multiple of the group size, it is copied into a
+            zero-padded buffer (and back).
+        group: process group; None = the default group.
+        compressor: the :class:`MinMaxUInt8` (chunk size, rounding, generator, check_finite); None = a
+            shared default instance (chunk_size=2048, nearest, check_finite="raise").
+        average: divide the fp32 sum by the group size before re-quantizing (else return the sum).
+        topology: None (flat), a :class:`Topology` or a 2-D DeviceMesh with dims ("node", "local")
+            (hierarchical; needs group=None).
+        error_feedback: an :class:`ErrorFeedback` kept for this tensor across calls, or None.
+        workspace: a :class:`CompressionWorkspace` to reuse buffers across calls; None = a module default.
+
+    Returns:
+        :class:`CompressionStats` of this call (bytes sent by this rank, non-finite flag).
+
+    Raises:
+        NonFiniteError: some rank's input held NaN/Inf and the compressor has ``check_finite="raise"``
+            (raised on every rank, after the collective completed; affected chunks are NaN).
+    """
+    return start_compressed_all_reduce(
+        tensor,
+        group,
+        compressor=compressor,
+        average=average,
+        topology=topology,
+        error_feedback=error_feedback,
+        workspace=workspace,
+    ).wait()
+
+
+def start_compressed_reduce_scatter(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    compressor: MinMaxUInt8 | None = None,
+    average: bool = True,
+    topology: Any = None,
+    error_feedback: ErrorFeedback | None = None,
+    workspace: CompressionWorkspace | None = None,
+    shared_workspace: CompressionWorkspace | None = None,
+) -> CompressedReduction:
+    """:func:`compressed_reduce_scatter`, split like :func:`start_compressed_all_reduce`."""
+    require_initialized("compressed_reduce_scatter")
+    _check_tensor("tensor", tensor)
+    _check_tensor("output", output)
+    comp, inflight = _check_common(compressor, average, error_feedback, workspace)
+    shared = inflight if shared_workspace is None else _scratch_of("shared_workspace", shared_workspace)
+    world = dist.get_world_size(group)
+    numel = tensor.numel()
+    if numel % world:
+        raise ValueError(
+            f"tensor.numel() = {numel} is not divisible by the group size {world}: pad it to a multiple of {world}"
+        )
+    shard = numel // world
+    if output.numel() != shard or not output.is_contiguous():
+        raise ValueError(f"output must be contiguous with tensor.numel() / group size = {shard} elements")
+    hier = resolve_topology(topology, group) if topology is not None else None
+    flat = tensor.reshape(-1)
+    fp32_baseline = (world - 1) * 4 * numel // world
+
+    if hier is None:
+        phase = _FlatPhase(flat, group, comp, error_feedback, inflight, shared, "")
+
+        def finish_flat() -> CompressionStats:
+            acc = phase.reduce(world if average else None)
+            output.view(-1).copy_(acc)
+            found = agree_any(phase.recv_bad > 0 or phase.local_bad > 0, group)
+            sent, header = phase.bytes_per_phase()
+            stats = CompressionStats(numel, world, sent, sent, 0, header, fp32_baseline, found)
+            return _conclude(found, comp, error_feedback, stats, "compressed_reduce_scatter")
+
+        return CompressedReduction(finish_flat)
+
+    nodes, per_node = hier.nodes, hier.ranks_per_node
+    # Local rank l must end up with parts {node * n + l}: lay the tensor out as [local, node, shard] so
+    # that the intra-node reduce-scatter hands slice l = those parts (in node order) to local rank l.
+    permuted = inflight.get("permuted", numel, flat.dtype, flat.device).view(per_node, nodes, shard)
+    permuted.copy_(flat.view(nodes, per_node, shard).transpose(0, 1))
+    slice_acc = shared.get("slice", nodes * shard, torch.float32, flat.device)
+    intra_recv = inflight.get("intra_recv", numel, flat.dtype, flat.device)
+    pending = reduce_scatter_fp32_accumulate(
+        slice_acc, permuted.view(-1), hier.intra, average=False, async_op=True, scratch=intra_recv
+    )
+
+    def finish_hierarchical() -> CompressionStats:
+        if pending is not None:
+            pending.wait()
+        phase = _FlatPhase(slice_acc, hier.inter, comp, error_feedback, shared, shared, "inter.")
+        acc = phase.reduce(world if average else None)
+        output.view(-1).copy_(acc)
+        found = agree_any(phase.recv_bad > 0 or phase.local_bad > 0, hier.inter)
+        found = agree_any(found, hier.intra) if per_node > 1 else found
+        sent, header = phase.bytes_per_phase()
+        full = (per_node - 1) * nodes * shard * flat.element_size()
+        stats = CompressionStats(numel, world, sent + full, sent, full, header, fp32_baseline, found)
+        return _conclude(found, comp, error_feedback, stats, "compressed_reduce_scatter")
+
+    return CompressedReduction(finish_hierarchical)
+
+
+def compressed_reduce_scatter(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    compressor: MinMaxUInt8 | None = None,
+    average: bool = True,
+    topology: Any = None,
+    error_feedback: ErrorFeedback | None = None,
+    workspace: CompressionWorkspace | None = None,
+) -> CompressionStats:
+    """Reduce-scatter with uint8 compression: rank r gets elements ``[r S, (r+1) S)`` of the reduced tensor.
+
+    The first half of :func:`compressed_all_reduce` (quantize, all-to-all, fp32 sum in rank order); the
+    owned part is not re-quantized, so only worker-side error feedback applies and the result carries W
+    quantization errors (averaged) and one rounding to ``output.dtype``. In hierarchical mode the intra-node
+    reduce-scatter first gathers parts ``{node * n + l}`` on local rank l, so rank r still gets part r.
+
+    Wire dtype: uint8 + headers, ``(W-1)/W`` of the encoded tensor per rank (hierarchical: over the
+    inter-node group, plus the intra-node reduce-scatter in the tensor dtype). Accumulation: fp32.
+    Extra memory: about ``2 N`` bytes of uint8 buffers and ``4 N / W`` of fp32; hierarchical adds a permuted
+    copy and a receive buffer of the tensor (``2 N`` elements of its dtype).
+
+    Args:
+        output: contiguous, ``tensor.numel() / W`` elements, fp32/fp16/bf16 (rounded to nearest once).
+        tensor: fp32/fp16/bf16, ``numel`` divisible by the group size; not modified.
+        group, compressor, average, topology, error_feedback, workspace: as in :func:`compressed_all_reduce`.
+            The non-finite flag costs one one-element all-reduce here (two in hierarchical mode).
+    """
+    return start_compressed_reduce_scatter(
+        output,
+        tensor,
+        group,
+        compressor=compressor,
+        average=average,
+        topology=topology,
+        error_feedback=error_feedback,
+        workspace=workspace,
+    ).wait()

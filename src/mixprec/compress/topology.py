@@ -1,0 +1,147 @@
+"""Node topology for hierarchical compressed collectives: which ranks share a fast (intra-node) link.
+
+Ranks are numbered node-major, as torchrun assigns them: ``rank = node * ranks_per_node + local``. From a
+:class:`Topology` the intra-node groups (one per node) and the inter-node groups (one per local index: the
+ranks with the same local rank on every node) are created once with ``dist.new_group`` and cached per
+(process group, topology): every rank creates every subgroup, in the same order, the first time a
+topology is used, so the first hierarchical call must be made by all ranks of the default group
+together. A 2-D ``DeviceMesh`` with dims ``("node", "local")`` supplies its own groups instead.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from mixprec._validate import check_positive_int
+
+__all__ = ["Topology"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``nodes`` machines with ``ranks_per_node`` ranks each, ranks numbered node-major.
+
+    Args:
+        nodes: number of nodes (machines), int >= 1.
+        ranks_per_node: ranks on each node, int >= 1 (torchrun's ``LOCAL_WORLD_SIZE``).
+    """
+
+    nodes: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        check_positive_int("nodes", self.nodes)
+        check_positive_int("ranks_per_node", self.ranks_per_node)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @classmethod
+    def from_env(cls, world_size: int | None = None) -> Topology:
+        """From torchrun's ``LOCAL_WORLD_SIZE`` (ranks per node) and the world size (default: the default
+        group's). Raises ValueError when ``LOCAL_WORLD_SIZE`` is unset or does not divide the world size.
+        """
+        value = os.environ.get("LOCAL_WORLD_SIZE")
+        if value is None:
+            raise ValueError(
+                "no topology given and LOCAL_WORLD_SIZE is not set (torchrun sets it): pass "
+                "topology=Topology(nodes, ranks_per_node) or a 2-D DeviceMesh with dims ('node', 'local')"
+            )
+        try:
+            per_node = int(value)
+        except ValueError:
+            raise ValueError(f"LOCAL_WORLD_SIZE must be an integer; got {value!r}") from None
+        if world_size is None:
+            world_size = dist.get_world_size()
+        if per_node < 1 or world_size % per_node:
+            raise ValueError(f"LOCAL_WORLD_SIZE={per_node} does not divide the world size {world_size}")
+        return cls(world_size // per_node, per_node)
+
+
+@dataclass(frozen=True)
+class HierarchicalGroups:
+    """The two subgroups a rank uses, and its place in the topology."""
+
+    intra: dist.ProcessGroup  # this rank's node, ordered by local rank
+    inter: dist.ProcessGroup  # the ranks with this rank's local index, ordered by node
+    nodes: int
+    ranks_per_node: int
+    node: int
+    local: int
+
+
+# (id of the parent group, nodes, ranks_per_node) -> (parent group, kept alive so its id is not reused; groups)
+_CACHE: dict[tuple[int, int, int], tuple[Any, HierarchicalGroups]] = {}
+
+
+def _is_device_mesh(obj: object) -> bool:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch without device_mesh
+        return False
+    return isinstance(obj, DeviceMesh)
+
+
+def resolve_topology(topology: object, group: dist.ProcessGroup | None) -> HierarchicalGroups:
+    """Subgroups for ``topology`` (a :class:`Topology` or a 2-D DeviceMesh) over ``group``.
+
+    ``group`` must be the default (world) group: the subgroups are created by every rank of it.
+    """
+    world = dist.get_world_size()
+    if group is not None and dist.get_world_size(group) != world:
+        raise ValueError(
+            "a hierarchical topology needs group=None (the default group); for a sub-group, build a 2-D "
+            "DeviceMesh over its ranks with dims ('node', 'local') and pass it as topology"
+        )
+    if _is_device_mesh(topology):
+        return _from_mesh(topology, world)
+    if not isinstance(topology, Topology):
+        raise TypeError(
+            "topology must be a mixprec.compress.Topology, a 2-D DeviceMesh with dims ('node', 'local'), or "
+            f"None; got {type(topology).__name__}"
+        )
+    if topology.world_size != world:
+        raise ValueError(
+            f"topology has {topology.nodes} nodes x {topology.ranks_per_node} ranks = {topology.world_size} ranks "
+            f"but the group has {world}"
+        )
+    parent = dist.distributed_c10d._get_default_group()
+    key = (id(parent), topology.nodes, topology.ranks_per_node)
+    cached = _CACHE.get(key)
+    if cached is not None:
+        return cached[1]
+    n = topology.ranks_per_node
+    intra, _ = dist.new_subgroups_by_enumeration(
+        [[node * n + local for local in range(n)] for node in range(topology.nodes)]
+    )
+    inter, _ = dist.new_subgroups_by_enumeration(
+        [[node * n + local for node in range(topology.nodes)] for local in range(n)]
+    )
+    rank = dist.get_rank()
+    groups = HierarchicalGroups(intra, inter, topology.nodes, n, rank // n, rank % n)
+    _CACHE[key] = (parent, groups)
+    return groups
+
+
+def _from_mesh(mesh: Any, world: int) -> HierarchicalGroups:
+    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != ("node", "local"):
+        raise ValueError(
+            f"a DeviceMesh topology must be 2-D with mesh_dim_names ('node', 'local'); got {mesh.ndim}-D "
+            f"with names {mesh.mesh_dim_names}"
+        )
+    nodes, per_node = mesh.mesh.shape
+    # Node-major numbering is what makes local rank l of every node hold the same slice.
+    if mesh.mesh.flatten().tolist() != list(range(world)):
+        raise ValueError(
+            "the DeviceMesh must number ranks node-major over the whole group (mesh == arange(world).view(nodes, "
+            f"ranks_per_node)); got {mesh.mesh.tolist()}"
+        )
+    rank = dist.get_rank()
+    return HierarchicalGroups(
+        mesh.get_group("local"), mesh.get_group("node"), int(nodes), int(per_node), rank // per_node, rank % per_node
+    )

@@ -1,0 +1,403 @@
+"""compressed_all_reduce / compressed_reduce_scatter on 2, 3, 4 gloo ranks and 2 nodes x 2: bit-for-bit
+equal to the independent single-process reference (tests/compress_reference.py), within the quantization
+bound of the exact mean, wire bytes, error feedback over many steps, non-finite inputs, bad arguments.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from compress_reference import (
+    U32,
+    ref_flat_all_reduce,
+    ref_flat_reduce,
+    ref_hierarchical_all_reduce,
+    ref_hierarchical_reduce_scatter,
+)
+from mixprec.compress import (
+    CompressionWorkspace,
+    ErrorFeedback,
+    MinMaxUInt8,
+    NonFiniteError,
+    Topology,
+    compressed_all_reduce,
+    compressed_reduce_scatter,
+    start_compressed_all_reduce,
+)
+
+CHUNK = 256
+N = 12 * 1024  # divisible by 2, 3 and 4; parts of 6144/4096/3072 elements: whole and partial chunks
+
+
+def _input(rank: int, n: int = N, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    # Per-rank scale and offset, and a wide-range tail: chunks differ in range from rank to rank.
+    x = torch.randn(n, generator=g) * (rank + 1) + 0.3 * rank
+    x[-700:] *= torch.logspace(-3, 3, 700)
+    return x
+
+
+def _inputs(world: int, n: int = N, seed: int = 0) -> list[np.ndarray]:
+    return [_input(r, n, seed).numpy() for r in range(world)]
+
+
+def _qbound(rng: np.ndarray, big: np.ndarray, k: float = 0.5) -> np.ndarray:
+    # quantize.py's per-element bound, k = 1/2 (nearest)
+    return k * rng / 255 + 6.1 * U32 * rng + 1.1 * U32 * big + 2.0**-150
+
+
+def _scheme_bound(quantized: list[np.ndarray], chunk_id: np.ndarray, divisor: int, adds: int) -> np.ndarray:
+    """|result - exact mean| bound for a scheme that quantizes each vector of ``quantized`` (chunked by
+    ``chunk_id``), sums the decoded vectors in fp32 (``adds`` roundings, each <= u * sum of |terms|),
+    divides by ``divisor`` (one more u), then quantizes the result once more on the same chunks.
+    """
+    ids = np.unique(chunk_id)
+    worker = np.zeros(chunk_id.size)
+    absum = np.zeros(chunk_id.size)
+    for v in quantized:
+        v = v.astype(np.float64)
+        for i in ids:
+            m = chunk_id == i
+            worker[m] += _qbound(np.ptp(v[m]), np.abs(v[m]).max()) / divisor
+        absum += np.abs(v)
+    # |decoded| <= |v| + its error; gamma_adds + one division, rounded up generously (u^2 terms).
+    summing = (adds + 1.01) * U32 * (absum / divisor + worker)
+    exact = np.sum([v.astype(np.float64) for v in quantized], axis=0) / divisor
+    before_server = worker + summing
+    server = np.zeros(chunk_id.size)
+    for i in ids:
+        m = chunk_id == i
+        slack = before_server[m].max()
+        server[m] = _qbound(np.ptp(exact[m]) + 2 * slack, np.abs(exact[m]).max() + slack)
+    return before_server + server
+
+
+def _flat_chunk_ids(n: int, world: int, chunk: int) -> np.ndarray:
+    e = np.arange(n)
+    part = n // world
+    return (e // part) * (part // chunk + 1) + (e % part) // chunk
+
+
+def _hier_chunk_ids(n: int, nodes: int, per_node: int, chunk: int) -> np.ndarray:
+    e = np.arange(n)
+    sl = n // per_node
+    part = sl // nodes
+    return (e // part) * (part // chunk + 1) + (e % part) // chunk  # slices split evenly into node parts
+
+
+# ---------------------------------------------------------------------------------------------- workers
+def _worker_main(rank: int, world: int, topology: Topology | None) -> dict:
+    comp = MinMaxUInt8(chunk_size=CHUNK)
+    out: dict = {}
+    x = _input(rank)
+    out["all_reduce"] = x
+    out["stats"] = compressed_all_reduce(x, compressor=comp, topology=topology)
+    shard = torch.empty(N // world)
+    out["rs_stats"] = compressed_reduce_scatter(shard, _input(rank), compressor=comp, topology=topology)
+    out["reduce_scatter"] = shard
+    s = _input(rank, seed=1)
+    compressed_all_reduce(s, compressor=comp, topology=topology, average=False)
+    out["sum"] = s
+    if topology is None:
+        # Stochastic rounding, each rank with its own stream.
+        g = torch.Generator().manual_seed(500 + rank)
+        st = _input(rank, seed=2)
+        compressed_all_reduce(st, compressor=MinMaxUInt8(chunk_size=CHUNK, rounding="stochastic", generator=g))
+        out["stochastic"] = st
+        # bf16 in and out, and a size that is not a multiple of the world size (zero-padded).
+        b = _input(rank, seed=3).bfloat16()
+        compressed_all_reduce(b, compressor=comp)
+        out["bf16"] = b
+        odd = _input(rank, n=N + 1, seed=4)[: N - 5].view(-1, 1)[::1]
+        compressed_all_reduce(odd, compressor=comp)
+        out["odd"] = odd
+        # Error feedback over a few steps, bit for bit.
+        ef = ErrorFeedback()
+        steps = []
+        for t in range(3):
+            v = _input(rank, seed=10 + t)
+            compressed_all_reduce(v, compressor=comp, error_feedback=ef)
+            steps.append(v)
+        out["ef_steps"] = steps
+        out["ef_state"] = ef.state_dict()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_flat_bit_for_bit_against_reference(dist_run, world: int) -> None:
+    results = dist_run(_worker_main, world, None, timeout=120)
+    part = N // world
+
+    ref, flagged = ref_flat_all_reduce(_inputs(world), CHUNK)
+    assert not flagged
+    for r in range(world):
+        np.testing.assert_array_equal(results[r]["all_reduce"].numpy(), ref[0])
+        assert results[r]["stats"] == results[0]["stats"]
+    shards = ref_flat_reduce(_inputs(world), CHUNK, divisor=world)
+    for r in range(world):
+        np.testing.assert_array_equal(results[r]["reduce_scatter"].numpy(), shards[r])
+    ref_sum, _ = ref_flat_all_reduce(_inputs(world, seed=1), CHUNK, average=False)
+    np.testing.assert_array_equal(results[world - 1]["sum"].numpy(), ref_sum[0])
+
+    gens = [torch.Generator().manual_seed(500 + r) for r in range(world)]
+    uniforms = [[torch.rand(N, generator=g).numpy(), torch.rand(part, generator=g).numpy()] for g in gens]
+    ref_st, _ = ref_flat_all_reduce(_inputs(world, seed=2), CHUNK, rounding="stochastic", uniforms=uniforms)
+    for r in range(world):
+        np.testing.assert_array_equal(results[r]["stochastic"].numpy(), ref_st[0])
+
+    bf16_inputs = [_input(r, seed=3).bfloat16().float().numpy() for r in range(world)]
+    ref_bf16, _ = ref_flat_all_reduce(bf16_inputs, CHUNK)
+    assert torch.equal(results[0]["bf16"], torch.from_numpy(ref_bf16[0]).bfloat16())
+
+    padded = -(-(N - 5) // world) * world
+    odd_inputs = [
+        np.concatenate([_input(r, n=N + 1, seed=4)[: N - 5].numpy(), np.zeros(padded - N + 5, np.float32)])
+        for r in range(world)
+    ]
+    ref_odd, _ = ref_flat_all_reduce(odd_inputs, CHUNK)
+    assert results[1]["odd"].shape == (N - 5, 1)
+    np.testing.assert_array_equal(results[1]["odd"].view(-1).numpy(), ref_odd[0][: N - 5])
+
+    residuals = {"worker": [np.zeros(N, np.float32)] * world, "server": [np.zeros(part, np.float32)] * world}
+    residuals = {k: list(v) for k, v in residuals.items()}
+    for t in range(3):
+        ref_t, _ = ref_flat_all_reduce(_inputs(world, seed=10 + t), CHUNK, residuals=residuals)
+        for r in range(world):
+            np.testing.assert_array_equal(results[r]["ef_steps"][t].numpy(), ref_t[0])
+    for r in range(world):
+        np.testing.assert_array_equal(results[r]["ef_state"]["worker"].numpy(), residuals["worker"][r])
+        np.testing.assert_array_equal(results[r]["ef_state"]["server"].numpy(), residuals["server"][r])
+
+
+def test_hierarchical_2x2_bit_for_bit_and_within_bound(dist_run) -> None:
+    flat = dist_run(_worker_main, 4, None, timeout=120)
+    hier = dist_run(_worker_main, 4, Topology(2, 2), timeout=120)
+    inputs = _inputs(4)
+    ref = ref_hierarchical_all_reduce(inputs, CHUNK, 2, 2)
+    for r in range(4):
+        np.testing.assert_array_equal(hier[r]["all_reduce"].numpy(), ref[0])
+    shards = ref_hierarchical_reduce_scatter(inputs, CHUNK, 2, 2)
+    for r in range(4):
+        np.testing.assert_array_equal(hier[r]["reduce_scatter"].numpy(), shards[r])
+    ref_sum = ref_hierarchical_all_reduce(_inputs(4, seed=1), CHUNK, 2, 2, average=False)
+    np.testing.assert_array_equal(hier[2]["sum"].numpy(), ref_sum[0])
+
+    # Both schemes within their quantization bounds of the exact mean, hence of each other.
+    exact = np.mean([x.astype(np.float64) for x in inputs], axis=0)
+    flat_bound = _scheme_bound(inputs, _flat_chunk_ids(N, 4, CHUNK), 4, adds=3)
+    node_sums = [inputs[0] + inputs[1], inputs[2] + inputs[3]]  # fp32 node sums; their rounding: 1 more add
+    hier_bound = _scheme_bound(node_sums, _hier_chunk_ids(N, 2, 2, CHUNK), 4, adds=2)
+    flat_err = np.abs(flat[0]["all_reduce"].numpy() - exact)
+    hier_err = np.abs(hier[0]["all_reduce"].numpy() - exact)
+    assert (flat_err <= flat_bound).all() and (hier_err <= hier_bound).all()
+    diff = np.abs(hier[0]["all_reduce"].numpy().astype(np.float64) - flat[0]["all_reduce"].numpy())
+    assert (diff <= flat_bound + hier_bound).all()
+    # Not vacuous: the errors reach a good fraction of the bound somewhere.
+    assert (flat_err / flat_bound).max() > 0.3 and (hier_err / hier_bound).max() > 0.3
+
+
+def test_wire_bytes_are_a_quarter_of_fp32_plus_headers(dist_run) -> None:
+    for world, topo in [(2, None), (3, None), (4, Topology(2, 2))]:
+        results = dist_run(_worker_main, world, topo, timeout=120)
+        stats, rs = results[0]["stats"], results[0]["rs_stats"]
+        if topo is None:
+            part = N // world
+            msg = part + 8 * -(-part // CHUNK)
+            assert stats.bytes_sent == stats.bytes_sent_compressed == 2 * (world - 1) * msg
+            assert stats.header_bytes == 2 * (world - 1) * 8 * -(-part // CHUNK)
+            assert rs.bytes_sent == (world - 1) * msg
+            assert stats.fp32_baseline_bytes == 2 * (world - 1) * 4 * N // world
+            # codes are 1/4 of fp32; headers add 8 bytes per chunk of 256 (2C/L = 3.1% here)
+            assert 0.25 < stats.ratio_to_fp32 <= 0.25 * (1 + 8 / CHUNK) + 1e-3
+        else:
+            sl, part = N // 2, N // 4
+            msg = part + 8 * -(-part // CHUNK)
+            assert stats.bytes_sent_compressed == 2 * 1 * msg  # 2 nodes: one peer per phase
+            assert stats.bytes_sent_full_precision == 2 * 1 * sl * 4  # intra-node RS + AG in fp32
+            # Inter-node uint8 bytes per rank: a quarter of what flat fp32 over the 4 ranks would send
+            # across the node boundary... and half the flat uint8 scheme's total.
+            assert stats.bytes_sent_compressed / stats.fp32_baseline_bytes < 0.25 * (1 + 8 / CHUNK) / 1.5
+
+
+def _worker_ef_convergence(rank: int, world: int, steps: int, use_ef: bool, topology) -> torch.Tensor:
+    comp = MinMaxUInt8(chunk_size=128)
+    ef = ErrorFeedback() if use_ef else None
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(1024, generator=g)  # the same gradient every step: nearest rounding's bias repeats
+    total = torch.zeros(1024, dtype=torch.float64)
+    history = []
+    for t in range(steps):
+        y = x.clone()
+        compressed_all_reduce(y, compressor=comp, error_feedback=ef, topology=topology)
+        total += y.double()
+        if t + 1 in (10, 50, steps):
+            history.append(total.clone())
+    return torch.stack(history)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, topology", [(2, None), (4, Topology(2, 2))])
+def test_error_feedback_keeps_the_accumulated_sum_on_the_exact_sum(dist_run, world, topology) -> None:
+    steps = 200
+    exact = torch.stack([torch.randn(1024, generator=torch.Generator().manual_seed(r)) for r in range(world)])
+    exact = exact.double().mean(0)
+    with_ef = dist_run(_worker_ef_convergence, world, steps, True, topology, timeout=120)[0]
+    without = dist_run(_worker_ef_convergence, world, steps, False, topology, timeout=120)[0]
+    checkpoints = torch.tensor([10, 50, steps], dtype=torch.float64)[:, None]
+    err_ef = (with_ef - checkpoints * exact).abs().max(1).values
+    err_no = (without - checkpoints * exact).abs().max(1).values
+    # With feedback, sum_t out_t - T * mean = -(sum_r e_worker,r / W + e_server) at step T (telescoping), and
+    # each residual is at most half a step of its chunk: step <= range / 255 with the range of one chunk
+    # of 128 standard normals (<= 9.2) or of their mean; plus fp32 roundings of the sums, ~T * W u per step.
+    max_step = 9.2 / 255
+    bound = max_step / 2 * 2 + steps * 8 * U32 * 4
+    assert (err_ef <= bound).all(), err_ef
+    assert err_ef[2] < 2 * err_ef[0] + max_step  # bounded: does not grow with T
+    # Without feedback the same-sign rounding error repeats every step: the drift grows ~linearly in T.
+    assert err_no[2] > 10 * err_no[0] * 0.9 and err_no[2] > 10 * bound
+
+
+# ---------------------------------------------------------------------------------------------- non-finite
+def _worker_nonfinite(rank: int, world: int, mode: str, topology, op: str) -> dict:
+    comp = MinMaxUInt8(chunk_size=CHUNK, check_finite=mode)
+    ef = ErrorFeedback()
+    x = _input(rank)
+    if rank == 1:
+        x[100] = float("nan")
+        x[N - 1] = float("inf")
+    try:
+        if op == "all_reduce":
+            stats = compressed_all_reduce(x, compressor=comp, topology=topology, error_feedback=ef)
+            result = x
+        else:
+            result = torch.empty(N // world)
+            stats = compressed_reduce_scatter(result, x, compressor=comp, topology=topology, error_feedback=ef)
+    except NonFiniteError as exc:
+        return {"raised": str(exc)}
+    return {"stats": stats, "result": result, "ef": ef.state_dict()}
+
+
+@pytest.mark.parametrize(
+    "world, topology, op",
+    [
+        (3, None, "all_reduce"),
+        (4, Topology(2, 2), "all_reduce"),
+        (2, None, "reduce_scatter"),
+        (4, Topology(2, 2), "reduce_scatter"),
+    ],
+)
+def test_nonfinite_is_flagged_on_every_rank_or_raised_on_every_rank(dist_run, world, topology, op) -> None:
+    flagged = dist_run(_worker_nonfinite, world, "flag", topology, op, timeout=120)
+    for r in range(world):
+        assert flagged[r]["stats"].found_nonfinite
+        assert all((res == 0).all() for res in flagged[r]["ef"].values())  # residuals cleared
+    if op == "all_reduce":
+        out = flagged[0]["result"]
+        assert torch.equal(out.view(torch.int32), flagged[world - 1]["result"].view(torch.int32))  # same bits
+        assert out[100].isnan() and out[N - 1].isnan()  # never a finite value where the input was not
+        assert out.isfinite().sum() > N // 2  # other chunks unaffected
+    else:
+        owner = 100 // (N // world)
+        assert flagged[owner]["result"][100 % (N // world)].isnan()
+        assert flagged[world - 1]["result"][-1].isnan()
+    raised = dist_run(_worker_nonfinite, world, "raise", topology, op, timeout=120)
+    assert all("NaN or Inf" in r["raised"] for r in raised)
+
+
+# ---------------------------------------------------------------------------------------------- misc
+def _worker_mesh_async_workspace(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
+    comp = MinMaxUInt8(chunk_size=CHUNK)
+    a = _input(rank)
+    compressed_all_reduce(a, compressor=comp, topology=mesh)
+    b = _input(rank)
+    compressed_all_reduce(b, compressor=comp, topology=Topology(2, 2))
+    ws = CompressionWorkspace()
+    handle = start_compressed_all_reduce(_input(rank), compressor=comp, workspace=ws)
+    first = handle.wait()
+    assert handle.wait() is first
+    sizes = []
+    for _ in range(3):
+        c = _input(rank)
+        compressed_all_reduce(c, compressor=comp, workspace=ws)
+        sizes.append(ws.nbytes())
+    return {"mesh": a, "topology": b, "again": c, "sizes": sizes}
+
+
+def test_device_mesh_topology_async_and_workspace_reuse(dist_run) -> None:
+    res = dist_run(_worker_mesh_async_workspace, 4, timeout=120)
+    for r in range(4):
+        assert torch.equal(res[r]["mesh"], res[r]["topology"])  # a DeviceMesh gives the same groups
+        assert len(set(res[r]["sizes"])) == 1  # buffers reused, not regrown
+    ref, _ = ref_flat_all_reduce(_inputs(4), CHUNK)
+    np.testing.assert_array_equal(res[3]["again"].numpy(), ref[0])
+
+
+def _worker_bad_args(rank: int, world: int) -> list[str]:
+    caught = []
+    comp = MinMaxUInt8(chunk_size=CHUNK)
+    cases = [
+        lambda: compressed_all_reduce(torch.arange(8), compressor=comp),
+        lambda: compressed_all_reduce(torch.randn(8), compressor="uint8"),
+        lambda: compressed_all_reduce(torch.randn(8), compressor=comp, average=1),
+        lambda: compressed_all_reduce(torch.randn(8), compressor=comp, topology=Topology(3, 1)),
+        lambda: compressed_all_reduce(torch.randn(8), compressor=comp, topology=(1, 2)),
+        lambda: compressed_all_reduce(torch.randn(8), compressor=comp, error_feedback={}),
+        lambda: compressed_reduce_scatter(torch.empty(3), torch.randn(8), compressor=comp),
+        lambda: compressed_reduce_scatter(torch.empty(4), torch.randn(7), compressor=comp),
+        lambda: compressed_all_reduce(torch.randn(8), compressor=comp, workspace=object()),
+    ]
+    for case in cases:
+        try:
+            case()
+            caught.append("no error")
+        except (TypeError, ValueError) as exc:
+            caught.append(f"{type(exc).__name__}: {exc}")
+    ef = ErrorFeedback()
+    compressed_all_reduce(torch.randn(8), compressor=comp, error_feedback=ef)
+    try:
+        compressed_all_reduce(torch.randn(10), compressor=comp, error_feedback=ef)
+        caught.append("no error")
+    except ValueError as exc:
+        caught.append(f"ValueError: {exc}")
+    dist.barrier()
+    return caught
+
+
+def test_bad_arguments(dist_run) -> None:
+    caught = dist_run(_worker_bad_args, 2, timeout=60)[0]
+    expected = [
+        "TypeError: tensor must be float32, float16 or bfloat16",
+        "TypeError: compressor must be a mixprec.compress.MinMaxUInt8",
+        "TypeError: average must be a bool",
+        "ValueError: topology has 3 nodes x 1 ranks = 3 ranks but the group has 2",
+        "TypeError: topology must be a mixprec.compress.Topology",
+        "TypeError: error_feedback must be a mixprec.compress.ErrorFeedback",
+        "ValueError: output must be contiguous with tensor.numel() / group size = 4 elements",
+        "ValueError: tensor.numel() = 7 is not divisible by the group size 2",
+        "TypeError: workspace must be a CompressionWorkspace",
+        "ValueError: error_feedback holds a worker residual of 8 elements but this call needs 10",
+    ]
+    assert len(caught) == len(expected)
+    for got, want in zip(caught, expected):
+        assert got.startswith(want), (got, want)
+
+
+def test_topology_validation(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="nodes must be an int >= 1"):
+        Topology(0, 2)
+    with pytest.raises(TypeError, match="ranks_per_node"):
+        Topology(2, 1.5)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE is not set"):
+        Topology.from_env(4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert Topology.from_env(8) == Topology(4, 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="does not divide the world size 8"):
+        Topology.from_env(8)
