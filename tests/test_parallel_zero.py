@@ -1,0 +1,259 @@
+"""The sharded optimizer (ZeRO-1) against unsharded training, clipping, and world-size independent checkpoints.
+
+fp32 models throughout, so that exact comparisons are possible: with "fp32_accumulate" both the all-reduce
+(unsharded) and the reduce-scatter into fp32 shards (sharded) compute round_fp32(sum_r g_r / P) with the
+sum in rank order, and elementwise optimizers compute each element the same way on a 1-D piece as on the
+whole tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from mixprec.parallel import CHECKPOINT_FORMAT, DistributedDataParallel, ShardedOptimizer
+
+GLOBAL_BATCH = 24
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _import_optimizer_machinery_before_forking() -> None:
+    """The first torch optimizer built in a process imports torch._dynamo (seconds): build one in the
+    parent so that forked ranks inherit it."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+
+def _mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(10, 24), torch.nn.Tanh(), torch.nn.Linear(24, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3)
+    )
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(GLOBAL_BATCH, 10, generator=gen), torch.randn(GLOBAL_BATCH, 3, generator=gen)
+
+
+def _rows(rank: int, world_size: int) -> slice:
+    per = GLOBAL_BATCH // world_size
+    return slice(rank * per, (rank + 1) * per)
+
+
+def _groups(model: torch.nn.Module) -> list[dict]:
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _train(ddp: DistributedDataParallel, opt, rank: int, world_size: int, steps: range, clip: float | None) -> list:
+    norms = []
+    for step in steps:
+        x, y = _batch(step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x[_rows(rank, world_size)]), y[_rows(rank, world_size)]).backward()
+        if clip is not None:
+            if isinstance(opt, ShardedOptimizer):
+                norms.append(float(opt.clip_grad_norm_(clip)))
+            else:
+                from mixprec.scaling import clip_grad_norm_
+
+                norms.append(float(clip_grad_norm_(ddp.module.parameters(), clip)))
+        opt.step()
+    return norms
+
+
+def _sharded_vs_unsharded(rank: int, world_size: int, sharded: bool, clip: float | None) -> dict:
+    model = _mlp()
+    ddp = DistributedDataParallel(model, bucket_size=300, sharded_optimizer=sharded)
+    opt = ddp.make_optimizer(torch.optim.AdamW, _groups(model), lr=1e-2)
+    norms = _train(ddp, opt, rank, world_size, range(4), clip)
+    return {"params": [p.detach().clone() for p in model.parameters()], "norms": norms}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_and_unsharded_give_the_same_parameters(dist_run, world_size: int) -> None:
+    unsharded = dist_run(_sharded_vs_unsharded, world_size, False, None, timeout=120)
+    sharded = dist_run(_sharded_vs_unsharded, world_size, True, None, timeout=120)
+    for rank in range(world_size):
+        for a, b in zip(unsharded[rank]["params"], sharded[rank]["params"], strict=True):
+            assert torch.equal(a, b)
+        # And every rank holds the same parameters.
+        for a, b in zip(sharded[rank]["params"], sharded[0]["params"], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_clipping_takes_the_global_norm_from_the_shards(dist_run) -> None:
+    """The norm of the full gradient, from P shards: local fp32 sums of squares, one fp32 all-reduce.
+    It differs from the unsharded norm (fp32, another summation order) by at most gamma_n relative with
+    n the number of gradient elements (~1.3e3 here, so < 1e-4). Adam's update m / (sqrt(v) + eps) does not
+    change when all gradients are scaled alike (up to eps), so that coefficient difference moves each
+    update (at most about lr = 1e-2 in size) by far less than 1e-3 of it: 4 steps, atol 4 * lr * 1e-3."""
+    world_size = 3
+    unsharded = dist_run(_sharded_vs_unsharded, world_size, False, 0.05, timeout=120)
+    sharded = dist_run(_sharded_vs_unsharded, world_size, True, 0.05, timeout=120)
+    n = sum(p.numel() for p in _mlp().parameters())
+    bound = n * 2.0**-24
+    for rank in range(world_size):
+        assert len(sharded[rank]["norms"]) == 4
+        for a, b in zip(unsharded[rank]["norms"], sharded[rank]["norms"], strict=True):
+            assert abs(a - b) <= bound * a
+            assert a > 0.05  # the clip was active at every step
+        for a, b in zip(unsharded[rank]["params"], sharded[rank]["params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=4 * 1e-2 * 1e-3)
+
+
+def _dp_mean_grads(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    """What a world_size-rank fp32_accumulate DDP computes: each rank's local gradient (same batch shapes,
+    same bits), summed in numpy float32 in rank order, divided by world_size in fp32."""
+    per_rank = []
+    for r in range(world_size):
+        model.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x[_rows(r, world_size)]), y[_rows(r, world_size)]).backward()
+        per_rank.append([p.grad.detach().clone() for p in model.parameters()])
+    out = []
+    for i, p in enumerate(model.parameters()):
+        acc = np.zeros(p.numel(), dtype=np.float32)
+        for grads in per_rank:
+            acc = acc + grads[i].numpy().reshape(-1)
+        out.append(torch.from_numpy(acc / np.float32(world_size)).reshape(p.shape))
+    return out
+
+
+def _save_at_4(rank: int, world_size: int, path: str) -> dict:
+    ddp = DistributedDataParallel(_mlp(), bucket_size=300, sharded_optimizer=True)
+    opt = ddp.make_optimizer(torch.optim.AdamW, _groups(ddp.module), lr=1e-2)
+    _train(ddp, opt, rank, world_size, range(3), None)
+    checkpoint = opt.state_dict()  # collective: every rank takes part
+    if rank == 0:
+        tmp = path + ".tmp"
+        torch.save(checkpoint, tmp)
+        os.replace(tmp, path)  # atomic
+    return checkpoint
+
+
+def _resume_at_2(rank: int, world_size: int, path: str) -> dict:
+    ddp = DistributedDataParallel(_mlp(seed=99), bucket_size=300, sharded_optimizer=True)  # other weights
+    opt = ddp.make_optimizer(torch.optim.AdamW, _groups(ddp.module), lr=1e-2)
+    opt.load_state_dict(torch.load(path, weights_only=True))
+    round_trip = opt.state_dict()
+    _train(ddp, opt, rank, world_size, range(3, 6), None)
+    return {"round_trip": round_trip, "params": [p.detach().clone() for p in ddp.module.parameters()]}
+
+
+def test_checkpoint_saved_at_4_ranks_resumes_at_2(dist_run, tmp_path) -> None:
+    path = str(tmp_path / "zero1.pt")
+    saved = dist_run(_save_at_4, 4, path, timeout=120)
+    assert saved[0]["format"] == CHECKPOINT_FORMAT and saved[0]["world_size"] == 4
+    assert set(saved[0]["elementwise_keys"]) == {"exp_avg", "exp_avg_sq"}
+    resumed = dist_run(_resume_at_2, 2, path, timeout=120)
+
+    # 1. Re-sharded at 2 ranks and gathered again: the same checkpoint, bit for bit.
+    for r in resumed:
+        rt = r["round_trip"]
+        assert rt["param_groups"] == saved[0]["param_groups"]
+        for name, tensor in saved[0]["master"].items():
+            assert torch.equal(rt["master"][name], tensor)
+            for key, value in saved[0]["state"][name].items():
+                assert torch.equal(torch.as_tensor(rt["state"][name][key]), torch.as_tensor(value)), (name, key)
+
+    # 2. Continuing at 2 ranks matches a single-process reference that loads the same checkpoint into a
+    #    plain torch AdamW and feeds it the 2-rank fp32 mean gradient: exactly.
+    model = _mlp(seed=5)
+    names = [n for n, _ in model.named_parameters()]
+    checkpoint = torch.load(path, weights_only=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(checkpoint["master"][name])
+    groups = _groups(model)
+    opt = torch.optim.AdamW(groups, lr=1e-2)
+    param_index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    name_of = dict(zip((id(p) for p in model.parameters()), names, strict=True))
+    opt.load_state_dict(
+        {
+            "state": {param_index[id(p)]: dict(checkpoint["state"][name_of[id(p)]]) for p in model.parameters()},
+            "param_groups": [
+                {**{k: v for k, v in sg.items() if k != "params"}, "params": [param_index[id(p)] for p in g["params"]]}
+                for sg, g in zip(checkpoint["param_groups"], groups, strict=True)
+            ],
+        }
+    )
+    for step in range(3, 6):
+        x, y = _batch(step)
+        grads = _dp_mean_grads(model, x, y, 2)
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = g
+        opt.step()
+    for r in resumed:
+        for a, b in zip(r["params"], model.parameters(), strict=True):
+            assert torch.equal(a, b.detach())
+
+
+def _errors(rank: int, world_size: int) -> list[str]:
+    out = []
+    model = _mlp()
+    plain = DistributedDataParallel(model)
+    try:
+        ShardedOptimizer(plain, torch.optim.SGD, [{"params": list(model.parameters())}], lr=0.1)
+    except ValueError as exc:
+        out.append(str(exc))
+    ddp = DistributedDataParallel(_mlp(), sharded_optimizer=True)
+    for groups in ([{"params": [torch.zeros(3)]}], [{"params": list(ddp.module.parameters())}] * 2):
+        try:
+            ddp.make_optimizer(torch.optim.SGD, groups, lr=0.1)
+        except ValueError as exc:
+            out.append(str(exc))
+    opt = ddp.make_optimizer(torch.optim.SGD, lr=0.1)
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        out.append(str(exc))
+    try:
+        opt.load_state_dict({"format": "something else"})
+    except ValueError as exc:
+        out.append(str(exc))
+    sd = {"format": CHECKPOINT_FORMAT, "master": {"nope": torch.zeros(1)}, "state": {}, "param_groups": []}
+    try:
+        opt.load_state_dict(sd)
+    except ValueError as exc:
+        out.append(str(exc))
+    try:
+        opt.grad_norm(norm_type=-1.0)
+    except ValueError as exc:
+        out.append(str(exc))
+    return out
+
+
+def test_misuse_raises_clear_errors(dist_run) -> None:
+    messages = dist_run(_errors, 2, timeout=60)[0]
+    fragments = [
+        "needs DistributedDataParallel(..., sharded_optimizer=True)",
+        "not a trainable parameter of the module",
+        "appears in more than one param group",
+        "no reduced gradients since the last step",
+        "must come from ShardedOptimizer.state_dict()",
+        "checkpoint parameters do not match the model",
+        "norm_type must be a positive number",
+    ]
+    assert len(messages) == len(fragments)
+    for message, fragment in zip(messages, fragments, strict=True):
+        assert fragment in message, (fragment, message)
+
+
+def _memory(rank: int, world_size: int) -> tuple[int, int, int]:
+    ddp = DistributedDataParallel(_mlp(), bucket_size=300, sharded_optimizer=True)
+    opt = ddp.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    _train(ddp, opt, rank, world_size, range(1), None)
+    state_elems = sum(v.numel() for st in opt.state.values() for v in st.values() if v.dim() == 1)
+    return opt.master.numel(), state_elems, sum(b.numel for b in ddp.layout.buckets)
+
+
+def test_masters_and_state_are_one_shard_per_rank(dist_run) -> None:
+    for masters, state, padded_total in dist_run(_memory, 4, timeout=60):
+        assert masters == padded_total // 4
+        params = sum(p.numel() for p in _mlp().parameters())
+        assert state <= 2 * math.ceil(params / 4) + 2 * 128  # exp_avg + exp_avg_sq of this rank's pieces only
