@@ -1,0 +1,114 @@
+"""``mixprec train``: train the lab's small GPT with the precision, scaling and reduction under study.
+
+Every field of :class:`mixprec.lab.config.TrainConfig` is a flag (``n_layer`` -> ``--n-layer``) and a key of the
+``--config`` TOML file; flags win over the file, the file over the defaults. ``--resume`` starts from the run
+directory's saved ``config.toml``. Exit codes: 0 done, 1 a rank failed (the others were stopped), 2 invalid
+configuration or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import fields
+from typing import Any
+
+from mixprec.lab.config import (
+    LINEAR_MODES,
+    LOSS_SCALERS,
+    OPTIMIZERS,
+    PRECISIONS,
+    REDUCTIONS,
+    TrainConfig,
+    config_from_toml,
+    field_docs,
+    merge_config,
+)
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "precision": PRECISIONS,
+    "loss_scaler": LOSS_SCALERS,
+    "reduce": REDUCTIONS,
+    "optimizer": OPTIMIZERS,
+    "linear_mode": LINEAR_MODES,
+    "device": ("auto", "cpu", "cuda"),
+}
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field, defaulting to None so that unset flags do not override the TOML file."""
+    docs = field_docs()
+    defaults = TrainConfig()
+    group = p.add_argument_group("run configuration (also TOML keys; flags win)")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{docs.get(f.name, '')} (default: {getattr(defaults, f.name)!r})".replace("%", "%%")
+        if f.type == "bool":
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            group.add_argument(
+                flag,
+                dest=f.name,
+                type=_TYPES[str(f.type)],
+                choices=_CHOICES.get(f.name),
+                default=None,
+                metavar=f.name.upper() if f.name not in _CHOICES else None,
+                help=help_text,
+            )
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults < the run directory's config.toml (with --resume) < --config FILE < flags."""
+    flags = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+    file_layer: dict[str, Any] = config_from_toml(args.config) if args.config else {}
+    layers = [file_layer, flags]
+    if getattr(args, "resume", False):
+        out_dir = flags.get("out_dir") or file_layer.get("out_dir") or TrainConfig().out_dir
+        saved = os.path.join(out_dir, "config.toml")
+        if not os.path.isfile(saved):
+            raise ValueError(f"--resume: {out_dir!r} holds no config.toml (is it a mixprec train run directory?)")
+        layers.insert(0, config_from_toml(saved))
+    return merge_config(*layers)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a small GPT on Python's stdlib sources with the precision/reduction under study",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", metavar="FILE", default=None, help="TOML file of configuration keys (flat)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out-dir")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on rank 0 (default: when stderr is a terminal)",
+    )
+    add_config_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mixprec.lab.launch import TrainingFailed, launch, torchrun_env
+
+    cfg = config_from_args(args)
+    if args.nproc is not None and args.nproc > 1 and torchrun_env() is not None:
+        raise ValueError("--nproc starts ranks itself; under torchrun the world size comes from torchrun instead")
+    try:
+        summary = launch(cfg, resume=args.resume, overwrite=args.overwrite, progress=args.progress)
+    except TrainingFailed as exc:
+        print(f"mixprec train: error: {exc}", file=sys.stderr)
+        return 1
+    if summary is not None:
+        print(
+            f"mixprec train: done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}"
+            + (f", val loss {summary['final_eval_loss']:.4f}" if summary.get("final_eval_loss") is not None else "")
+            + f", {summary['skipped_steps']} skipped, {summary['tokens_per_s_median']:,.0f} tokens/s (median); "
+            f"run directory {cfg.out_dir if os.path.isabs(cfg.out_dir) else os.path.abspath(cfg.out_dir)}"
+        )
+    return 0

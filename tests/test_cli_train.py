@@ -1,0 +1,236 @@
+"""``mixprec train`` end to end with tiny settings: precisions, reductions, rank parity, resume, failures."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import time
+
+import pytest
+import torch
+
+from mixprec.cli.main import main
+from mixprec.lab.capabilities import reduction_available
+from mixprec.lab.launch import GRACE_S
+
+# 1 layer, width 16, 16 characters of context: ~7k parameters, a few ms per step.
+TINY = [
+    "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+    "--global-batch-size", "8", "--micro-batch-size", "2", "--eval-sequences", "8", "--eval-interval", "3",
+    "--lr", "0.01",
+]  # fmt: skip
+FIELDS = {"step", "loss", "eval_loss", "loss_scale", "skipped", "grad_norm", "tokens_per_s", "wall_time"}
+
+
+def rows_of(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def train(run_dir, *args: str) -> int:
+    return main(["train", "--out-dir", str(run_dir), *TINY, *args])
+
+
+def numerics(rows: list[dict]) -> list[tuple]:
+    return [(r["step"], r["loss"], r["eval_loss"], r["loss_scale"], r["skipped"], r["grad_norm"]) for r in rows]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_each_precision_runs_and_logs(tmp_path, precision) -> None:
+    run = tmp_path / precision
+    assert train(run, "--nproc", "2", "--precision", precision, "--steps", "6") == 0
+    rows = rows_of(run)
+    assert [r["step"] for r in rows] == list(range(6))
+    assert all(set(r) == FIELDS for r in rows)
+    assert [r["step"] for r in rows if r["eval_loss"] is not None] == [0, 3, 5]
+    assert all(r["tokens_per_s"] > 0 and r["wall_time"] > 0 for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"]  # it learns something even in 6 steps
+    expected_scale = 65536.0 if precision == "fp16" else 1.0  # 'auto': dynamic from 2**16 for fp16, else none
+    assert rows[0]["loss_scale"] == expected_scale
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["world_size"] == 2
+    assert f'precision = "{precision}"' in (run / "config.toml").read_text()
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert state["step"] == 6
+    low = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    assert all(t.dtype == low for t in state["model"].values())
+
+
+@pytest.mark.parametrize("reduce", ["native", "fp32_accumulate", "uint8", "uint8_hierarchical"])
+def test_each_reduction_runs_and_logs(tmp_path, reduce) -> None:
+    why = reduction_available(reduce)
+    if why:
+        pytest.skip(why)
+    nproc = "4" if reduce == "uint8_hierarchical" else "2"
+    extra = ["--ranks-per-node", "2"] if reduce == "uint8_hierarchical" else []
+    run = tmp_path / reduce
+    assert train(run, "--nproc", nproc, "--precision", "bf16", "--reduce", reduce, "--steps", "4", *extra) == 0
+    rows = rows_of(run)
+    assert len(rows) == 4 and rows[-1]["loss"] < rows[0]["loss"]
+    assert f'reduce = "{reduce}"' in (run / "config.toml").read_text()
+
+
+@pytest.fixture
+def one_thread():
+    """The 1-rank reference runs in this process: give it the thread count of a forked rank (1), so that its
+    matmuls split their work exactly as the ranks' do."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("reduce", ["native", "fp32_accumulate"])
+def test_two_ranks_equal_one_rank_bit_for_bit(tmp_path, one_thread, reduce) -> None:
+    """GBS 4, MBS 2: one rank accumulates fl(g0/2 + g1/2); two ranks reduce g0 and g1 to (g0 + g1) / 2. Halving is
+    exact (no underflow at these magnitudes) and a sum of two fp32 terms is one correctly rounded addition either
+    way, so the averaged gradient, and with it every later step, must agree bit for bit (the fp32 tolerance for
+    two addends is zero). Losses and eval losses are sums of the same fp32 values in fp64 (exact for 2 terms)."""
+    why = reduction_available(reduce)
+    if why:
+        pytest.skip(why)
+    common = ["--global-batch-size", "4", "--micro-batch-size", "2", "--steps", "5", "--reduce", reduce]
+    assert train(tmp_path / "one", "--nproc", "1", *common) == 0
+    assert train(tmp_path / "two", "--nproc", "2", *common) == 0
+    one, two = rows_of(tmp_path / "one"), rows_of(tmp_path / "two")
+    assert numerics(one) == numerics(two)
+    assert len({r["loss"] for r in one}) == 5  # it trained: the losses change
+
+
+def test_sharded_optimizer_equals_unsharded_in_fp32(tmp_path) -> None:
+    """fp32, no clipping: reduce-scattering into fp32 shards sums exactly as the all-reduce's reduce-scatter does,
+    and AdamW is elementwise, so the sharded run's losses equal the unsharded run's bit for bit. The logged grad
+    norm is summed in another order (per-shard squares vs per-tensor norms): fp32 rounding of a sum of ~7k squares,
+    bounded by gamma_n with n = 7k, ~4e-4 relative in the worst case."""
+    why = reduction_available("fp32_accumulate")
+    if why:
+        pytest.skip(why)
+    common = ["--nproc", "2", "--reduce", "fp32_accumulate", "--grad-clip", "0", "--steps", "4"]
+    assert train(tmp_path / "flat", *common) == 0
+    assert train(tmp_path / "sharded", *common, "--sharded-optimizer") == 0
+    flat, sharded = rows_of(tmp_path / "flat"), rows_of(tmp_path / "sharded")
+    assert [r["loss"] for r in flat] == [r["loss"] for r in sharded]
+    n = 7000
+    gamma = n * 2.0**-24 / (1 - n * 2.0**-24)
+    for a, b in zip(flat, sharded):
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= gamma * a["grad_norm"]
+    state = torch.load(tmp_path / "sharded" / "checkpoint.pt", weights_only=True)
+    assert state["optimizer"]["format"].startswith("mixprec.sharded_optimizer")
+
+
+def test_killed_rank_stops_the_run_and_resume_is_bit_exact(tmp_path, monkeypatch) -> None:
+    """fp16 with dynamic scaling (scale growth every 2 steps, so overflows and skips happen) and dropout: the
+    uninterrupted run, and a run whose rank 1 crashes at step 6 (after the checkpoint of step 4) then resumed,
+    must log identical numbers at every step."""
+    common = ["--nproc", "2", "--precision", "fp16", "--scale-growth-interval", "2", "--dropout", "0.1",
+              "--checkpoint-interval", "4", "--timeout", "30"]  # fmt: skip
+    assert train(tmp_path / "whole", *common, "--steps", "9") == 0
+    whole = rows_of(tmp_path / "whole")
+    assert any(r["skipped"] for r in whole)
+
+    monkeypatch.setenv("MIXPREC_FAULT", "1:6:exit")
+    start = time.monotonic()
+    code = train(tmp_path / "cut", *common, "--steps", "9")
+    elapsed = time.monotonic() - start
+    assert code == 1
+    # Bound from mixprec.lab.launch: the crash is seen at once, the peers get GRACE_S, then SIGTERM + 5 s. The
+    # 20 s allow for starting the ranks on a loaded machine; this is a liveness bound, not a speed claim.
+    assert elapsed < GRACE_S + 5 + 20
+    state = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)
+    assert state["step"] == 4
+    assert [r["step"] for r in rows_of(tmp_path / "cut")] == list(range(6))
+    monkeypatch.delenv("MIXPREC_FAULT")
+
+    assert main(["train", "--out-dir", str(tmp_path / "cut"), "--resume"]) == 0
+    assert numerics(rows_of(tmp_path / "cut")) == numerics(whole)
+
+
+@pytest.mark.slow
+def test_hung_rank_times_out_and_checkpoint_survives(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MIXPREC_FAULT", "1:3:hang")
+    timeout = 4.0
+    start = time.monotonic()
+    code = train(tmp_path / "hang", "--nproc", "2", "--steps", "8", "--checkpoint-interval", "2",
+                 "--timeout", str(timeout))  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert code == 1
+    # Bound: the peer's collective times out after `timeout`, the launcher waits GRACE_S, SIGTERM, + 5 s; 20 s
+    # for starting the ranks on a loaded machine.
+    assert elapsed < timeout + GRACE_S + 5 + 20
+    assert torch.load(tmp_path / "hang" / "checkpoint.pt", weights_only=True)["step"] == 2
+
+
+def test_existing_run_needs_resume_or_overwrite(tmp_path, capsys) -> None:
+    run = tmp_path / "r"
+    assert train(run, "--steps", "2") == 0
+    assert train(run, "--steps", "2") == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert train(run, "--steps", "3", "--overwrite") == 0
+    assert len(rows_of(run)) == 3
+    assert main(["train", "--out-dir", str(tmp_path / "none"), "--resume"]) == 2
+
+
+def test_resume_refuses_changed_numerics(tmp_path, capsys) -> None:
+    run = tmp_path / "r"
+    assert train(run, "--steps", "2") == 0
+    assert main(["train", "--out-dir", str(run), "--resume", "--steps", "4", "--lr", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "lr: checkpoint 0.01, now 0.5" in err
+    assert main(["train", "--out-dir", str(run), "--resume", "--steps", "4"]) == 0
+    assert [r["step"] for r in rows_of(run)] == [0, 1, 2, 3]
+
+
+def test_missing_capability_is_refused_clearly(tmp_path, monkeypatch, capsys) -> None:
+    import mixprec.lab.capabilities as caps
+
+    monkeypatch.setattr(caps, "has_data_parallel", lambda: False)
+    assert train(tmp_path / "r", "--nproc", "2", "--reduce", "fp32_accumulate") == 2
+    err = capsys.readouterr().err
+    assert "reduce='fp32_accumulate' needs mixprec.parallel.DistributedDataParallel" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_linear_mode(tmp_path) -> None:
+    from mixprec.lab.capabilities import missing_capabilities
+    from mixprec.lab.config import TrainConfig
+
+    missing = missing_capabilities(TrainConfig(linear_mode="fp16/16"))
+    if missing:
+        pytest.skip(missing[0])
+    assert train(tmp_path / "emu", "--linear-mode", "fp16/16", "--steps", "3") == 0
+    assert train(tmp_path / "ref", "--steps", "3") == 0
+    emu, ref = rows_of(tmp_path / "emu"), rows_of(tmp_path / "ref")
+    # Same weights at step 0; the emulated fp16 accumulation changes the loss (else the mode did nothing).
+    assert emu[0]["loss"] != ref[0]["loss"]
+    assert abs(emu[0]["loss"] - ref[0]["loss"]) < 0.05 * ref[0]["loss"]
+
+
+def _torchrun_rank(rank: int, port: int, run_dir: str, conn) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    code = main(["train", "--out-dir", run_dir, *TINY, "--steps", "3"])
+    conn.send(code)
+    conn.close()
+    os._exit(0)
+
+
+def test_torchrun_environment(tmp_path) -> None:
+    """What torchrun provides is its environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT): two processes
+    with it must train as one 2-rank job."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
+    procs = [ctx.Process(target=_torchrun_rank, args=(r, port, str(tmp_path / "tr"), pipes[r][1])) for r in range(2)]
+    for p in procs:
+        p.start()
+    codes = [pipes[r][0].recv() if pipes[r][0].poll(120) else None for r in range(2)]
+    for p in procs:
+        p.join(10)
+    assert codes == [0, 0]
+    assert "nproc = 2" in (tmp_path / "tr" / "config.toml").read_text()
+    assert [r["step"] for r in rows_of(tmp_path / "tr")] == [0, 1, 2]
