@@ -17,6 +17,8 @@ __all__ = ["build_parser", "main"]
 # Order is the order of `mixprec --help`.
 _SUBCOMMAND_MODULES = (
     "mixprec.cli.demo",
+    "mixprec.cli.train",
+    "mixprec.cli.compare",
     "mixprec.cli.check_config",
     "mixprec.cli.study",
 )
