@@ -137,10 +137,15 @@ class Updater:
         if callable(prepare):
             prepare()
         params = [p for p in self._params() if p.grad is not None]
+        # An optimizer that holds only a shard of the gradients (mixprec.parallel.ShardedOptimizer) knows the
+        # global norm; the norm of its local pieces alone would clip each rank differently.
+        own_clip = getattr(self.optimizer, "clip_grad_norm_", None)
+        own_norm = getattr(self.optimizer, "grad_norm", None)
         if self.clip_grad_norm is not None:
-            norm = float(clip_grad_norm_(params, self.clip_grad_norm))
+            clip = own_clip if callable(own_clip) else lambda max_norm: clip_grad_norm_(params, max_norm)
+            norm = float(clip(self.clip_grad_norm))
         else:
-            norm = float(grad_norm(params))
+            norm = float(own_norm() if callable(own_norm) else grad_norm(params))
         if self.weight_decay:
             for p in params:
                 p.grad.add_(p, alpha=self.weight_decay)
