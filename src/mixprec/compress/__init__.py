@@ -17,7 +17,9 @@ from mixprec.compress.collectives import (
     start_compressed_all_reduce,
     start_compressed_reduce_scatter,
 )
+from mixprec.compress.hooks import Uint8HookState, uint8_compress_hook
 from mixprec.compress.quantize import HEADER_BYTES_PER_CHUNK, MinMaxUInt8, NonFiniteError
+from mixprec.compress.reducers import Uint8Reducer  # registers "uint8" and "uint8_hierarchical"
 from mixprec.compress.topology import Topology
 
 __all__ = [
@@ -29,8 +31,11 @@ __all__ = [
     "MinMaxUInt8",
     "NonFiniteError",
     "Topology",
+    "Uint8HookState",
+    "Uint8Reducer",
     "compressed_all_reduce",
     "compressed_reduce_scatter",
     "start_compressed_all_reduce",
     "start_compressed_reduce_scatter",
+    "uint8_compress_hook",
 ]

@@ -57,6 +57,8 @@ class Topology:
         except ValueError:
             raise ValueError(f"LOCAL_WORLD_SIZE must be an integer; got {value!r}") from None
         if world_size is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError("Topology.from_env() needs world_size or an initialised process group")
             world_size = dist.get_world_size()
         if per_node < 1 or world_size % per_node:
             raise ValueError(f"LOCAL_WORLD_SIZE={per_node} does not divide the world size {world_size}")

@@ -1,0 +1,198 @@
+"""uint8 compression wired into training: the "uint8"/"uint8_hierarchical" reducers (registry, mixprec's
+DistributedDataParallel, reduce-scatter for the sharded optimizer, state_dict, bounded in-flight buffers) and
+the torch DDP comm hook.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from compress_reference import ref_flat_all_reduce, ref_flat_reduce, ref_hierarchical_all_reduce
+from mixprec.compress import ErrorFeedback, Topology, Uint8HookState, Uint8Reducer, uint8_compress_hook
+from mixprec.parallel import DistributedDataParallel, make_reducer
+
+CHUNK = 256
+BUCKET = 3 * 1024  # a multiple of lcm(world_size, 128) for 2, 3 and 4 ranks
+
+
+def _bucket(rank: int, key: int, step: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10_000 * step + 100 * key + rank)
+    return torch.randn(BUCKET, generator=g) * (1 + rank)
+
+
+def _worker_reducer(rank: int, world: int, name: str) -> dict:
+    if name == "uint8_hierarchical":
+        os.environ["LOCAL_WORLD_SIZE"] = "2"  # what torchrun would set: 2 ranks per node
+    reducer = make_reducer(name, chunk_size=CHUNK, max_in_flight=2)
+    buckets = [_bucket(rank, k) for k in range(3)]
+    handles = [reducer.all_reduce(b, None, average=True, key=k) for k, b in enumerate(buckets)]  # 3 > max_in_flight
+    for h in handles:
+        h.wait()
+        h.wait()  # idempotent
+    shard = torch.empty(BUCKET // world)
+    reducer.reduce_scatter(shard, _bucket(rank, 7), None, average=True, key=7).wait()
+    return {"buckets": buckets, "shard": shard, "stats": reducer.last_stats, "repr": repr(reducer)}
+
+
+@pytest.mark.parametrize("world, name", [(3, "uint8"), (4, "uint8_hierarchical")])
+def test_registered_reducers_match_the_reference(dist_run, world: int, name: str) -> None:
+    res = dist_run(_worker_reducer, world, name, timeout=120)
+    for k in range(3):
+        inputs = [_bucket(r, k).numpy() for r in range(world)]
+        if name == "uint8":
+            expected = ref_flat_all_reduce(inputs, CHUNK)[0][0]
+        else:
+            expected = ref_hierarchical_all_reduce(inputs, CHUNK, 2, 2)[0]
+        for r in range(world):
+            np.testing.assert_array_equal(res[r]["buckets"][k].numpy(), expected)
+    if name == "uint8":
+        shards = ref_flat_reduce([_bucket(r, 7).numpy() for r in range(world)], CHUNK, divisor=world)
+        for r in range(world):
+            np.testing.assert_array_equal(res[r]["shard"].numpy(), shards[r])
+    assert sorted(res[0]["stats"]) == [0, 1, 2, 7]
+    assert ("hierarchical" in res[0]["repr"]) == (name == "uint8_hierarchical")
+
+
+def _worker_state(rank: int, world: int) -> dict:
+    def run(reducer: Uint8Reducer, steps: range) -> list[torch.Tensor]:
+        outs = []
+        for t in steps:
+            b = _bucket(rank, 0, step=t)
+            reducer.all_reduce(b, None, average=True, key=0).wait()
+            outs.append(b)
+        return outs
+
+    opts = {"chunk_size": CHUNK, "error_feedback": True, "rounding": "stochastic"}
+    straight = run(Uint8Reducer(**opts), range(4))
+    first = Uint8Reducer(**opts)
+    run(first, range(2))
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    resumed = Uint8Reducer(**opts)
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    errors = []
+    for bad_state, reducer in [
+        ({"rounding": "nearest"}, Uint8Reducer(**opts)),
+        ({"error_feedback": {0: {}}}, Uint8Reducer(chunk_size=CHUNK)),
+        ({"error_feedback": {0: {"worker": torch.zeros(3, dtype=torch.float64)}}}, Uint8Reducer(**opts)),
+    ]:
+        try:
+            reducer.load_state_dict(bad_state)
+        except (TypeError, ValueError) as exc:
+            errors.append(str(exc))
+    return {"straight": straight[2:], "resumed": run(resumed, range(2, 4)), "errors": errors}
+
+
+def test_reducer_state_dict_resumes_error_feedback_and_stochastic_stream(dist_run) -> None:
+    res = dist_run(_worker_state, 2, timeout=120)
+    for r in range(2):
+        for a, b in zip(res[r]["straight"], res[r]["resumed"]):
+            assert torch.equal(a, b)
+    assert "saved with rounding='nearest'" in res[0]["errors"][0]
+    assert "error_feedback=False" in res[0]["errors"][1]
+    assert "1-D float32" in res[0]["errors"][2]
+
+
+def test_factories_validate_options() -> None:
+    with pytest.raises(ValueError, match="reducer 'uint8' is flat"):
+        make_reducer("uint8", topology=Topology(2, 2))
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        make_reducer("uint8", rounding="up")
+    with pytest.raises(TypeError, match="rejected its options"):
+        make_reducer("uint8", bogus=1)
+    with pytest.raises(ValueError, match="check_finite must be one of"):
+        Uint8Reducer(check_finite="warn")
+    with pytest.raises(TypeError, match="error_feedback must be a bool"):
+        Uint8Reducer(error_feedback=1)
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE is not set"):
+        make_reducer("uint8_hierarchical")
+    with pytest.raises(TypeError, match="state must be a Uint8HookState"):
+        uint8_compress_hook(object(), None)  # type: ignore[arg-type]
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 10))
+
+
+def _batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+
+
+def _local_grads(rank: int) -> list[torch.Tensor]:
+    model = _model()
+    x, y = _batch(rank)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _worker_ddp(rank: int, world: int, mode: str) -> dict:
+    x, y = _batch(rank)
+    if mode == "torch_hook":
+        ddp = torch.nn.parallel.DistributedDataParallel(_model())
+        state = Uint8HookState(chunk_size=CHUNK, error_feedback=True)
+        ddp.register_comm_hook(state, uint8_compress_hook)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        grads = [p.grad.clone() for p in ddp.parameters()]
+        return {"grads": grads, "bytes": state.bytes_sent_total, "state": state.state_dict()}
+    sharded = mode == "mixprec_sharded"
+    ddp = DistributedDataParallel(
+        _model(), reduce="uint8", reduce_options={"chunk_size": CHUNK}, sharded_optimizer=sharded, bucket_size=1000
+    )
+    opt = ddp.make_optimizer(torch.optim.SGD, lr=0.1)
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    grads = [p.grad.clone() for p in ddp.module.parameters()]
+    opt.step()
+    params = [p.detach().clone() for p in ddp.module.parameters()]
+    return {"grads": grads, "params": params, "stats": ddp.reducer.last_stats}
+
+
+@pytest.mark.parametrize("mode", ["mixprec", "mixprec_sharded", "torch_hook"])
+def test_data_parallel_training_step_with_uint8(dist_run, mode: str) -> None:
+    world = 2
+    res = dist_run(_worker_ddp, world, mode, timeout=120)
+    local = [_local_grads(r) for r in range(world)]
+    exact = [torch.stack([g[i].double() for g in local]).mean(0) for i in range(len(local[0]))]
+    # A chunk may span several parameters (and zero padding): its range is at most the spread of all of a
+    # rank's gradients and 0. Each quantization errs by <= step / 2 = range / 510 (+ fp32 terms, < 1e-6 here).
+    spread = max(
+        max(float(g.max()) for g in [*gs, torch.zeros(1)]) - min(float(g.min()) for g in [*gs, torch.zeros(1)])
+        for gs in local
+    )
+    for a, b in zip(
+        res[0]["grads" if mode != "mixprec_sharded" else "params"],
+        res[1]["grads" if mode != "mixprec_sharded" else "params"],
+    ):
+        assert torch.equal(a, b)  # identical bits on every rank (sharded: after the parameter all-gather)
+    if mode == "mixprec_sharded":
+        # reduce-scatter: one quantization per rank (averaged), no re-quantization; then SGD with lr 0.1
+        for p0, ex, new in zip(_model().parameters(), exact, res[0]["params"]):
+            assert (p0.detach().double() - 0.1 * ex - new.double()).abs().max() <= 0.1 * (spread / 510 + 1e-6) + 1e-7
+    else:
+        for got, ex in zip(res[0]["grads"], exact):  # worker + server quantization
+            assert (got.double() - ex).abs().max() <= 2 * spread / 510 + 1e-6
+    if mode == "torch_hook":
+        assert res[0]["bytes"] > 0 and res[0]["state"]["error_feedback"]
+    else:
+        stats = list(res[0]["stats"].values())
+        assert stats and all(0.25 < s.ratio_to_fp32 < 0.25 * (1 + 8 / CHUNK) + 0.01 for s in stats)
+
+
+def test_error_feedback_state_rejects_bad_input() -> None:
+    fb = ErrorFeedback()
+    with pytest.raises(TypeError, match="state must be a dict"):
+        fb.load_state_dict([1])
+    with pytest.raises(ValueError, match="unknown error-feedback state keys"):
+        fb.load_state_dict({"client": torch.zeros(3)})
+    fb.load_state_dict({"worker": torch.ones(4)})
+    assert torch.equal(fb.worker, torch.ones(4)) and fb.server is None
+    fb.reset()
+    assert not fb.worker.any()
