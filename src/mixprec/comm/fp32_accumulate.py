@@ -24,6 +24,7 @@ rounding to fp16 overflows to inf above 65504, as the backend's sum would).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 
@@ -34,7 +35,12 @@ from mixprec._validate import check_choice
 from mixprec.comm._compat import all_gather_flat, overlaps, require_initialized
 from mixprec.comm.rounding import Rounding, round_into_
 
-__all__ = ["PendingReduction", "all_reduce_fp32_accumulate", "reduce_scatter_fp32_accumulate"]
+__all__ = [
+    "PendingReduction",
+    "all_reduce_fp32_accumulate",
+    "reduce_scatter_fp32_accumulate",
+    "reduce_scatter_scaled",
+]
 
 _WIRE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -95,8 +101,10 @@ def _sum_shards_into(
     average: bool,
     rounding: Rounding,
     generator: torch.Generator | None,
+    factor: float | None = None,
 ) -> None:
-    """``output = round(sum_r shards[r] (/ world_size))``: fp32 sum in rank order, one rounding to output.dtype.
+    """``output = round(sum_r shards[r] (/ world_size) (* factor))``: fp32 sum in rank order, fp32 scaling,
+    one rounding to output.dtype.
 
     Works block by block: on CPU an in-place fp32 add of an fp16/bf16 operand makes torch allocate an fp32
     copy of that operand, so each block is first converted into a small preallocated fp32 buffer
@@ -120,6 +128,8 @@ def _sum_shards_into(
             acc_block.add_(addend)  # one fp32 rounding per addend
     if average:
         acc.div_(world_size)
+    if factor is not None:
+        acc.mul_(factor)
     if acc is not out_flat:
         if rounding == "stochastic" and generator is None:
             generator = _default_generator(acc.device)
@@ -170,12 +180,41 @@ def reduce_scatter_fp32_accumulate(
     Returns:
         None, or a :class:`PendingReduction` when ``async_op=True``.
     """
+    return reduce_scatter_scaled(
+        output,
+        input,
+        group,
+        average=average,
+        factor=None,
+        async_op=async_op,
+        rounding=rounding,
+        scratch=scratch,
+        generator=generator,
+    )
+
+
+def reduce_scatter_scaled(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    average: bool,
+    factor: float | None,
+    async_op: bool,
+    rounding: Rounding,
+    scratch: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> PendingReduction | None:
+    """:func:`reduce_scatter_fp32_accumulate` with an optional fp32 multiplier applied to the sum before the
+    rounding (``ReduceOp.PREMUL_SUM`` semantics, for the FSDP2 hook): ``round(sum (/ P) * factor)``."""
     require_initialized("reduce_scatter_fp32_accumulate")
     _check_contiguous("input", input, _WIRE_DTYPES)
     _check_contiguous("output", output, (input.dtype, torch.float32))
     check_choice("rounding", rounding, ("nearest", "stochastic"))
     if not isinstance(average, bool):
         raise TypeError(f"average must be a bool; got {type(average).__name__}")
+    if factor is not None and not math.isfinite(factor):
+        raise ValueError(f"factor must be finite; got {factor!r}")
     if rounding == "stochastic" and output.dtype not in _LOW_PRECISION:
         raise ValueError(f"rounding='stochastic' needs a float16/bfloat16 output; output is {output.dtype}")
     if output.device != input.device:
@@ -208,7 +247,14 @@ def reduce_scatter_fp32_accumulate(
     def finish() -> None:
         if work is not None:
             work.wait()
-        _sum_shards_into(output, recv.view(world_size, shard), average=average, rounding=rounding, generator=generator)
+        _sum_shards_into(
+            output,
+            recv.view(world_size, shard),
+            average=average,
+            rounding=rounding,
+            generator=generator,
+            factor=factor,
+        )
 
     if async_op:
         return PendingReduction(finish)

@@ -1,0 +1,14 @@
+"""Communication hooks for torch's own data parallelism (public module ``mixprec.hooks``).
+
+``fp32_accumulate_hook``: for ``torch.nn.parallel.DistributedDataParallel.register_comm_hook``; each
+bucket is averaged with the wire in the gradient dtype and the sum in fp32 (one rounding). Example::
+
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(state=None, hook=mixprec.hooks.fp32_accumulate_hook)
+
+The hook functions live in ``mixprec.parallel`` (process-group plumbing); this module re-exports them.
+"""
+
+from mixprec.parallel.comm_hooks import fp32_accumulate_hook
+
+__all__ = ["fp32_accumulate_hook"]

@@ -1,0 +1,155 @@
+"""fp32 accumulation for users who keep torch FSDP2 (``fully_shard``): a custom reduce-scatter.
+
+:class:`FP32AccumulateReduceScatter` implements FSDP2's ``ReduceScatter`` comm interface with
+:func:`mixprec.comm.reduce_scatter_fp32_accumulate`; :func:`use_fp32_accumulation` installs it on every
+``fully_shard``-ed submodule (``FSDPModule.set_custom_reduce_scatter``, torch 2.13). Importing this module
+imports ``torch.distributed.fsdp`` (about 0.7 s), so ``mixprec.parallel`` loads it only on first use.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mixprec._validate import check_choice
+from mixprec.comm.fp32_accumulate import reduce_scatter_scaled
+
+__all__ = ["FP32AccumulateReduceScatter", "use_fp32_accumulation"]
+
+
+def _fsdp_base() -> type:
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    except ImportError:  # a torch without FSDP2's comm interface: still importable, refuses at use
+        return object
+    return ReduceScatter
+
+
+def _decode_op(op: Any) -> tuple[bool, float | None]:
+    """(average, multiplier) of a reduce op FSDP2 passes: SUM, AVG or PREMUL_SUM(factor)."""
+    red = dist.ReduceOp.RedOpType
+    kind = getattr(op, "op", op)
+    if kind == red.SUM:
+        return False, None
+    if kind == red.AVG:
+        return True, None
+    if kind == red.PREMUL_SUM:
+        factor = op.factor
+        factor = float(factor.item()) if isinstance(factor, torch.Tensor) else float(factor)
+        if not math.isfinite(factor):
+            raise ValueError(f"PREMUL_SUM factor must be finite; got {factor}")
+        return False, factor
+    raise ValueError(f"FP32AccumulateReduceScatter supports the reduce ops SUM, AVG and PREMUL_SUM; got {op}")
+
+
+class FP32AccumulateReduceScatter(_fsdp_base()):  # type: ignore[misc]
+    """torch FSDP2 ``ReduceScatter`` that sends the reduce dtype and sums in fp32 (one rounding).
+
+    FSDP2 calls it with the flat gradient input (reduce dtype, padded to a multiple of the shard-group
+    size by FSDP) and the output shard. Reduce ops: ``AVG`` becomes a division in fp32 before the single
+    rounding; ``PREMUL_SUM(f)`` (from ``set_gradient_divide_factor``) a multiplication by f in fp32;
+    ``SUM`` a plain sum. For fp16, FSDP itself divides the input by a pre-factor and the output by a
+    post-factor in fp16 around the collective (to avoid overflow); both are powers of two for a
+    power-of-two group, so exact away from the subnormal range.
+
+    Wire dtype: FSDP's reduce dtype. Accumulation: fp32. Extra memory: a receive buffer of the input's
+    size (kept between calls and reused when large enough) plus one fp32 shard.
+
+    Args:
+        rounding: ``"nearest"`` or ``"stochastic"`` for the single rounding to the reduce dtype.
+        generator: random stream for stochastic rounding (None = mixprec's seeded per-process default).
+    """
+
+    def __init__(self, *, rounding: str = "nearest", generator: torch.Generator | None = None) -> None:
+        self.rounding = check_choice("rounding", rounding, ("nearest", "stochastic"))
+        self.generator = generator
+        self._scratch: torch.Tensor | None = None
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def _scratch_for(self, input_tensor: torch.Tensor) -> torch.Tensor:
+        s = self._scratch
+        if (
+            s is None
+            or s.dtype != input_tensor.dtype
+            or s.device != input_tensor.device
+            or s.numel() < input_tensor.numel()
+        ):
+            s = self._scratch = torch.empty(input_tensor.numel(), dtype=input_tensor.dtype, device=input_tensor.device)
+        return s
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        average, factor = _decode_op(op)
+        # The receive buffer is reused across calls, so only one reduction may be in flight: finish it here
+        # (FSDP2 calls this synchronously anyway).
+        reduce_scatter_scaled(
+            output_tensor,
+            input_tensor,
+            group,
+            average=average,
+            factor=factor,
+            async_op=False,
+            rounding=self.rounding,
+            scratch=self._scratch_for(input_tensor),
+            generator=self.generator,
+        )
+        return _CompletedWork() if async_op else None
+
+    def __repr__(self) -> str:
+        return f"FP32AccumulateReduceScatter(rounding={self.rounding!r})"
+
+
+class _CompletedWork:
+    """What an async caller waits on: the reduction already finished."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def use_fp32_accumulation(
+    module: torch.nn.Module, *, rounding: str = "nearest", generator: torch.Generator | None = None
+) -> int:
+    """Make every ``fully_shard``-ed submodule of ``module`` (itself included) reduce-scatter its gradients
+    with :class:`FP32AccumulateReduceScatter`. Returns how many FSDP modules were set.
+
+    Call it after ``fully_shard``. Raises ValueError when there is no FSDP module, RuntimeError when this
+    torch's FSDP2 has no ``set_custom_reduce_scatter``.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError as exc:
+        raise RuntimeError(
+            f"this torch ({torch.__version__}) has no FSDP2 (torch.distributed.fsdp.FSDPModule)"
+        ) from exc
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module; got {type(module).__name__}")
+    comm = FP32AccumulateReduceScatter(rounding=rounding, generator=generator)
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            setter = getattr(sub, "set_custom_reduce_scatter", None)
+            if setter is None:
+                raise RuntimeError(
+                    f"this torch ({torch.__version__}) has no FSDPModule.set_custom_reduce_scatter; "
+                    "FP32AccumulateReduceScatter needs torch >= 2.13"
+                )
+            setter(comm)
+            count += 1
+    if count == 0:
+        raise ValueError("module holds no fully_shard-ed submodule: call torch.distributed.fsdp.fully_shard first")
+    return count
