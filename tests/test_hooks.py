@@ -81,4 +81,3 @@ def _bad_state(rank: int, world_size: int) -> str:
 def test_bad_state_is_refused(dist_run) -> None:
     for message in dist_run(_bad_state, 2, timeout=60):
         assert "state must be a torch.distributed ProcessGroup or None" in message
-
