@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+import mixprec.hooks
 from compress_reference import ref_flat_all_reduce, ref_flat_reduce, ref_hierarchical_all_reduce
-from mixprec.compress import ErrorFeedback, Topology, Uint8HookState, Uint8Reducer, uint8_compress_hook
+from mixprec.compress import ErrorFeedback, Topology, Uint8Reducer, uint8_compress_hook
 from mixprec.parallel import DistributedDataParallel, make_reducer
 
 CHUNK = 256
@@ -138,8 +139,8 @@ def _worker_ddp(rank: int, world: int, mode: str) -> dict:
     x, y = _batch(rank)
     if mode == "torch_hook":
         ddp = torch.nn.parallel.DistributedDataParallel(_model())
-        state = Uint8HookState(chunk_size=CHUNK, error_feedback=True)
-        ddp.register_comm_hook(state, uint8_compress_hook)
+        state = mixprec.hooks.Uint8HookState(chunk_size=CHUNK, error_feedback=True)
+        ddp.register_comm_hook(state, mixprec.hooks.uint8_compress_hook)
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         grads = [p.grad.clone() for p in ddp.parameters()]
         return {"grads": grads, "bytes": state.bytes_sent_total, "state": state.state_dict()}

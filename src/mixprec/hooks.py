@@ -6,9 +6,14 @@ bucket is averaged with the wire in the gradient dtype and the sum in fp32 (one 
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ddp.register_comm_hook(state=None, hook=mixprec.hooks.fp32_accumulate_hook)
 
+``uint8_compress_hook`` with its state ``Uint8HookState``: 8-bit min-max compression (mixprec.compress)::
+
+    ddp.register_comm_hook(mixprec.hooks.Uint8HookState(error_feedback=True), mixprec.hooks.uint8_compress_hook)
+
 The hook functions live in ``mixprec.parallel`` (process-group plumbing); this module re-exports them.
 """
 
+from mixprec.compress.hooks import Uint8HookState, uint8_compress_hook
 from mixprec.parallel.comm_hooks import fp32_accumulate_hook
 
-__all__ = ["fp32_accumulate_hook"]
+__all__ = ["Uint8HookState", "fp32_accumulate_hook", "uint8_compress_hook"]
