@@ -1,0 +1,33 @@
+"""Precision emulation: bit-exact rounding to low-precision formats and matmuls with modelled accumulators."""
+
+from mixprec.emulate.formats import FORMAT_PRESETS, FloatFormat, get_format
+from mixprec.emulate.linear import EmulatedLinear, LinearSwap, emulate_linear_layers
+from mixprec.emulate.matmul import (
+    MATMUL_PRESETS,
+    TENSOR_CORE_ALIGN_BITS,
+    ErrorBounds,
+    MatmulModel,
+    bounds,
+    get_matmul_model,
+    matmul,
+)
+from mixprec.emulate.rounding import ROUNDING_MODES, round_to, round_to_
+
+__all__ = [
+    "FORMAT_PRESETS",
+    "MATMUL_PRESETS",
+    "ROUNDING_MODES",
+    "TENSOR_CORE_ALIGN_BITS",
+    "EmulatedLinear",
+    "ErrorBounds",
+    "FloatFormat",
+    "LinearSwap",
+    "MatmulModel",
+    "bounds",
+    "emulate_linear_layers",
+    "get_format",
+    "get_matmul_model",
+    "matmul",
+    "round_to",
+    "round_to_",
+]

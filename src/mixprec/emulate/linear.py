@@ -1,0 +1,161 @@
+"""``EmulatedLinear``: a drop-in ``nn.Linear`` whose three matmuls run through the accumulation model, and
+``emulate_linear_layers`` to swap them into a model (and back).
+
+Forward ``y = x W^T + b`` and both backward products, ``grad_x = grad_y W`` (K = out_features) and
+``grad_W = grad_y^T x`` (K = the number of rows in the batch), use :func:`mixprec.emulate.matmul` with the layer's
+:class:`MatmulModel`: operands rounded to ``inputs``, accumulation modelled, result held in fp32. The bias is
+added in fp32 after the product (then rounded to the model's ``output`` format, if it has one, as a GEMM
+epilogue would); ``grad_b`` is an fp32 sum over the batch. Outputs and input gradients come back in the input's
+dtype, parameter gradients in the parameter's dtype, so fp16/bf16 parameters and inputs work too.
+
+Parameters and ``state_dict`` keys are those of ``nn.Linear`` (``weight``, ``bias``); :meth:`EmulatedLinear.from_linear`
+shares the original layer's Parameter objects, so optimizers and tied weights keep working after a swap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.emulate.matmul import MatmulModel, _matmul_model, get_matmul_model
+from mixprec.emulate.rounding import round_to_
+
+__all__ = ["EmulatedLinear", "LinearSwap", "emulate_linear_layers"]
+
+
+class _EmulatedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, model: MatmulModel
+    ) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        y = _matmul_model(x2, weight.t(), model)
+        if bias is not None:
+            y.add_(bias.float())
+            if model.output is not None:
+                round_to_(y, model.output)
+        ctx.save_for_backward(x2, weight)
+        ctx.model = model
+        ctx.x_shape = x.shape
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x2, weight = ctx.saved_tensors
+        model: MatmulModel = ctx.model
+        gy = grad_y.reshape(-1, weight.shape[0])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _matmul_model(gy, weight, model).reshape(ctx.x_shape).to(x2.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = _matmul_model(gy.t(), x2, model).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = gy.float().sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+class EmulatedLinear(nn.Linear):
+    """``nn.Linear`` with forward and backward matmuls emulated by ``mode`` (a preset name or MatmulModel).
+
+    Args:
+        in_features, out_features, bias, device, dtype: as ``nn.Linear``.
+        mode: accumulation model, e.g. "fp16/16", "fp16/32", "bf16/32", "two_stage", "fp8/promote128".
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        mode: MatmulModel | str = "fp16/32",
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.mode = get_matmul_model(mode)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mode: MatmulModel | str) -> EmulatedLinear:
+        """An EmulatedLinear sharing ``linear``'s Parameter objects (no copy)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear needs an nn.Linear; got {type(linear).__name__}")
+        model = get_matmul_model(mode)
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features = linear.in_features
+        new.out_features = linear.out_features
+        new.weight = linear.weight
+        if linear.bias is None:
+            new.register_parameter("bias", None)
+        else:
+            new.bias = linear.bias
+        new.mode = model
+        new.train(linear.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"EmulatedLinear expects input (..., {self.in_features}); got {tuple(x.shape)}")
+        return _EmulatedLinearFunction.apply(x, self.weight, self.bias, self.mode)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mode={self.mode.name!r}"
+
+
+class LinearSwap:
+    """What :func:`emulate_linear_layers` swapped: ``names`` (qualified module names); ``restore()`` puts the
+    original modules back. Usable as a context manager (restores on exit)."""
+
+    def __init__(self, model: nn.Module, swapped: list[tuple[nn.Module, str, nn.Module]]) -> None:
+        self.model = model
+        self._swapped = swapped
+        self.names = [name for _, name, _ in swapped]
+        self.restored = False
+
+    def restore(self) -> None:
+        """Put the original ``nn.Linear`` modules back (they share the parameters, so training carries over)."""
+        if self.restored:
+            raise RuntimeError("restore() was already called on this LinearSwap")
+        for parent, name, original in self._swapped:
+            setattr(parent, name.rsplit(".", 1)[-1], original)
+        self.restored = True
+
+    def __enter__(self) -> LinearSwap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.restored:
+            self.restore()
+
+    def __len__(self) -> int:
+        return len(self._swapped)
+
+
+def emulate_linear_layers(model: nn.Module, mode: MatmulModel | str) -> LinearSwap:
+    """Replace every ``nn.Linear`` (subclasses included, EmulatedLinear excluded) in ``model`` by an
+    :class:`EmulatedLinear` with ``mode`` that shares its parameters; returns a :class:`LinearSwap` whose
+    ``restore()`` puts the originals back. ``model`` itself cannot be a bare Linear (there is no parent to
+    swap it in); wrap it in a container. Modules that read ``.weight`` directly instead of calling the layer
+    (e.g. ``nn.MultiheadAttention``'s ``out_proj``) are swapped but keep torch's own matmul.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
+    matmul_model = get_matmul_model(mode)
+    if isinstance(model, nn.Linear):
+        raise ValueError("model is itself an nn.Linear: wrap it (e.g. nn.Sequential(layer)) so it can be swapped")
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and not isinstance(module, EmulatedLinear) and name
+    ]
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    for name, module in targets:
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        setattr(parent, name.rsplit(".", 1)[-1], EmulatedLinear.from_linear(module, matmul_model))
+        swapped.append((parent, name, module))
+    return LinearSwap(model, swapped)

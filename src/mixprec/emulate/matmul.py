@@ -1,0 +1,467 @@
+"""Matrix products with a modelled accumulator: ``matmul``, the presets by name, and ``bounds``.
+
+The model of one output element ``y = sum_k a_k b_k`` (``MatmulModel``):
+
+1. ``a`` and ``b`` are rounded to ``inputs`` (round to nearest even, :func:`round_to`).
+2. Products are exact (a product of two p-bit significands has at most 2p <= 48 bits; they are formed in fp64).
+3. The K products are cut into consecutive groups of ``k_group`` (one MMA instruction's fused dot; the last
+   group is padded with zeros). Each group is summed exactly and added to the running accumulator, and that
+   sum is rounded once to ``accumulator``: ``acc <- round(acc + sum(group))``. ``k_group=1`` is a fully
+   sequential low-precision accumulation.
+4. With ``promote_every=P`` (a multiple of ``k_group``), the low-precision accumulator is added into an fp32
+   accumulator (round to nearest in fp32, "CUDA cores") after every P products and reset to zero: the two-stage
+   kernel of seed 003 and DeepSeek-V3's promotion of fp8 GEMM partial sums.
+5. ``output`` (optional) rounds the final result.
+
+Optional tensor-core alignment model (``align_bits=F``, after Fasi et al. 2021, "Numerical behavior of NVIDIA
+tensor cores", and MMA-Sim, Xie et al. 2025): in each group the products and the incoming accumulator are
+aligned to the largest exponent among them and truncated (toward zero) to ``F`` fraction bits below it, summed
+exactly, and the sum rounded to ``accumulator`` with ``align_rounding`` (``"toward_zero"`` is what Fasi et al.
+observed for fp32 outputs on V100/T4/A100). ``TENSOR_CORE_ALIGN_BITS`` lists F per device. This is a model of the
+dominant effect, not a bit-exact simulation of any GPU: MMA-Sim documents further per-architecture details
+(extra carry bits, normalisation points) that are not reproduced.
+
+How exact the "exact" group sum is: the group sum and the addition of the accumulator are computed in fp64
+(``baddbmm`` on fp64 copies). All terms are multiples of ``2**(2 * (emin - man_bits))`` of the input format, so the
+fp64 result is exact whenever the terms of one step span fewer than 53 bits: ``|acc| + sum|p| <
+2**53 * smallest nonzero term's spacing``. For fp16 inputs this holds unless products near ``2**-40`` meet sums
+near 2**13 in the same step; when it fails, the fp64 sum carries a relative error below ``2**-53 * (k_group+1)``,
+far below any accumulator's unit roundoff, and the subsequent rounding to ``accumulator`` is then a double
+rounding that can differ from the exact model only for sums within that distance of a rounding midpoint.
+Signed zeros in the low-precision accumulator are not modelled (a step that cancels or underflows to zero
+gives +0).
+
+Cost: one fp64 ``baddbmm`` of a ``k_group``-wide slice plus 5 elementwise passes per group, on row tiles sized to
+stay in cache; at M=N=K=1024 "fp16/16" takes about 10x a plain fp32 ``torch.matmul`` on a 2-core CPU (see
+benchmarks/bench_emulated_matmul.py). The alignment model materialises the products of a group
+(``rows x k_group x N``) and is several times slower. Works on any device torch supports (fp64 on CUDA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mixprec._validate import check_choice
+from mixprec.emulate.formats import FORMAT_PRESETS, FloatFormat, get_format
+from mixprec.emulate.rounding import (
+    _fix_overflow_,
+    _flush_subnormals_,
+    _nearest_magic_,
+    _round_directed_work_,
+    round_to,
+    round_to_,
+)
+
+__all__ = [
+    "MATMUL_PRESETS",
+    "TENSOR_CORE_ALIGN_BITS",
+    "ErrorBounds",
+    "MatmulModel",
+    "bounds",
+    "get_matmul_model",
+    "matmul",
+]
+
+_ALIGN_ROUNDINGS = ("toward_zero", "nearest")
+
+# Fraction bits kept after alignment to the largest exponent in one MMA (Fasi et al. 2021 for V100/A100; the
+# H100 value and the fp8 one, which gives DeepSeek-V3's "about 14 bits" of fp8 accumulation, follow MMA-Sim).
+TENSOR_CORE_ALIGN_BITS: dict[str, int] = {"v100": 23, "a100": 24, "h100": 25, "h100_fp8": 13}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatmulModel:
+    """How an emulated matmul rounds (see the module docstring for the full model).
+
+    Args:
+        inputs: format the operands are rounded to (FloatFormat or preset name).
+        accumulator: format of the (low-precision) running accumulator.
+        k_group: products summed exactly before each accumulator rounding (one MMA's K), >= 1.
+        promote_every: products between promotions of the accumulator into fp32, a multiple of ``k_group``;
+            None = never (the whole K accumulates in ``accumulator``).
+        output: format the result is rounded to; None = keep the accumulator's (fp32-held) value.
+        align_bits: None, or F >= 1: the tensor-core alignment model with F fraction bits.
+        align_rounding: rounding of each aligned group sum to ``accumulator``: "toward_zero" or "nearest".
+        name: label for tables (not part of equality).
+    """
+
+    inputs: FloatFormat | str = "fp16"
+    accumulator: FloatFormat | str = "fp16"
+    k_group: int = 16
+    promote_every: int | None = None
+    output: FloatFormat | str | None = None
+    align_bits: int | None = None
+    align_rounding: str = "toward_zero"
+    name: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", get_format(self.inputs, arg="inputs"))
+        object.__setattr__(self, "accumulator", get_format(self.accumulator, arg="accumulator"))
+        if self.output is not None:
+            object.__setattr__(self, "output", get_format(self.output, arg="output"))
+        _check_int("k_group", self.k_group, 1)
+        if self.promote_every is not None:
+            _check_int("promote_every", self.promote_every, 1)
+            if self.promote_every % self.k_group:
+                raise ValueError(
+                    f"promote_every must be a multiple of k_group={self.k_group} (promotion happens between MMA "
+                    f"instructions); got {self.promote_every}"
+                )
+        if self.align_bits is not None:
+            _check_int("align_bits", self.align_bits, 1)
+            if self.align_bits > 40:
+                raise ValueError(f"align_bits must be in 1..40 (fraction bits kept); got {self.align_bits}")
+        check_choice("align_rounding", self.align_rounding, _ALIGN_ROUNDINGS)
+        if not self.name:
+            object.__setattr__(self, "name", self._describe())
+
+    def _describe(self) -> str:
+        text = f"{self.inputs.name}->{self.accumulator.name} k{self.k_group}"
+        if self.promote_every is not None:
+            text += f" promote{self.promote_every}"
+        if self.align_bits is not None:
+            text += f" align{self.align_bits}"
+        if self.output is not None:
+            text += f" out:{self.output.name}"
+        return text
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum}; got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}; got {value}")
+
+
+MATMUL_PRESETS: dict[str, MatmulModel] = {
+    # cuBLAS-style fp16 GEMM accumulating in fp16 (m16n8k16 MMAs chained through an fp16 accumulator)
+    "fp16/16": MatmulModel(inputs="fp16", accumulator="fp16", k_group=16, name="fp16/16"),
+    # fp16 inputs, fp32 accumulation (the usual tensor-core GEMM)
+    "fp16/32": MatmulModel(inputs="fp16", accumulator="fp32", k_group=16, name="fp16/32"),
+    "bf16/32": MatmulModel(inputs="bf16", accumulator="fp32", k_group=16, name="bf16/32"),
+    # seed 003's kernel 3.2: each m16n8k16 MMA accumulates in fp16 from zero, its result is added in fp32
+    "two_stage": MatmulModel(inputs="fp16", accumulator="fp16", k_group=16, promote_every=16, name="two_stage"),
+    # DeepSeek-V3: fp8 e4m3 WGMMA (K=32 per instruction) with ~14-bit accumulation, promoted every 128
+    "fp8/promote128": MatmulModel(
+        inputs="fp8_e4m3",
+        accumulator="fp32",
+        k_group=32,
+        promote_every=128,
+        align_bits=TENSOR_CORE_ALIGN_BITS["h100_fp8"],
+        name="fp8/promote128",
+    ),
+    # the same without promotion: the whole K stays in the tensor core's limited accumulator
+    "fp8/nopromote": MatmulModel(
+        inputs="fp8_e4m3",
+        accumulator="fp32",
+        k_group=32,
+        align_bits=TENSOR_CORE_ALIGN_BITS["h100_fp8"],
+        name="fp8/nopromote",
+    ),
+}
+
+
+def get_matmul_model(mode: MatmulModel | str, *, arg: str = "mode") -> MatmulModel:
+    """A :class:`MatmulModel` from itself or a preset name (``MATMUL_PRESETS``)."""
+    if isinstance(mode, MatmulModel):
+        return mode
+    if isinstance(mode, str):
+        if mode in MATMUL_PRESETS:
+            return MATMUL_PRESETS[mode]
+        raise ValueError(f"{arg} must be a MatmulModel or one of {', '.join(map(repr, MATMUL_PRESETS))}; got {mode!r}")
+    raise TypeError(f"{arg} must be a MatmulModel or a preset name; got {type(mode).__name__} {mode!r}")
+
+
+# ---------------------------------------------------------------------------------------------- the kernel
+_OPERAND_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+_FP64_EXP_MASK = 0x7FF0000000000000
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<from mode>"
+
+
+_UNSET: Any = _Unset()
+
+
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    mode: MatmulModel | str | None = None,
+    inputs: FloatFormat | str = _UNSET,
+    accumulator: FloatFormat | str = _UNSET,
+    k_group: int = _UNSET,
+    promote_every: int | None = _UNSET,
+    output: FloatFormat | str | None = _UNSET,
+    align_bits: int | None = _UNSET,
+    align_rounding: str = _UNSET,
+) -> torch.Tensor:
+    """``a @ b`` with the accumulation model of :class:`MatmulModel`; returns fp32 (values exact in the model).
+
+    Args:
+        a: ``(..., M, K)``, b: ``(..., K, N)``, batch dims broadcast as in ``torch.matmul`` (both >= 2-D). Any
+            float dtype; fp64 operands are rounded to ``inputs`` directly.
+        mode: a preset name (``MATMUL_PRESETS``: "fp16/16", "fp16/32", "bf16/32", "two_stage",
+            "fp8/promote128", "fp8/nopromote") or a MatmulModel; None = ``MatmulModel()`` (fp16 in, fp16
+            accumulator, k_group 16). The keyword fields below override the mode's.
+        inputs, accumulator, k_group, promote_every, output, align_bits, align_rounding: see MatmulModel.
+
+    Error: :func:`bounds` gives deterministic and probabilistic bounds on ``|y - a_r @ b_r|`` relative to
+    ``|a_r| @ |b_r|`` (``a_r``, ``b_r`` the rounded operands).
+    """
+    overrides = {
+        k: v
+        for k, v in {
+            "inputs": inputs,
+            "accumulator": accumulator,
+            "k_group": k_group,
+            "promote_every": promote_every,
+            "output": output,
+            "align_bits": align_bits,
+            "align_rounding": align_rounding,
+        }.items()
+        if v is not _UNSET
+    }
+    if mode is None:
+        model = MatmulModel(**overrides)
+    else:
+        model = get_matmul_model(mode)
+        if overrides:
+            model = dataclasses.replace(model, name="", **overrides)
+    return _matmul_model(a, b, model)
+
+
+def _check_operand(x: object, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    if x.dtype not in _OPERAND_DTYPES:
+        allowed = ", ".join(map(str, _OPERAND_DTYPES))
+        raise TypeError(f"{name} must have a floating dtype among {allowed}; got {x.dtype}")
+    if x.dim() < 2:
+        raise ValueError(f"{name} must be at least 2-D (..., rows, cols); got shape {tuple(x.shape)}")
+    return x
+
+
+def _matmul_model(a: torch.Tensor, b: torch.Tensor, model: MatmulModel) -> torch.Tensor:
+    _check_operand(a, "a")
+    _check_operand(b, "b")
+    if a.device != b.device:
+        raise ValueError(f"a and b must be on the same device; got {a.device} and {b.device}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"a (..., M, K) and b (..., K, N) must agree on K; got {tuple(a.shape)} and {tuple(b.shape)}")
+    try:
+        batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except RuntimeError as exc:
+        raise ValueError(f"batch dims of a {tuple(a.shape)} and b {tuple(b.shape)} do not broadcast") from exc
+    m, k = a.shape[-2], a.shape[-1]
+    n = b.shape[-1]
+    with torch.autocast(device_type=a.device.type, enabled=False), torch.no_grad():
+        ar = round_to(a, model.inputs).double()
+        br = round_to(b, model.inputs).double()
+        if math.prod(b.shape[:-2]) == 1:
+            # b is shared by the whole batch: fold the batch into rows (one big product, no copies of b)
+            a3 = ar.expand(*batch, m, k).reshape(1, -1, k)
+            b3 = br.reshape(1, k, n)
+        else:
+            a3 = ar.expand(*batch, m, k).reshape(-1, m, k)
+            b3 = br.expand(*batch, k, n).reshape(-1, k, n)
+        y = _accumulate(a3, b3, model)
+        if model.output is not None:
+            round_to_(y, model.output)
+        return y.reshape(*batch, m, n)
+
+
+def _tile_rows(batch: int, m: int, n: int, per_row_factor: int, device: torch.device) -> int:
+    """Rows per tile: on CPU the accumulator tile (and the products, for the alignment model) stays in cache."""
+    budget = (1 << 17) if device.type == "cpu" else (1 << 24)
+    if per_row_factor > 1:
+        budget = (1 << 21) if device.type == "cpu" else (1 << 26)
+    return max(1, min(m, budget // max(1, batch * n * per_row_factor)))
+
+
+def _accumulate(a3: torch.Tensor, b3: torch.Tensor, model: MatmulModel) -> torch.Tensor:
+    """The accumulation loop on fp64 operands ``a3 (B, M, K)``, ``b3 (B, K, N)``; returns fp32 ``(B, M, N)``."""
+    nb, m, k = a3.shape
+    n = b3.shape[-1]
+    dev = a3.device
+    out = torch.zeros(nb, m, n, dtype=torch.float32, device=dev)
+    if k == 0 or m == 0 or n == 0:
+        return out
+    kg = model.k_group
+    groups = -(-k // kg)
+    if groups * kg != k:  # zero products change no exact sum and no aligned maximum
+        a3 = torch.nn.functional.pad(a3, (0, groups * kg - k))
+        b3 = torch.nn.functional.pad(b3, (0, 0, 0, groups * kg - k))
+    a_groups = a3.reshape(nb, m, groups, kg).permute(2, 0, 1, 3).contiguous()  # (G, B, M, kg)
+    b_groups = b3.reshape(nb, groups, kg, n).transpose(0, 1).contiguous()  # (G, B, kg, N)
+    promote_groups = None if model.promote_every is None else model.promote_every // kg
+    acc_fmt = model.accumulator
+    # Overflow of the accumulator needs a per-step check only when |a| |b| could reach the format's max:
+    # |acc| <= sum|a_k b_k| (1 + tiny) <= min(max row-sum|a| * max|b|, max|a| * max col-sum|b|).
+    row_sum = a3.abs().sum(-1).amax().item()
+    col_sum = b3.abs().sum(-2).amax().item()
+    crude = min(row_sum * b3.abs().amax().item(), a3.abs().amax().item() * col_sum)
+    check_overflow = not (crude * 1.01 < acc_fmt.max_finite)
+    aligned = model.align_bits is not None
+    rows = _tile_rows(nb, m, n, kg if aligned else 1, dev)
+    # toward-zero rounding of aligned sums by clearing bits is exact when every non-zero sum is a normal number
+    # of the accumulator: sums are multiples of 2**(e - F) with e >= the exponent of the smallest product
+    fast_rz = aligned and 2 * (model.inputs.emin - model.inputs.man_bits) - model.align_bits >= acc_fmt.emin
+    for r0 in range(0, m, rows):
+        r1 = min(m, r0 + rows)
+        acc = torch.zeros(nb, r1 - r0, n, dtype=torch.float64, device=dev)
+        work = torch.empty_like(acc, dtype=torch.int64)
+        scratch32 = torch.empty_like(acc, dtype=torch.float32)
+        promoted = torch.zeros_like(acc) if promote_groups is not None else None
+        products = torch.empty(nb, r1 - r0, kg, n, dtype=torch.float64, device=dev) if aligned else None
+        for g in range(groups):
+            a_g = a_groups[g, :, r0:r1]
+            if aligned:
+                _aligned_step_(acc, a_g, b_groups[g], model, products, fast_rz)
+            else:
+                acc.baddbmm_(a_g, b_groups[g])  # exact in fp64 (see the module docstring)
+                _round_acc_(acc, acc_fmt, work, scratch32, check_overflow)
+            if promoted is not None and ((g + 1) % promote_groups == 0 or g == groups - 1):
+                promoted.add_(acc)
+                _round_acc_(promoted, FORMAT_PRESETS["fp32"], work, scratch32, True)
+                acc.zero_()
+        out[:, r0:r1] = promoted if promoted is not None else acc
+    return out
+
+
+def _round_acc_(
+    acc: torch.Tensor, fmt: FloatFormat, work: torch.Tensor, scratch32: torch.Tensor, check_overflow: bool
+) -> None:
+    """Round the fp64 accumulator tile in place to ``fmt`` (nearest even), the hot path. ``work`` (int64) and
+    ``scratch32`` (fp32) are preallocated tiles of ``acc``'s shape."""
+    if fmt.is_fp32:
+        scratch32.copy_(acc)  # torch's fp64 -> fp32 cast rounds to nearest even (one rounding), inf on overflow
+        acc.copy_(scratch32)
+        return
+    _nearest_magic_(acc, fmt, work, keep_zero_sign=False)
+    if check_overflow or fmt.saturate:
+        _fix_overflow_(acc, fmt)
+    _flush_subnormals_(acc, fmt)
+
+
+def _aligned_step_(
+    acc: torch.Tensor, a_g: torch.Tensor, b_g: torch.Tensor, model: MatmulModel, products: torch.Tensor, fast_rz: bool
+) -> None:
+    """One MMA of the alignment model, in place on the fp64 accumulator tile ``acc (B, R, N)``; ``products`` is a
+    preallocated ``(B, R, kg, N)`` fp64 buffer. 4 passes over the products (form, min/max, divide, sum)."""
+    torch.mul(a_g.unsqueeze(-1), b_g.unsqueeze(1), out=products)  # exact
+    p_min, p_max = torch.aminmax(products, dim=2)
+    largest = torch.maximum(p_max, p_min.neg_())
+    torch.maximum(largest, acc.abs(), out=largest)
+    exp_field = largest.view(torch.int64).bitwise_and_(_FP64_EXP_MASK)  # 2**e_max as bits
+    # spacing of the aligned terms, 2**(e_max - F); all-zero steps get a harmless tiny spacing
+    exp_field.sub_(model.align_bits << 52).clamp_(min=1 << 52)
+    spacing = exp_field.view(torch.float64)
+    torch.div(products, spacing.unsqueeze(2), rounding_mode="trunc", out=products)  # exact: power-of-two divisor
+    torch.div(acc, spacing, rounding_mode="trunc", out=acc)
+    acc.add_(products.sum(dim=2)).mul_(spacing)  # integer multiples of the spacing: exact in fp64
+    fmt = model.accumulator
+    if model.align_rounding == "nearest":
+        work, scratch32 = torch.empty_like(acc, dtype=torch.int64), torch.empty_like(acc, dtype=torch.float32)
+        _round_acc_(acc, fmt, work, scratch32, True)
+    elif fast_rz:
+        _truncate_normal_(acc, fmt)
+    else:
+        _round_directed_work_(acc, fmt, "toward_zero", None)
+
+
+def _truncate_normal_(acc: torch.Tensor, fmt: FloatFormat) -> None:
+    """Round fp64 ``acc`` toward zero to ``fmt`` when no non-zero value can lie below ``fmt``'s normal range:
+    clearing the low fraction bits is exact truncation there. Magnitudes above max go to +-max (IEEE RZ)."""
+    acc.view(torch.int64).bitwise_and_(~((1 << (52 - fmt.man_bits)) - 1))
+    if acc.numel():
+        lo, hi = torch.aminmax(acc)
+        if not (bool(lo >= -fmt.max_finite) and bool(hi <= fmt.max_finite)):
+            finite = torch.isfinite(acc)
+            acc.copy_(torch.where(finite, acc.clamp(-fmt.max_finite, fmt.max_finite), acc))
+            _fix_overflow_(acc, fmt)  # what is still above max is +-inf: the format's rule for inf
+
+
+# ---------------------------------------------------------------------------------------------- error bounds
+@dataclass(frozen=True)
+class ErrorBounds:
+    """Forward-error bounds of one emulated dot product of length ``k``, relative to ``sum_i |a_i b_i|``.
+
+    ``deterministic``: worst case (Higham's gamma_n = n u / (1 - n u) per chain of roundings, composed).
+    ``probabilistic``: Higham & Mary (2019, SIAM J. Sci. Comput. 41(5), Thm 3.1) with
+    ``gamma~_n(lam) = exp(lam sqrt(n) u + n u^2 / (1 - u)) - 1``; holds with probability at least ``probability``
+    under their model of independent mean-zero rounding errors. None where the model rounds toward zero (biased
+    errors: no sqrt(n) law).
+    """
+
+    k: int
+    model: str
+    n_accumulator_roundings: int
+    accumulator_unit_roundoff: float
+    n_fp32_roundings: int
+    deterministic: float
+    probabilistic: float | None
+    lam: float
+    probability: float | None
+
+
+def _gamma(n: int, u: float) -> float:
+    if n * u >= 1:
+        return math.inf
+    return n * u / (1 - n * u)
+
+
+def _gamma_prob(n: int, u: float, lam: float) -> float:
+    return math.expm1(lam * math.sqrt(n) * u + n * u * u / (1 - u)) if n else 0.0
+
+
+def bounds(k: int, mode: MatmulModel | str, *, lam: float = 1.0) -> ErrorBounds:
+    """Error bounds of ``matmul`` with ``mode`` on dot products of length ``k``, as multiples of ``sum|a_i b_i|``
+    over the rounded operands (input rounding is not included: it is the same for every accumulator).
+
+    Model: the low-precision chain makes ``n1 = ceil(min(k, P) / k_group)`` roundings of unit roundoff ``u1``
+    (``P`` = promote_every or k); with alignment each step also truncates ``k_group + 1`` aligned terms by less
+    than ``2**-F`` of the largest, so ``u1 = u_acc + (k_group + 1) 2**-F``, with ``u_acc = 2**-man_bits`` for
+    toward_zero. Promotion adds ``n2 = ceil(k / P)`` fp32 roundings (``u = 2**-24``); ``output`` one more.
+    Deterministic: ``(1 + gamma_n1(u1)) (1 + gamma_n2(u32)) (1 + u_out) - 1``.
+    """
+    _check_int("k", k, 1)
+    if isinstance(lam, bool) or not isinstance(lam, int | float) or not lam > 0:
+        raise ValueError(f"lam must be a number > 0; got {lam!r}")
+    model = get_matmul_model(mode)
+    acc = model.accumulator
+    chain = k if model.promote_every is None else min(k, model.promote_every)
+    n1 = -(-chain // model.k_group)
+    biased = model.align_bits is not None and model.align_rounding == "toward_zero"
+    u1 = acc.eps if biased else acc.unit_roundoff
+    if model.align_bits is not None:
+        u1 += (model.k_group + 1) * 2.0 ** (-model.align_bits)
+    n2 = 0 if model.promote_every is None else -(-k // model.promote_every)
+    u32 = FORMAT_PRESETS["fp32"].unit_roundoff
+    u_out = 0.0 if model.output is None else model.output.unit_roundoff
+    det = (1 + _gamma(n1, u1)) * (1 + _gamma(n2, u32)) * (1 + u_out) - 1
+    prob: float | None = None
+    probability: float | None = None
+    if not biased:
+        prob = (1 + _gamma_prob(n1, u1, lam)) * (1 + _gamma_prob(n2, u32, lam)) * (1 + u_out) - 1
+        # Q(lam, n) = 1 - n (1 - P(lam)), P(lam) = 1 - 2 exp(-lam^2 (1 - u)^2 / 2), union over both chains
+        fail = 2 * (n1 + n2) * math.exp(-(lam**2) * (1 - u1) ** 2 / 2)
+        probability = max(0.0, 1.0 - fail)
+    return ErrorBounds(
+        k=k,
+        model=model.name,
+        n_accumulator_roundings=n1,
+        accumulator_unit_roundoff=u1,
+        n_fp32_roundings=n2,
+        deterministic=det,
+        probabilistic=prob,
+        lam=float(lam),
+        probability=probability,
+    )

@@ -1,0 +1,274 @@
+"""Bit-exact rounding of tensors to a :class:`FloatFormat`: ``round_to`` and its in-place twin ``round_to_``.
+
+Results are held in fp32 (every supported format is a subset of fp32) and are bit-exact with torch's own casts
+``x.to(dtype).float()`` for fp16, bf16, float8_e4m3fn and float8_e5m2 on fp32/fp16/bf16 inputs: ties to even,
+subnormals, overflow (to +-inf; +-448 for e4m3fn, whose torch 2.13 cast saturates, inf included), signed zeros
+and NaN. NaN payloads and the sign of NaN are not reproduced (torch's own NaN bits differ between its scalar and
+vectorised code paths); a NaN input gives a NaN.
+
+How (all vectorised, no per-element Python):
+
+* Round to nearest, formats with 8 exponent bits (bf16, tf32) on fp32: the integer trick on the fp32 bit pattern
+  (int32 view) ``bits += ((bits >> d) & 1) + 2**(d-1) - 1; bits &= ~(2**d - 1)`` with ``d = 23 - man_bits``. The
+  carry runs into the exponent exactly as rounding up a binade should, fp32 subnormals are the target's
+  subnormals, and a carry out of the largest binade gives the inf pattern.
+* Round to nearest, other formats: a per-element "magic" constant ``C = 1.5 * 2**(e + M - man_bits)``, where
+  ``e`` is the input's exponent clamped to ``[emin, emax + 1]`` (integer ops on the exponent field, ``M`` = 23
+  for fp32 or 52 for fp64 work). ``x + C`` lies in C's binade, whose spacing is the target's spacing at ``x``
+  (fixed at ``2**(emin - man_bits)`` in the subnormal range, thanks to the clamp), so the hardware's own
+  round-to-nearest-even addition rounds ``x`` to the target grid, ties to even (C/spacing is even); ``- C`` is
+  then exact. Needs ``M - man_bits >= 2``; fp32 work covers man_bits <= 21, the rest goes through fp64.
+* toward_zero and stochastic: the nearest result, moved one spacing toward zero where it rounded away (fp64
+  work, exact). Stochastic rounding then adds one spacing (away from zero) with probability
+  ``frac = (|x| - |trunc(x)|) / spacing``, using a uniform draw in fp64 (53-bit resolution), so
+  ``E[round(x)] = x`` up to ``2**-53`` of a spacing and the result is always one of the two neighbours.
+
+Input dtypes: fp32, fp16, bf16 and the float8 types are widened to fp32 exactly. fp64 inputs are rounded directly
+from fp64 (one rounding, int64 bit operations); note that torch's own fp64 -> fp16/bf16/fp8 casts round twice
+(through fp32) and can differ from this correctly rounded result on values within 2**-24 relative of a midpoint.
+
+Overflow (a rounded magnitude above the format's largest finite value, or an infinite input):
+
+* nearest and stochastic: +-max if ``fmt.saturate``, else +-inf if ``fmt.has_inf``, else NaN.
+* toward_zero: a finite input goes to +-max (IEEE round-toward-zero never overflows to inf); an infinite input
+  follows the rule above.
+
+``fmt.subnormals=False`` flushes non-zero results below the smallest normal to a zero of the same sign
+(tininess after rounding).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from mixprec._validate import check_choice
+from mixprec.emulate.formats import FloatFormat, get_format
+
+__all__ = ["ROUNDING_MODES", "Rounding", "round_to", "round_to_"]
+
+Rounding = Literal["nearest", "toward_zero", "stochastic"]
+ROUNDING_MODES: tuple[str, ...] = ("nearest", "toward_zero", "stochastic")
+
+_INPUT_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
+
+# work dtype -> (int view dtype, fraction bits M, exponent bias, exponent-field mask, sign mask)
+_WORK = {
+    torch.float32: (torch.int32, 23, 127, 0x7F800000, -(1 << 31)),
+    torch.float64: (torch.int64, 52, 1023, 0x7FF0000000000000, -(1 << 63)),
+}
+
+
+def _pow2_bits(e: int, work: torch.dtype) -> int:
+    """Bit pattern of ``2**e`` in the work dtype (normal range)."""
+    _, m_bits, bias, _, _ = _WORK[work]
+    return (e + bias) << m_bits
+
+
+def _magic_ok(fmt: FloatFormat, work: torch.dtype) -> bool:
+    m_bits = _WORK[work][1]
+    return m_bits - fmt.man_bits >= 2 and (fmt.exp_bits <= 7 or work == torch.float64)
+
+
+def _nearest_magic_(w: torch.Tensor, fmt: FloatFormat, c: torch.Tensor, *, keep_zero_sign: bool = True) -> None:
+    """Round ``w`` (fp32/fp64, in place) to nearest-even on ``fmt``'s grid, exponent range unbounded above
+    (overflow is left to the caller). ``c`` is an int workspace shaped like ``w``.
+
+    5 passes over memory (and, clamp, add on the int workspace; add and subtract on ``w``), plus 2 to keep the
+    sign of results that round to zero (``x + C - C`` gives +0)."""
+    int_dtype, m_bits, _, exp_mask, sign_mask = _WORK[w.dtype]
+    bits = w.view(int_dtype)
+    sign = torch.bitwise_and(bits, sign_mask) if keep_zero_sign else None
+    torch.bitwise_and(bits, exp_mask, out=c)
+    c.clamp_(_pow2_bits(fmt.emin, w.dtype), _pow2_bits(fmt.emax + 1, w.dtype))
+    c.add_(((m_bits - fmt.man_bits) << m_bits) | (1 << (m_bits - 1)))
+    magic = c.view(w.dtype)
+    w.add_(magic).sub_(magic)
+    if sign is not None:
+        bits.bitwise_or_(sign)
+
+
+def _nearest_int_trick_(w: torch.Tensor, fmt: FloatFormat) -> None:
+    """Round fp32 ``w`` in place to nearest-even for a format with 8 exponent bits (fp32's own range)."""
+    drop = 23 - fmt.man_bits
+    if drop == 0:
+        return
+    nan = torch.isnan(w)
+    has_nan = bool(nan.any())
+    if has_nan:
+        w.masked_fill_(nan, 0.0)  # a NaN pattern plus the rounding increment could wrap into the sign bit
+    bits = w.view(torch.int32)
+    inc = torch.bitwise_right_shift(bits, drop)
+    inc.bitwise_and_(1).add_((1 << (drop - 1)) - 1)
+    bits.add_(inc).bitwise_and_(~((1 << drop) - 1))
+    if has_nan:
+        w.masked_fill_(nan, float("nan"))
+
+
+def _overflow_value(fmt: FloatFormat) -> float:
+    if fmt.saturate:
+        return fmt.max_finite
+    return float("inf") if fmt.has_inf else float("nan")
+
+
+def _fix_overflow_(w: torch.Tensor, fmt: FloatFormat) -> None:
+    """Map magnitudes above ``fmt.max_finite`` (inf included) to +-max, +-inf or NaN per ``fmt``, in place."""
+    if w.numel() == 0:
+        return
+    big = fmt.max_finite
+    if fmt.saturate:
+        w.clamp_(-big, big)  # NaN stays NaN
+        return
+    lo, hi = torch.aminmax(w)
+    if bool(lo >= -big) and bool(hi <= big):  # False with a NaN anywhere: then check element by element
+        return
+    over = w.abs() > big
+    if bool(over.any()):
+        value = _overflow_value(fmt)
+        w.copy_(torch.where(over, torch.copysign(torch.full_like(w, value), w), w))
+
+
+def _flush_subnormals_(w: torch.Tensor, fmt: FloatFormat) -> None:
+    if fmt.subnormals:
+        return
+    tiny = (w.abs() < fmt.min_normal) & (w != 0)
+    w.mul_(~tiny)  # x * 0 keeps the sign of x
+
+
+def _round_nearest_work_(w: torch.Tensor, fmt: FloatFormat) -> None:
+    """Round to nearest in place; ``w`` is fp32 (with a format it can handle) or fp64."""
+    if fmt.is_fp32 and w.dtype == torch.float32:
+        return
+    if w.dtype == torch.float32 and fmt.exp_bits == 8:
+        _nearest_int_trick_(w, fmt)
+    else:
+        _nearest_magic_(w, fmt, torch.empty_like(w.view(_WORK[w.dtype][0])))
+    _fix_overflow_(w, fmt)
+    _flush_subnormals_(w, fmt)
+
+
+def _round_directed_work_(w: torch.Tensor, fmt: FloatFormat, rounding: str, generator: torch.Generator | None) -> None:
+    """toward_zero / stochastic in place on fp64 ``w``."""
+    int_dtype, m_bits, _, exp_mask, _ = _WORK[torch.float64]
+    x0 = w.clone()
+    c = torch.bitwise_and(w.view(int_dtype), exp_mask)
+    c.clamp_(_pow2_bits(fmt.emin, torch.float64), _pow2_bits(fmt.emax + 1, torch.float64))
+    spacing = (c - (fmt.man_bits << m_bits)).view(torch.float64)  # 2**(e - man_bits): the grid at x
+    _nearest_magic_(w, fmt, torch.empty_like(c), keep_zero_sign=False)
+    rounded_away = w.abs() > x0.abs()
+    trunc = torch.where(rounded_away, w - torch.copysign(spacing, x0), w)
+    if rounding == "toward_zero":
+        result = trunc
+        finite_over = torch.isfinite(x0) & (result.abs() > fmt.max_finite)
+        result = torch.where(finite_over, torch.copysign(torch.full_like(result, fmt.max_finite), x0), result)
+    else:
+        frac = (x0.abs() - trunc.abs()) / spacing  # exact: Sterbenz, and a power-of-two divisor
+        u = torch.rand(x0.shape, generator=generator, dtype=torch.float64, device=x0.device)
+        result = trunc + torch.copysign(spacing, x0) * (u < frac)
+    w.copy_(torch.copysign(result, x0))  # zeros keep the input's sign
+    _fix_overflow_(w, fmt)
+    _flush_subnormals_(w, fmt)
+
+
+def _check_input(x: object, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"{name} must have a floating dtype among {', '.join(map(str, _INPUT_DTYPES))}; got {x.dtype}")
+    return x
+
+
+def _check_generator(generator: object) -> None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
+
+
+def round_to(
+    x: torch.Tensor,
+    fmt: FloatFormat | str | torch.dtype,
+    rounding: Rounding = "nearest",
+    generator: torch.Generator | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Round ``x`` to the format ``fmt``; returns an fp32 tensor (or ``out``) holding representable values.
+
+    Args:
+        x: fp32, fp16, bf16, float8 (widened to fp32 exactly) or fp64 (rounded once, directly from fp64).
+        fmt: a :class:`FloatFormat`, a preset name (``"fp16"``, ``"bf16"``, ``"tf32"``, ``"fp8_e4m3"``,
+            ``"fp8_e5m2"``, ``"fp32"``) or a torch dtype that has a preset.
+        rounding: ``"nearest"`` (ties to even), ``"toward_zero"`` or ``"stochastic"`` (unbiased; one of the two
+            neighbours, drawn from ``generator`` or torch's global generator).
+        generator: a ``torch.Generator`` on ``x``'s device, used by ``"stochastic"`` only.
+        out: optional fp32 or fp64 tensor of ``x``'s shape and device to write into (may be ``x`` itself).
+
+    Error: round to nearest is within ``fmt.unit_roundoff`` relative (normal range; half a subnormal spacing
+    absolute below it), toward_zero within ``fmt.eps``; stochastic within ``fmt.eps`` with zero mean.
+    """
+    _check_input(x, "x")
+    fmt = get_format(fmt)
+    check_choice("rounding", rounding, ROUNDING_MODES)
+    _check_generator(generator)
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dtype not in (torch.float32, torch.float64):
+            raise TypeError("out must be an fp32 or fp64 torch.Tensor")
+        if out.shape != x.shape or out.device != x.device:
+            raise ValueError(f"out must have x's shape {tuple(x.shape)} and device {x.device}; got {tuple(out.shape)}")
+    if x.dtype == torch.float64 or rounding != "nearest" or not _magic_or_trick_ok(fmt):
+        w = x.to(torch.float64, copy=True, memory_format=torch.contiguous_format)
+    else:
+        w = x.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+    if rounding == "nearest":
+        _round_nearest_work_(w, fmt)
+    else:
+        _round_directed_work_(w, fmt, rounding, generator)
+    if out is None:
+        return w.to(torch.float32)
+    out.copy_(w)
+    return out
+
+
+def _magic_or_trick_ok(fmt: FloatFormat) -> bool:
+    """True when round to nearest can work in fp32 (int trick for 8 exponent bits, else the magic constant)."""
+    return fmt.exp_bits == 8 or _magic_ok(fmt, torch.float32)
+
+
+def round_to_(
+    x: torch.Tensor,
+    fmt: FloatFormat | str | torch.dtype,
+    rounding: Rounding = "nearest",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """In-place :func:`round_to` on an fp32 or fp64 tensor ``x`` (which keeps its dtype); returns ``x``.
+
+    fp32 with round to nearest works in place without an fp64 copy; an fp64 ``x`` is rounded directly from
+    its fp64 values (one rounding)."""
+    _check_input(x, "x")
+    if x.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"round_to_ needs an fp32 or fp64 tensor to round in place; got {x.dtype} (use round_to)")
+    fmt = get_format(fmt)
+    check_choice("rounding", rounding, ROUNDING_MODES)
+    _check_generator(generator)
+    if rounding == "nearest" and (x.dtype == torch.float64 or _magic_or_trick_ok(fmt)):
+        if x.is_contiguous():
+            _round_nearest_work_(x, fmt)
+        else:
+            w = x.contiguous()
+            _round_nearest_work_(w, fmt)
+            x.copy_(w)
+        return x
+    w = x.to(torch.float64, copy=True, memory_format=torch.contiguous_format)
+    if rounding == "nearest":
+        _round_nearest_work_(w, fmt)
+    else:
+        _round_directed_work_(w, fmt, rounding, generator)
+    x.copy_(w)
+    return x
