@@ -1,0 +1,435 @@
+"""``mixprec study reduction-error``: the error of reducing fp16/bf16 gradients over P data-parallel ranks.
+
+Simulated ranks in one process (vectorised over elements; loops only over ranks or tree levels). For each
+data-parallel size P and wire dtype, every rank holds N gradient elements already in the wire dtype, and
+each method's sum is compared with the exact (float64) sum of those same values:
+
+* ``ring``: the reduce-scatter of a ring all-reduce (NCCL's ring, gloo's ring). The N elements are cut
+  into P chunks; chunk c's partial sum starts at rank c+1 and travels around the ring (c+2, ..., c), each
+  rank adding its own values and rounding the partial sum to the wire dtype before sending it on: P-1
+  roundings, in that order, for every element. (The all-gather that follows copies, it does not round.)
+* ``tree``: pairwise (binary-tree) reduction, the partial sums rounded to the wire dtype at each of the
+  log2(P) levels (NCCL's tree algorithm, halving-doubling).
+* ``fp32_accumulate``: mixprec / Megatron: the values travel in the wire dtype, each rank adds its shard's
+  P pieces in fp32 in rank order, and the sum is rounded once to the wire dtype.
+* ``fp32_accumulate_sr``: the same with one stochastic (unbiased) rounding instead of round-to-nearest.
+* ``fp32_sum_fp32_out``: the fp32 sum kept in fp32, never rounded to the wire dtype (what the sharded
+  optimizer gets: the reduce-scatter writes fp32 master gradients).
+
+Each hop is modelled as "add in fp32, round to the wire dtype", which is how reduction kernels compute
+in low precision (widen, add, narrow); it equals a correctly rounded wire-dtype addition except for a
+double rounding when the fp32 addition itself is inexact (operands more than ~2**13 apart), a difference
+below fp32's unit roundoff.
+
+Errors, over the N elements: ``rel_error = ||r - s||_2 / ||s||_2`` and ``max_error = max|r - s| / max|s|``,
+with ``s`` the float64 sum and ``r`` the method's result.
+
+Gradients: independent across ranks and elements, zero mean (per-rank gradients whose noise dominates their
+shared mean: their sum grows like sqrt(P), the hard case for relative error):
+``normal``: N(0, scale^2); ``student-t``: scale * t with 3 degrees of freedom (heavy tails, finite variance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from mixprec._validate import check_choice, check_positive_float, check_positive_int
+
+__all__ = [
+    "DISTRIBUTIONS",
+    "METHODS",
+    "SEED_000_TABLE",
+    "ReductionErrorConfig",
+    "ReductionErrorRow",
+    "add_arguments",
+    "compare_with_seed_000",
+    "draw_gradients",
+    "format_table",
+    "fp32_accumulate_reduce",
+    "plot_errors",
+    "ring_reduce",
+    "run",
+    "run_study",
+    "tree_reduce",
+    "write_csv",
+]
+
+METHODS = ("ring", "tree", "fp32_accumulate", "fp32_accumulate_sr", "fp32_sum_fp32_out")
+DISTRIBUTIONS = ("normal", "student-t")
+_WIRES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+# Seed 000's "Gradient Error" table (fp16 reduction), as printed there: DP -> (FP16 accumulation, FP32
+# accumulation). The seed does not say what "error" measures; it is compared here with the relative error.
+SEED_000_TABLE: dict[int, tuple[float, float]] = {8: (1e-5, 1e-7), 64: (8e-5, 8e-7), 512: (6e-4, 6e-6)}
+# RMS relative error of one round-to-nearest, in units of u, for magnitudes log-uniform over a binade:
+# the error is uniform on +-ulp/2, so E[(err/x)^2] = ulp^2 E[x^-2] / 12 with E[x^-2] = 3 / (8 ln 2) on [1, 2)
+# and ulp = 2u there: sqrt(4 * 3 / (8 ln 2) / 12) = 0.42.
+_RMS_ROUNDING = math.sqrt(4 * 3 / (8 * math.log(2)) / 12)
+
+
+@dataclass(frozen=True)
+class ReductionErrorConfig:
+    """What the study simulates.
+
+    Attributes:
+        dp_sizes: data-parallel sizes P, each >= 2.
+        elements: gradient elements per rank N, >= 1 (the error statistics are over these).
+        wires: wire dtypes, names from ``"fp16"``, ``"bf16"``.
+        distributions: from ``"normal"``, ``"student-t"``.
+        scale: standard deviation of the normal gradients, and the scale of the t ones (> 0).
+        seed: seed of the gradients and of the stochastic rounding.
+    """
+
+    dp_sizes: tuple[int, ...] = (8, 64, 512, 4096)
+    elements: int = 8192
+    wires: tuple[str, ...] = ("fp16", "bf16")
+    distributions: tuple[str, ...] = DISTRIBUTIONS
+    scale: float = 1e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.dp_sizes:
+            raise ValueError("dp_sizes must name at least one data-parallel size")
+        for p in self.dp_sizes:
+            check_positive_int("dp_sizes entry", p, minimum=2)
+        check_positive_int("elements", self.elements)
+        for w in self.wires:
+            check_choice("wire", w, tuple(_WIRES))
+        for d in self.distributions:
+            check_choice("distribution", d, DISTRIBUTIONS)
+        check_positive_float("scale", self.scale)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int; got {type(self.seed).__name__}")
+
+
+@dataclass(frozen=True)
+class ReductionErrorRow:
+    wire: str
+    distribution: str
+    dp: int
+    method: str
+    rel_error: float
+    max_error: float
+
+
+# ---------------------------------------------------------------------------------------------- numerics
+def draw_gradients(
+    dp: int, elements: int, *, distribution: str, scale: float, wire: torch.dtype, generator: torch.Generator
+) -> torch.Tensor:
+    """(dp, elements) gradients, rounded to ``wire`` (nearest) and held exactly in fp32."""
+    check_choice("distribution", distribution, DISTRIBUTIONS)
+    out = torch.empty(dp, elements, dtype=torch.float32)
+    # Rows in blocks, so that the float64 draws stay small whatever dp is.
+    block = max(1, (1 << 20) // elements)
+    for start in range(0, dp, block):
+        stop = min(dp, start + block)
+        z = torch.randn(stop - start, elements, generator=generator, dtype=torch.float64)
+        if distribution == "student-t":
+            # t_3 = Z / sqrt(chi2_3 / 3), chi2_3 the sum of three squared normals.
+            chi2 = torch.randn(3, stop - start, elements, generator=generator, dtype=torch.float64).square().sum(0)
+            z = z / torch.sqrt(chi2 / 3)
+        out[start:stop] = (z * scale).to(wire).float()
+    return out
+
+
+def exact_sum(g: torch.Tensor) -> torch.Tensor:
+    """float64 sum over ranks (error ~ P * 2**-53 relative to sum |g|, negligible here), in row blocks."""
+    total = torch.zeros(g.shape[1], dtype=torch.float64)
+    for start in range(0, g.shape[0], 256):
+        total += g[start : start + 256].double().sum(0)
+    return total
+
+
+def _round(x: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    return x.to(wire).float()
+
+
+def ring_reduce(g: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    """Ring reduce-scatter of ``g`` (P, N), rounding each chunk's partial sum at every hop; returns (N,) fp32.
+
+    Element i belongs to chunk ``c = floor(i * P / N)``; its partial sum starts at rank (c+1) mod P and
+    visits ranks c+2, ..., c (mod P). One gather of N values per hop: O(P * N) work, no per-element loop.
+    """
+    dp, n = g.shape
+    cols = torch.arange(n)
+    rows = (cols * dp // n + 1) % dp
+    partial = g[rows, cols].clone()
+    for _ in range(1, dp):
+        rows = rows + 1
+        rows[rows == dp] = 0
+        partial = _round(partial + g[rows, cols], wire)
+    return partial
+
+
+def tree_reduce(g: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    """Binary-tree reduction over ranks, rounding at each level (P padded with zeros to a power of two)."""
+    dp = g.shape[0]
+    size = 1 << (dp - 1).bit_length()
+    x = g if size == dp else torch.cat([g, torch.zeros(size - dp, g.shape[1])])
+    while x.shape[0] > 1:
+        x = _round(x[0::2] + x[1::2], wire)
+    return x[0]
+
+
+def fp32_accumulate_reduce(
+    g: torch.Tensor,
+    wire: torch.dtype | None,
+    *,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """fp32 sum over ranks in rank order (as mixprec's reduce-scatter), then one rounding to ``wire``
+    (nearest or stochastic); ``wire=None`` keeps the fp32 sum."""
+    acc = g[0].clone()
+    for r in range(1, g.shape[0]):
+        acc += g[r]
+    if wire is None:
+        return acc
+    if rounding == "stochastic":
+        from mixprec.comm.rounding import stochastic_round
+
+        return stochastic_round(acc, wire, generator=generator).float()
+    return _round(acc, wire)
+
+
+def _errors(result: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
+    err = result.double() - exact
+    rel = float(torch.linalg.vector_norm(err) / torch.linalg.vector_norm(exact))
+    worst = float(err.abs().max() / exact.abs().max())
+    return rel, worst
+
+
+def run_study(config: ReductionErrorConfig, *, progress: bool = False) -> list[ReductionErrorRow]:
+    """Every (wire, distribution, DP, method) of ``config``; deterministic for a given seed."""
+    rows: list[ReductionErrorRow] = []
+    for wire_name in config.wires:
+        wire = _WIRES[wire_name]
+        for dist_name in config.distributions:
+            for dp in config.dp_sizes:
+                gen = torch.Generator().manual_seed(config.seed * 1_000_003 + dp)
+                g = draw_gradients(
+                    dp, config.elements, distribution=dist_name, scale=config.scale, wire=wire, generator=gen
+                )
+                exact = exact_sum(g)
+                results = {
+                    "ring": ring_reduce(g, wire),
+                    "tree": tree_reduce(g, wire),
+                    "fp32_accumulate": fp32_accumulate_reduce(g, wire),
+                    "fp32_accumulate_sr": fp32_accumulate_reduce(g, wire, rounding="stochastic", generator=gen),
+                    "fp32_sum_fp32_out": fp32_accumulate_reduce(g, None),
+                }
+                for method in METHODS:
+                    rel, worst = _errors(results[method], exact)
+                    rows.append(ReductionErrorRow(wire_name, dist_name, dp, method, rel, worst))
+                if progress:
+                    print(f"  {wire_name} {dist_name:9s} DP={dp:5d} done", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- reporting
+def format_table(rows: list[ReductionErrorRow], metric: str = "rel_error") -> str:
+    """Markdown table: one row per (wire, distribution, DP), one column per method."""
+    check_choice("metric", metric, ("rel_error", "max_error"))
+    keys = sorted({(r.wire, r.distribution, r.dp) for r in rows}, key=lambda k: (k[0], k[1], k[2]))
+    by_key = {(r.wire, r.distribution, r.dp, r.method): getattr(r, metric) for r in rows}
+    lines = ["| wire | gradients | DP | " + " | ".join(METHODS) + " |", "|---|---|---:|" + "---:|" * len(METHODS)]
+    for wire, dist_name, dp in keys:
+        cells = [f"{by_key[(wire, dist_name, dp, m)]:.2e}" for m in METHODS]
+        lines.append(f"| {wire} | {dist_name} | {dp} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _growth_exponent(points: list[tuple[int, float]]) -> float:
+    """Least-squares slope of log(error) against log(DP)."""
+    xs = [math.log(p) for p, _ in points]
+    ys = [math.log(max(e, 1e-300)) for _, e in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    denom = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / denom if denom else float("nan")
+
+
+def compare_with_seed_000(rows: list[ReductionErrorRow]) -> str:
+    """Seed 000's table beside the measured fp16 / normal-gradient relative errors, and where they disagree."""
+    measured = {(r.dp, r.method): r.rel_error for r in rows if r.wire == "fp16" and r.distribution == "normal"}
+    dps = [dp for dp in SEED_000_TABLE if (dp, "ring") in measured]
+    if not dps:
+        return "Seed 000 comparison: needs fp16 wire, normal gradients and DP in {8, 64, 512}."
+    lines = [
+        "Seed 000's table (fp16 reduction; 'error' undefined there) beside the measured relative error "
+        "(fp16 wire, normal gradients):",
+        "",
+        "| DP | seed: FP16 accumulation | measured: ring | seed: FP32 accumulation | "
+        "measured: fp32_accumulate (fp16 out) | measured: fp32 sum, fp32 out |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for dp in dps:
+        s16, s32 = SEED_000_TABLE[dp]
+        lines.append(
+            f"| {dp} | {s16:.0e} | {measured[(dp, 'ring')]:.2e} | {s32:.0e} | "
+            f"{measured[(dp, 'fp32_accumulate')]:.2e} | {measured[(dp, 'fp32_sum_fp32_out')]:.2e} |"
+        )
+    all_dps = sorted({dp for dp, m in measured if m == "ring"})
+    ring_growth = _growth_exponent([(dp, measured[(dp, "ring")]) for dp in all_dps])
+    seed_growth = _growth_exponent([(dp, v[0]) for dp, v in SEED_000_TABLE.items()])
+    acc = [measured[(dp, "fp32_accumulate")] for dp in all_dps]
+    fp32_out = [measured[(dp, "fp32_sum_fp32_out")] for dp in all_dps]
+    u16 = 2.0**-11
+    below_u = [dp for dp in dps if SEED_000_TABLE[dp][0] < u16]
+    lines += [
+        "",
+        "Where the measurement disagrees with the seed:",
+        f"* Ring (rounding at every hop): the error grows like DP^{ring_growth:.2f} here (random rounding errors "
+        f"add up like sqrt(DP)), not like DP^{seed_growth:.2f} as in the seed, and it is "
+        f"{measured[(dps[0], 'ring')] / SEED_000_TABLE[dps[0]][0]:.0f}x the seed's value at DP={dps[0]}.",
+    ]
+    if below_u:
+        lines.append(
+            f"* The seed's fp16 numbers at DP {', '.join(map(str, below_u))} lie below fp16's unit roundoff "
+            f"u = {u16:.1e}: on random data a result stored in fp16 cannot be that accurate (its final rounding "
+            f"alone costs about {_RMS_ROUNDING * u16:.1e} RMS)."
+        )
+    lines.append(
+        f"* fp32 accumulation with an fp16 result: {min(acc):.2e} to {max(acc):.2e} across DP "
+        f"{all_dps[0]}-{all_dps[-1]}: flat, and equal to the RMS error of the single final rounding "
+        f"({_RMS_ROUNDING:.2f} u = {_RMS_ROUNDING * u16:.1e} for log-uniform magnitudes). The seed's 1e-7 to 6e-6, "
+        "growing with DP, does not describe it."
+    )
+    if max(fp32_out) == 0.0:
+        lines.append(
+            "* The fp32 sum kept in fp32 (the sharded optimizer's fp32 gradient shards) is exact here: fp16 "
+            "values of these magnitudes fit fp32's 24-bit significand with room for the carries, so no addition "
+            "rounds. The seed's FP32 column (1e-7 to 6e-6) describes no measured configuration."
+        )
+    else:
+        lines.append(
+            f"* Only the fp32 sum kept in fp32 (the sharded optimizer's fp32 gradient shards) has errors near the "
+            f"seed's FP32 column: {min(fp32_out):.2e} to {max(fp32_out):.2e}, growing like "
+            f"DP^{_growth_exponent(list(zip(all_dps, fp32_out, strict=True))):.2f}."
+        )
+    lines.append(
+        "* What the seed gets right: rounding at every hop is worse than one fp32 sum, and the gap widens with DP "
+        f"(ring / fp32_accumulate: {measured[(all_dps[0], 'ring')] / acc[0]:.1f}x at DP={all_dps[0]}, "
+        f"{measured[(all_dps[-1], 'ring')] / acc[-1]:.1f}x at DP={all_dps[-1]})."
+    )
+    return "\n".join(lines)
+
+
+def write_csv(rows: list[ReductionErrorRow], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**asdict(r), "rel_error": f"{r.rel_error:.6e}", "max_error": f"{r.max_error:.6e}"})
+    return path
+
+
+def plot_errors(rows: list[ReductionErrorRow], path: Path) -> Path:
+    """Relative error vs DP, log-log, one panel per (wire, distribution) (needs matplotlib: ``mixprec[plot]``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError("plotting needs matplotlib: pip install 'mixprec[plot]' (or pass --no-plot)") from exc
+    panels = sorted({(r.wire, r.distribution) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
+    for ax, (wire, dist_name) in zip(axes[0], panels, strict=True):
+        for method in METHODS:
+            pts = sorted(
+                (r.dp, r.rel_error) for r in rows if (r.wire, r.distribution, r.method) == (wire, dist_name, method)
+            )
+            shown = [(p, e) for p, e in pts if e > 0]  # an exact result (error 0) has no place on a log axis
+            label = method if len(shown) == len(pts) else f"{method} (exact at {len(pts) - len(shown)} DP)"
+            ax.plot([p for p, _ in shown], [e for _, e in shown], marker="o", label=label)
+        if (wire, dist_name) == ("fp16", "normal"):
+            seed_dps = sorted(SEED_000_TABLE)
+            for col, name in ((0, "seed 000: FP16 acc."), (1, "seed 000: FP32 acc.")):
+                ax.plot(seed_dps, [SEED_000_TABLE[d][col] for d in seed_dps], "x--", color="gray", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("data-parallel size")
+        ax.set_ylabel("relative error vs float64")
+        ax.set_title(f"{wire} wire, {dist_name} gradients")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from exc
+    if not values or any(v < 2 for v in values):
+        raise argparse.ArgumentTypeError(f"expected data-parallel sizes >= 2, got {text!r}")
+    return values
+
+
+def _name_list(allowed: tuple[str, ...]):
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(v.strip() for v in text.split(",") if v.strip())
+        bad = [v for v in values if v not in allowed]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"expected comma-separated names from {', '.join(allowed)}; got {text!r}")
+        return values
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dp", type=_int_list, default=(8, 64, 512, 4096), help="data-parallel sizes, comma-separated")
+    parser.add_argument("--elements", type=int, default=8192, help="gradient elements per rank")
+    parser.add_argument("--wires", type=_name_list(tuple(_WIRES)), default=("fp16", "bf16"), help="fp16,bf16")
+    parser.add_argument(
+        "--distributions", type=_name_list(DISTRIBUTIONS), default=DISTRIBUTIONS, help="normal,student-t"
+    )
+    parser.add_argument("--scale", type=float, default=1e-3, help="gradient std (normal) / scale (student-t)")
+    parser.add_argument("--quick", action="store_true", help="DP 8,64,512 and 2048 elements (seconds)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the gradients and of stochastic rounding")
+    parser.add_argument("--out-dir", type=Path, default=Path("mixprec_out/reduction-error"), help="output folder")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        dp_sizes, elements = (8, 64, 512), min(args.elements, 2048)
+    else:
+        dp_sizes, elements = args.dp, args.elements
+    config = ReductionErrorConfig(
+        dp_sizes=dp_sizes,
+        elements=elements,
+        wires=args.wires,
+        distributions=args.distributions,
+        scale=args.scale,
+        seed=args.seed,
+    )
+    print(
+        f"reduction-error: DP {config.dp_sizes}, {config.elements} elements per rank, wires {config.wires}, "
+        f"gradients {config.distributions} (scale {config.scale:g}), seed {config.seed}",
+        flush=True,
+    )
+    rows = run_study(config, progress=True)
+    print("\nRelative error ||r - s|| / ||s|| against the float64 sum s:\n")
+    print(format_table(rows, "rel_error"))
+    print("\nMax error max|r - s| / max|s|:\n")
+    print(format_table(rows, "max_error"))
+    print()
+    print(compare_with_seed_000(rows))
+    csv_path = write_csv(rows, args.out_dir / "reduction_error.csv")
+    print(f"\nwrote {csv_path}")
+    if not args.no_plot:
+        print(f"wrote {plot_errors(rows, args.out_dir / 'reduction_error.png')}")
+    return 0
