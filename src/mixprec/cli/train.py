@@ -62,6 +62,9 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Defaults < the run directory's config.toml (with --resume) < --config FILE < flags."""
     flags = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+    env_world = os.environ.get("WORLD_SIZE") if all(k in os.environ for k in ("RANK", "LOCAL_RANK")) else None
+    if env_world is not None and flags["nproc"] is None and env_world.isdigit():
+        flags["nproc"] = int(env_world)  # under torchrun: validate batch sizes against the real world size
     file_layer: dict[str, Any] = config_from_toml(args.config) if args.config else {}
     layers = [file_layer, flags]
     if getattr(args, "resume", False):

@@ -96,8 +96,14 @@ class TrainConfig:
     reduce: str = "native"
     """Gradient reduction across ranks: 'native' (the backend's own collective, summing in the gradient dtype),
     'fp32_accumulate' (low-precision wire, fp32 sum), 'uint8' or 'uint8_hierarchical' (8-bit compression)."""
+    reduce_rounding: str = "nearest"
+    """'nearest' or 'stochastic' (unbiased): the rounding of fp32_accumulate's result to bf16/fp16, or of uint8's
+    quantization. native rounds to nearest only."""
+    error_feedback: bool = False
+    """uint8 reductions: keep each quantization's residual and add it back at the next step."""
     ranks_per_node: int = 0
-    """Ranks per node for 'uint8_hierarchical'; 0 = LOCAL_WORLD_SIZE under torchrun, else nproc // 2."""
+    """Ranks per node for 'uint8_hierarchical'; 0 = LOCAL_WORLD_SIZE under torchrun, else nproc // 2 (two
+    simulated nodes on one machine)."""
     sharded_optimizer: bool = False
     """ZeRO-1: each rank keeps master weights and optimizer state for its shard only."""
     device: str = "auto"
@@ -168,6 +174,13 @@ class TrainConfig:
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("loss_scaler", self.loss_scaler, LOSS_SCALERS)
         check_choice("reduce", self.reduce, REDUCTIONS)
+        check_choice("reduce_rounding", self.reduce_rounding, ("nearest", "stochastic"))
+        if self.reduce == "native" and self.reduce_rounding != "nearest":
+            raise ValueError(
+                "reduce_rounding='stochastic' needs reduce 'fp32_accumulate', 'uint8' or 'uint8_hierarchical'"
+            )
+        if self.error_feedback and not self.reduce.startswith("uint8"):
+            raise ValueError(f"error_feedback applies to the uint8 reductions only; reduce is {self.reduce!r}")
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("linear_mode", self.linear_mode, LINEAR_MODES)
         check_choice("device", self.device, DEVICES)
@@ -185,6 +198,8 @@ class TrainConfig:
             v = getattr(self, name)
             if not 0.0 <= v < 1.0:
                 raise ValueError(f"{name} must lie in [0, 1); got {v!r}")
+        if self.sharded_optimizer and self.nproc == 1:
+            raise ValueError("sharded_optimizer needs nproc >= 2 (with one rank there is nothing to shard)")
         if not self.out_dir:
             raise ValueError("out_dir must name a directory; got an empty string")
         advice = advise(self.global_batch_size, self.micro_batch_size, self.nproc, self.loss_scale)

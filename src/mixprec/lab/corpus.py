@@ -14,6 +14,7 @@ sample every file instead of validation being the last file alone.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sysconfig
@@ -132,9 +133,21 @@ def check_corpus_source(corpus: str) -> None:
 def load_corpus(corpus: str = "stdlib") -> Corpus:
     """Read, tokenise and split ``corpus`` (``"stdlib"`` or a path to a UTF-8 text file).
 
+    Cached per process (keyed by the path, its size and modification time), so ranks forked after the launcher
+    loaded it share it; the returned tensors must not be modified.
+
     Raises:
         CorpusError: missing file, no stdlib sources, undecodable text, or fewer than 10,000 characters.
     """
+    key = None
+    if corpus != "stdlib" and os.path.isfile(corpus):
+        st = os.stat(corpus)
+        key = (st.st_size, st.st_mtime_ns)
+    return _load_cached(corpus, key)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_cached(corpus: str, _file_key: tuple[int, int] | None) -> Corpus:
     if corpus == "stdlib":
         text, files = _read_stdlib()
     else:

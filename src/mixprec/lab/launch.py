@@ -35,7 +35,7 @@ import torch.distributed as dist
 from mixprec.lab.capabilities import check_capabilities
 from mixprec.lab.checkpoint import CHECKPOINT_NAME
 from mixprec.lab.config import TrainConfig, config_to_toml
-from mixprec.lab.corpus import check_corpus_source
+from mixprec.lab.corpus import check_corpus_source, load_corpus
 from mixprec.lab.train import METRICS_NAME, SUMMARY_NAME, check_resume, train_rank
 
 __all__ = ["GRACE_S", "TrainingFailed", "launch", "torchrun_env"]
@@ -103,9 +103,19 @@ def prepare_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> None:
     os.replace(tmp, os.path.join(cfg.out_dir, CONFIG_NAME))
 
 
-def _resolve(cfg: TrainConfig, world_size: int) -> TrainConfig:
-    out_dir = os.path.abspath(cfg.out_dir)
-    return dataclasses.replace(cfg, nproc=world_size, out_dir=out_dir, loss_scaler=cfg.resolved_loss_scaler)
+def _resolve(cfg: TrainConfig, world_size: int, local_world_size: int | None = None) -> TrainConfig:
+    """Fill in what the defaults leave open: the world size, an absolute out_dir, the loss scaler, and for
+    uint8_hierarchical the ranks per node (torchrun's LOCAL_WORLD_SIZE, else two simulated nodes)."""
+    ranks_per_node = cfg.ranks_per_node
+    if cfg.reduce == "uint8_hierarchical" and not ranks_per_node:
+        ranks_per_node = local_world_size if local_world_size is not None else max(1, world_size // 2)
+    return dataclasses.replace(
+        cfg,
+        nproc=world_size,
+        out_dir=os.path.abspath(cfg.out_dir),
+        loss_scaler=cfg.resolved_loss_scaler,
+        ranks_per_node=ranks_per_node,
+    )
 
 
 def _free_port() -> int:
@@ -256,6 +266,8 @@ def launch(
     if cfg.nproc == 1:
         device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         return train_rank(cfg, device=device, resume=resume, progress=progress)
+    if device_type == "cpu":
+        load_corpus(cfg.corpus)  # once here; the forked ranks inherit the cached copy
     _spawn(cfg, device_type, resume)
     return read_summary(cfg.out_dir)
 
@@ -263,7 +275,7 @@ def launch(
 def _launch_torchrun(
     cfg: TrainConfig, env: dict[str, int], *, resume: bool, overwrite: bool, progress: bool | None
 ) -> dict[str, Any] | None:
-    cfg = _resolve(cfg, env["WORLD_SIZE"])
+    cfg = _resolve(cfg, env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"])
     rank = env["RANK"]
     # Every rank validates before anything is written, so all of them refuse a bad run together.
     check_corpus_source(cfg.corpus)

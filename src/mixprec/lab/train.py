@@ -179,7 +179,20 @@ def _wrap_data_parallel(module: GPT, cfg: TrainConfig, world_size: int) -> Any |
             + (" with sharded_optimizer" if cfg.sharded_optimizer else "")
             + " needs mixprec.parallel.DistributedDataParallel, which is not available"
         ) from None
-    return DistributedDataParallel(module, reduce=cfg.reduce, sharded_optimizer=cfg.sharded_optimizer)
+    options: dict[str, Any] = {}
+    if cfg.reduce != "native":
+        options["rounding"] = cfg.reduce_rounding
+    if cfg.reduce.startswith("uint8"):
+        options["error_feedback"] = cfg.error_feedback
+    if cfg.reduce == "uint8_hierarchical":
+        from mixprec.compress import Topology
+
+        if not cfg.ranks_per_node:
+            raise ValueError("internal error: ranks_per_node must be resolved before training (launch does it)")
+        options["topology"] = Topology(nodes=world_size // cfg.ranks_per_node, ranks_per_node=cfg.ranks_per_node)
+    return DistributedDataParallel(
+        module, reduce=cfg.reduce, reduce_options=options, sharded_optimizer=cfg.sharded_optimizer
+    )
 
 
 def build_parts(cfg: TrainConfig, vocab_size: int, device: torch.device, world_size: int) -> _Parts:

@@ -1,0 +1,173 @@
+"""Training throughput: ``mixprec train`` vs the same model in a plain torch DDP + torch.amp loop, same run.
+
+Both sides train the lab's GPT (mixprec.lab.model) on the same batches with the same ranks (forked, gloo on CPU,
+one thread each; one rank on a GPU, where NCCL cannot put two ranks on one device), AdamW, gradient clipping at
+1.0 and microbatch accumulation. Throughput is tokens per second over the optimizer step (forward, backward,
+reduction, unscale/clip, optimizer), median over the timed steps; making the batches and evaluation are outside
+the timed region on both sides.
+
+* baseline: ``torch.nn.parallel.DistributedDataParallel`` (``no_sync`` for all but the last microbatch), fp32
+  parameters, ``torch.autocast`` in bf16/fp16 and ``torch.amp.GradScaler`` for fp16: what a user writes with
+  torch alone.
+* mixprec: ``mixprec.lab.launch.launch`` (the ``mixprec train`` command without argument parsing), with
+  ``reduce`` native and fp32_accumulate. On a CPU its bf16/fp16 runs hold bf16/fp16 parameters and gradients but
+  compute matmuls in fp32 (see mixprec.lab.train), while the baseline's autocast runs real bf16/fp16 CPU matmuls:
+  the CPU ratio for bf16/fp16 compares two ways of studying low precision on a CPU, not equal arithmetic.
+
+    python benchmarks/bench_train.py [--quick] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from _common import machine_header, markdown_table
+from mixprec.lab.config import TrainConfig
+from mixprec.lab.corpus import load_corpus
+from mixprec.lab.data import train_microbatches
+from mixprec.lab.launch import launch
+from mixprec.lab.model import GPT, GPTConfig
+from mixprec.testing import run_distributed
+
+_AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _baseline_rank(rank: int, world_size: int, cfg: TrainConfig, warmup: int, device: str) -> list[float]:
+    """Seconds per optimizer step of the torch-only loop on this rank (timed steps only)."""
+    corpus = load_corpus(cfg.corpus)
+    dev = torch.device(device)
+    torch.manual_seed(cfg.seed)
+    model = GPT(
+        GPTConfig(
+            vocab_size=corpus.vocab_size,
+            block_size=cfg.block_size,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            n_embd=cfg.n_embd,
+        )
+    ).to(dev)
+    ddp: torch.nn.Module = (
+        torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() and world_size > 1 else model
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    amp_dtype = _AMP[cfg.precision]
+    scaler = torch.amp.GradScaler(dev.type, enabled=cfg.precision == "fp16")
+    nmb = cfg.num_microbatches
+    times = []
+    for step in range(cfg.steps):
+        mbs = train_microbatches(
+            corpus.train,
+            seed=cfg.seed,
+            step=step,
+            global_batch_size=cfg.global_batch_size,
+            micro_batch_size=cfg.micro_batch_size,
+            block_size=cfg.block_size,
+            rank=rank,
+            world_size=world_size,
+        )
+        mbs = [(x.to(dev), y.to(dev)) for x, y in mbs]
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        for i, (x, y) in enumerate(mbs):
+            sync = i == nmb - 1 or not hasattr(ddp, "no_sync")
+            with contextlib.nullcontext() if sync else ddp.no_sync():
+                with torch.autocast(dev.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                    _, loss = ddp(x, y)
+                scaler.scale(loss / nmb).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        scaler.step(opt)
+        scaler.update()
+        float(loss.detach())  # the host sync mixprec's loop does to log the loss
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def baseline_tokens_per_s(cfg: TrainConfig, warmup: int, device: str) -> float:
+    if cfg.nproc == 1:
+        times = _baseline_rank(0, 1, cfg, warmup, device)
+    else:
+        times = run_distributed(_baseline_rank, cfg.nproc, cfg, warmup, device, timeout=3600)[0]
+    return cfg.global_batch_size * cfg.block_size / statistics.median(times)
+
+
+def mixprec_tokens_per_s(cfg: TrainConfig, warmup: int) -> float:
+    import json
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = TrainConfig(**{**cfg.to_dict(), "out_dir": os.path.join(tmp, "run")})
+        with contextlib.redirect_stdout(io.StringIO()):  # the run's own log lines (forked ranks inherit it)
+            launch(cfg, overwrite=True, progress=False)
+        with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as fh:
+            rows = [json.loads(line) for line in fh][warmup:]
+    return statistics.median(r["tokens_per_s"] for r in rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny model and a few steps (seconds)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run, the first 3 untimed")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        shape = dict(n_layer=2, n_head=4, n_embd=128, block_size=64, global_batch_size=32, micro_batch_size=8)
+        nproc, steps = 2, 23
+        if args.quick:
+            shape = dict(n_layer=1, n_head=2, n_embd=32, block_size=16, global_batch_size=8, micro_batch_size=2)
+            steps = 8
+    else:
+        shape = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, global_batch_size=64, micro_batch_size=32)
+        nproc, steps = 1, 53
+        if args.quick:
+            steps = 13
+    steps = args.steps or steps
+    warmup = 3
+    base = dict(**shape, nproc=nproc, steps=steps, eval_interval=0, checkpoint_interval=0, device=args.device)
+
+    print(machine_header(f"mixprec train vs torch DDP + torch.amp: tokens/s ({args.device})"))
+    print(
+        f"Model {shape['n_layer']} layers x {shape['n_embd']} channels, context {shape['block_size']}, "
+        f"GBS {shape['global_batch_size']}, MBS {shape['micro_batch_size']}, {nproc} rank(s), "
+        f"{steps} steps of which {warmup} untimed; tokens/s = median over the timed steps.\n"
+    )
+    rows = []
+    for precision in ("fp32", "bf16", "fp16"):
+        cfg = TrainConfig(**base, precision=precision)
+        ref = baseline_tokens_per_s(cfg, warmup, args.device)
+        native = mixprec_tokens_per_s(TrainConfig(**base, precision=precision, reduce="native"), warmup)
+        row: list[object] = [precision, round(ref), round(native), native / ref]
+        if nproc > 1:
+            acc = mixprec_tokens_per_s(TrainConfig(**base, precision=precision, reduce="fp32_accumulate"), warmup)
+            row += [round(acc), acc / ref]
+        else:
+            row += ["- (1 rank)", "-"]
+        rows.append(row)
+        print(f"  {precision} done", file=sys.stderr, flush=True)
+    header = [
+        "precision",
+        "torch DDP + torch.amp tok/s",
+        "mixprec reduce=native tok/s",
+        "ratio (mixprec / torch)",
+        "mixprec reduce=fp32_accumulate tok/s",
+        "ratio (mixprec / torch)",
+    ]
+    print(markdown_table(header, rows))
+
+
+if __name__ == "__main__":
+    main()
