@@ -52,6 +52,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
@@ -469,6 +470,13 @@ def train_rank(
         metrics = stack.enter_context(open(metrics_path, "a")) if is_main else None
         if bar is not None:
             stack.callback(bar.close)
+        if cfg.resolved_loss_scaler == "dynamic" and parts.wrapper is not None:
+            # Overflows are how a dynamic scaler finds its scale: each is logged as a skipped step, so the
+            # wrapper's per-bucket warning would only repeat it.
+            stack.enter_context(warnings.catch_warnings())
+            from mixprec.parallel import NonFiniteGradientWarning
+
+            warnings.simplefilter("ignore", NonFiniteGradientWarning)
         for step in range(start_step, cfg.steps):
             _maybe_inject_fault(rank, step)
             eval_loss = None
@@ -520,9 +528,11 @@ def train_rank(
                         f"loss {loss:.4f} scale {result.scale:g} {tokens_per_step / dt:,.0f} tok/s", refresh=False
                     )
                     bar.update(1)
+                say = bar.write if bar is not None else print
+                if result.skipped and cfg.resolved_loss_scaler != "dynamic":
+                    say(f"step {step}: inf/NaN gradients at loss scale {result.scale:g}; step skipped on all ranks")
                 if eval_loss is not None:
-                    msg = f"step {step}: train loss {loss:.4f}, val loss {eval_loss:.4f}, loss scale {result.scale:g}"
-                    (bar.write if bar is not None else print)(msg)
+                    say(f"step {step}: train loss {loss:.4f}, val loss {eval_loss:.4f}, loss scale {result.scale:g}")
             done = step + 1
             if done == cfg.steps or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
                 state = _checkpoint_state(
