@@ -1,0 +1,32 @@
+"""Short version of benchmarks/bench_compress_convergence.py: an MLP on scikit-learn's digits, 2 gloo ranks,
+trained with uint8 gradient compression (nearest and stochastic, with and without error feedback) ends
+within the benchmark's stated margin of the fp32 run after a few dozen steps.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("sklearn.datasets")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import bench_compress_convergence as conv
+
+
+@pytest.mark.slow
+def test_uint8_training_stays_within_margin_of_fp32(dist_run) -> None:
+    steps = 40
+    data = conv.prepare_parent()
+    runs = {
+        name: dist_run(conv.train_digits, 2, reduce, options, data, steps=steps, timeout=300)[0]
+        for name, (reduce, options) in conv.VARIANTS.items()
+    }
+    base = runs["fp32"]
+    assert conv.final_loss(base["losses"]) < 0.8 * base["losses"][0]  # it does learn in 40 steps
+    for name, res in runs.items():
+        assert abs(res["test_acc"] - base["test_acc"]) <= conv.ACC_MARGIN, name
+        assert conv.final_loss(res["losses"]) <= conv.final_loss(base["losses"]) * (1 + conv.LOSS_MARGIN), name
+        if name != "fp32":
+            assert res["bytes_sent"] > 0  # the compressed reducer did the reduction
