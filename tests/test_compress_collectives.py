@@ -89,7 +89,15 @@ def _hier_chunk_ids(n: int, nodes: int, per_node: int, chunk: int) -> np.ndarray
 
 
 # ---------------------------------------------------------------------------------------------- workers
-def _worker_main(rank: int, world: int, topology: Topology | None) -> dict:
+def monkeypatch_segment(elements: int) -> None:
+    import mixprec.compress.collectives as collectives
+
+    collectives._SEGMENT_ELEMENTS = elements  # inside a forked rank only
+
+
+def _worker_main(rank: int, world: int, topology: Topology | None, segment: int | None = None) -> dict:
+    if segment is not None:  # many pipeline segments: results must not change by a single bit
+        monkeypatch_segment(segment)
     comp = MinMaxUInt8(chunk_size=CHUNK)
     out: dict = {}
     x = _input(rank)
@@ -126,9 +134,10 @@ def _worker_main(rank: int, world: int, topology: Topology | None) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_flat_bit_for_bit_against_reference(dist_run, world: int) -> None:
-    results = dist_run(_worker_main, world, None, timeout=120)
+@pytest.mark.parametrize("world, segment", [(2, None), (3, None), (4, None), (2, 700), (3, 700)])
+def test_flat_bit_for_bit_against_reference(dist_run, world: int, segment: int | None) -> None:
+    # segment=700: one or two chunks of 256 per rank per pipeline segment, 12-16 segments per call
+    results = dist_run(_worker_main, world, None, segment, timeout=120)
     part = N // world
 
     ref, flagged = ref_flat_all_reduce(_inputs(world), CHUNK)
@@ -174,7 +183,7 @@ def test_flat_bit_for_bit_against_reference(dist_run, world: int) -> None:
 
 def test_hierarchical_2x2_bit_for_bit_and_within_bound(dist_run) -> None:
     flat = dist_run(_worker_main, 4, None, timeout=120)
-    hier = dist_run(_worker_main, 4, Topology(2, 2), timeout=120)
+    hier = dist_run(_worker_main, 4, Topology(2, 2), 700, timeout=120)
     inputs = _inputs(4)
     ref = ref_hierarchical_all_reduce(inputs, CHUNK, 2, 2)
     for r in range(4):

@@ -218,9 +218,19 @@ def _compressor(compressor: MinMaxUInt8 | None) -> MinMaxUInt8:
     return compressor
 
 
+# Elements of the tensor per pipeline segment (all ranks' sub-parts together). Each segment gets its own
+# all-to-all and all-gather, started asynchronously, so quantizing segment k+1 overlaps sending segment k, and
+# several collectives are in flight at once: on gloo over TCP a single large all-to-all or all-gather reached
+# about half the link rate on a rate-limited link in benchmarks/bench_netns.py, several concurrent ones nearly
+# all of it. Sub-parts are whole chunks, so the chunk grid, and hence every result bit, is the same as without
+# segments.
+_SEGMENT_ELEMENTS = 1 << 21
+
+
 class _FlatPhase:
-    """The flat scheme on one group, split at the all-to-all: ``__init__`` quantizes and starts it,
-    ``reduce`` finishes it and sums, ``gather`` re-quantizes the owned part and all-gathers.
+    """The flat scheme on one group, pipelined over segments: ``__init__`` quantizes every segment and starts
+    its all-to-all; ``reduce`` (reduce-scatter) or ``all_reduce_into`` (re-quantize, all-gather, decode)
+    finishes. Rank p owns part p (elements ``[p L, (p+1) L)``); segment s is ``[a_s, b_s)`` of every part.
     """
 
     def __init__(
@@ -237,56 +247,106 @@ class _FlatPhase:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         n = x.numel()
-        self.part = n // self.world
-        self.nbytes = comp.encoded_nbytes(self.part)
-        self.header = HEADER_BYTES_PER_CHUNK * comp.num_chunks(self.part)
+        world = self.world
+        self.part = part = n // world
+        chunk = comp.chunk_size
+        sub = max(chunk, -(-_SEGMENT_ELEMENTS // (world * chunk)) * chunk)
+        self.segments = [(a, min(part, a + sub)) for a in range(0, part, sub)] or [(0, 0)]
+        self.seg_nbytes = [comp.encoded_nbytes(b - a) for a, b in self.segments]
+        self.nbytes = sum(self.seg_nbytes)
+        self.header = sum(HEADER_BYTES_PER_CHUNK * comp.num_chunks(b - a) for a, b in self.segments)
         device = x.device
-        send = inflight.get(tag + "send", self.world * self.nbytes, torch.uint8, device).view(self.world, -1)
-        self.recv = inflight.get(tag + "recv", self.world * self.nbytes, torch.uint8, device).view(self.world, -1)
+        self.send = self._per_segment(inflight.get(tag + "send", world * self.nbytes, torch.uint8, device))
+        self.recv = self._per_segment(inflight.get(tag + "recv", world * self.nbytes, torch.uint8, device))
         v = x
+        worker = None
         if ef is not None:
             worker = ef.residual("worker", n, device)
             v = shared.get(tag + "v", n, torch.float32, device)
             torch.add(x, worker, out=v)
-        self.local_bad = comp._encode_rows(v.view(self.world, self.part), send)
-        if ef is not None and not self.local_bad:
-            comp._decode_rows(send, self.part, worker.view(self.world, self.part))
-            torch.sub(v, worker, out=worker)  # what this quantization lost
-        self._work = dist.all_to_all_single(self.recv.view(-1), send.view(-1), group=group, async_op=True)
+        v = v.view(world, part)
+        # All draws up front, in element order: the same as one unsegmented encode of the whole input.
+        uniforms = self._uniforms("uniform", n, device)
+        self.local_bad = 0
+        self._works = []
+        for (a, b), send in zip(self.segments, self.send):
+            u = None if uniforms is None else uniforms.view(world, part)[:, a:b]
+            bad = comp._encode_rows(v[:, a:b], send, uniforms=u)
+            self.local_bad += bad
+            if worker is not None and not bad:
+                res = worker.view(world, part)[:, a:b]
+                comp._decode_rows(send, b - a, res)
+                torch.sub(v[:, a:b], res, out=res)  # what this quantization lost
+            self._works.append(
+                dist.all_to_all_single(self.recv[len(self._works)].view(-1), send.view(-1), group=group, async_op=True)
+            )
         self.recv_bad = 0
 
+    def _per_segment(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Split a buffer of ``world * nbytes`` bytes into one [world, segment bytes] view per segment."""
+        views, offset = [], 0
+        for nb in self.seg_nbytes:
+            views.append(flat[offset : offset + self.world * nb].view(self.world, nb))
+            offset += self.world * nb
+        return views
+
+    def _uniforms(self, name: str, numel: int, device: torch.device) -> torch.Tensor | None:
+        if self.comp.rounding != "stochastic":
+            return None
+        u = self.shared.get(self.tag + name, numel, torch.float32, device)
+        torch.rand(numel, generator=self.comp.generator, out=u)
+        return u
+
     def bytes_per_phase(self) -> tuple[int, int]:
-        """(bytes, header bytes) this rank sends in one of the two phases: W-1 buffers."""
+        """(bytes, header bytes) this rank sends in one of the two phases: W-1 buffers per segment."""
         return (self.world - 1) * self.nbytes, (self.world - 1) * self.header
 
-    def reduce(self, divisor: int | None) -> torch.Tensor:
-        """Wait for the all-to-all; the fp32 sum (divided by ``divisor``) of this rank's part."""
-        self._work.wait()
-        acc = self.shared.get(self.tag + "acc", self.part, torch.float32, self.recv.device)
-        self.recv_bad = self.comp._decode_rows(self.recv, self.part, acc, reduce=True)
+    def _sum_segment(self, s: int, acc: torch.Tensor, divisor: int | None) -> None:
+        """Wait for segment s's all-to-all; ``acc`` = fp32 sum of its W decoded buffers (/ divisor)."""
+        self._works[s].wait()
+        self.recv_bad += self.comp._decode_rows(self.recv[s], acc.numel(), acc, reduce=True)
         if divisor is not None:
             acc.div_(divisor)
+
+    def reduce(self, divisor: int | None) -> torch.Tensor:
+        """The fp32 sum (divided by ``divisor``) of this rank's part: the reduce-scatter result."""
+        acc = self.shared.get(self.tag + "acc", self.part, torch.float32, self.recv[0].device)
+        for s, (a, b) in enumerate(self.segments):
+            self._sum_segment(s, acc[a:b], divisor)
         return acc
 
-    def gather(self, acc: torch.Tensor, out: torch.Tensor) -> int:
-        """Quantize ``acc`` (+ server residual), all-gather, decode every part into ``out`` [W * part].
-
-        Returns the number of flagged chunks among all ranks' parts (the same on every rank).
+    def all_reduce_into(self, out: torch.Tensor, divisor: int | None) -> int:
+        """Sum, re-quantize the owned part (+ server residual), all-gather and decode every part into ``out``
+        [W * part], segment by segment. Returns the number of flagged chunks seen in the gathered buffers
+        (the same on every rank).
         """
-        device = acc.device
-        gathered = self.shared.get(self.tag + "gather", self.world * self.nbytes, torch.uint8, device)
-        gathered = gathered.view(self.world, -1)
-        own = gathered[self.rank : self.rank + 1]
-        server = None
-        if self.ef is not None:
-            server = self.ef.residual("server", self.part, device)
-            acc.add_(server)
-        bad = self.comp._encode_rows(acc.view(1, -1), own)
-        if server is not None and not bad:
-            self.comp._decode_rows(own, self.part, server.view(1, -1))
-            torch.sub(acc, server, out=server)
-        all_gather_flat(gathered.view(-1), own.view(-1), self.group)
-        return self.comp._decode_rows(gathered, self.part, out.view(self.world, self.part))
+        device = self.recv[0].device
+        acc = self.shared.get(self.tag + "acc", self.part, torch.float32, device)
+        gathered = self._per_segment(
+            self.shared.get(self.tag + "gather", self.world * self.nbytes, torch.uint8, device)
+        )
+        server = self.ef.residual("server", self.part, device) if self.ef is not None else None
+        uniforms = self._uniforms("server_uniform", self.part, device)
+        works = []
+        for s, (a, b) in enumerate(self.segments):
+            acc_s = acc[a:b]
+            self._sum_segment(s, acc_s, divisor)
+            own = gathered[s][self.rank : self.rank + 1]
+            if server is not None:
+                acc_s.add_(server[a:b])
+            bad = self.comp._encode_rows(
+                acc_s.view(1, -1), own, uniforms=None if uniforms is None else uniforms[a:b].view(1, -1)
+            )
+            if server is not None and not bad:
+                self.comp._decode_rows(own, b - a, server[a:b].view(1, -1))
+                torch.sub(acc_s, server[a:b], out=server[a:b])
+            works.append(all_gather_flat(gathered[s].view(-1), own.view(-1), self.group, async_op=True))
+        n_bad = 0
+        rows = out.view(self.world, self.part)
+        for s, (a, b) in enumerate(self.segments):
+            works[s].wait()
+            n_bad += self.comp._decode_rows(gathered[s], b - a, rows[:, a:b])
+        return n_bad
 
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:
@@ -375,8 +435,8 @@ def start_compressed_all_reduce(
         phase = _FlatPhase(flat, group, comp, error_feedback, inflight, shared, "")
 
         def finish_flat() -> CompressionStats:
-            acc = phase.reduce(world if average else None)
-            n_bad = phase.gather(acc, flat)  # flagged chunks travel in the gathered headers: no extra collective
+            # flagged chunks travel in the gathered headers: no extra collective
+            n_bad = phase.all_reduce_into(flat, world if average else None)
             copy_back()
             sent, header = phase.bytes_per_phase()
             stats = CompressionStats(numel, world, 2 * sent, 2 * sent, 0, 2 * header, fp32_baseline, n_bad > 0)
@@ -396,9 +456,8 @@ def start_compressed_all_reduce(
         if pending is not None:
             pending.wait()
         phase = _FlatPhase(slice_acc, hier.inter, comp, error_feedback, shared, shared, "inter.")
-        acc = phase.reduce(world if average else None)
         own = flat[hier.local * slice_len : (hier.local + 1) * slice_len]
-        n_bad = phase.gather(acc, own)
+        n_bad = phase.all_reduce_into(own, world if average else None)
         all_gather_flat(flat, own, hier.intra)
         # Every inter-node group saw its own slices' flags; one tiny all-reduce tells the whole node.
         found = agree_any(n_bad > 0, hier.intra) if per_node > 1 else n_bad > 0

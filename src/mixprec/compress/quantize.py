@@ -248,9 +248,10 @@ class MinMaxUInt8:
         start = chunk * self.chunk_size
         return start, min(length, start + self.chunk_size)
 
-    def _encode_rows(self, x: torch.Tensor, out: torch.Tensor) -> int:
+    def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, *, uniforms: torch.Tensor | None = None) -> int:
         """Encode each row of ``x`` [R, L] (any float dtype, last dim contiguous) into the matching row of
         ``out`` [R, encoded_nbytes(L)] (uint8, last dim contiguous). Returns the number of non-finite chunks.
+        For stochastic rounding, ``uniforms`` [R, L] (fp32 in [0, 1)) replaces this call's own draws.
         """
         rows, length = x.shape
         chunks = self.num_chunks(length)
@@ -284,11 +285,13 @@ class MinMaxUInt8:
 
         codes = out[:, HEADER_BYTES_PER_CHUNK * chunks :]
         stochastic = self.rounding == "stochastic"
-        # One draw per element, in element order, whatever the blocking (so a reference can replay it).
-        uniforms = self._buf("uniform", rows * length if stochastic else 0, torch.float32, device)
-        if stochastic:
+        if stochastic and uniforms is None:
+            # One draw per element, in element order, whatever the blocking (so a reference can replay it).
+            uniforms = self._buf("uniform", rows * length, torch.float32, device)
             torch.rand(rows * length, generator=self.generator, out=uniforms)
-        uniforms = uniforms.view(rows, -1)
+            uniforms = uniforms.view(rows, length)
+        elif uniforms is None:
+            uniforms = self._buf("uniform", 0, torch.float32, device).view(rows, 0)
         block_elems = max((n * clen for _, n, _, clen in segments), default=0)
         work = self._buf("work", block_elems, torch.float32, device)
         floor = self._buf("floor", block_elems if stochastic else 0, torch.float32, device)
