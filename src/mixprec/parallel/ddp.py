@@ -33,6 +33,20 @@ parameter's dtype; a view of the buffer when ``grad_dtype`` is the parameter's d
 unreduced gradient; the optimizer from :meth:`make_optimizer` steps fp32 master weights of the shard and
 all-gathers the parameters.
 
+Memory: the gradient buffers (one element of ``grad_dtype`` per parameter element, plus bucket padding);
+the reducer's receive buffers ("fp32_accumulate": at most ``max_in_flight``, default 2, buffers of one
+bucket each in the wire dtype) and one fp32 shard while a bucket is summed; with ``grad_dtype`` different
+from the parameter dtype, ``param.grad`` is a separate tensor in the parameter dtype. Sharded: the
+parameters become views of flat buffers (do not call ``.to()``/``.half()`` on the module afterwards) and
+the fp32 gradient shard holds ``1/world_size`` of the elements.
+
+With ``grad_dtype`` different from the parameter dtype, gradients accumulated under ``no_sync()`` live in
+the wrapper's buffer, not in ``param.grad``: ``optimizer.zero_grad()`` does not discard them before the
+window's synced backward; ``ddp.zero_grad_buffers()`` does (the sharded optimizer's ``zero_grad`` calls it).
+
+Not supported: reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``; a
+clear error says so), sparse gradients, parameters on several devices.
+
 Non-finite gradients (``check_finite=True``): before a bucket is sent, ``torch.aminmax`` over it (one pass,
 no allocation, one host sync per bucket) tells whether it holds inf/NaN; if so, the parameters holding
 them are named in a :class:`NonFiniteGradientWarning` and recorded in :attr:`last_nonfinite`. The bucket
@@ -266,6 +280,8 @@ class DistributedDataParallel(torch.nn.Module):
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         view = self._grad_views[i]
         grad = param.grad
+        if grad is not None and grad.is_sparse:
+            raise TypeError(f"parameter {self._names[i]} has a sparse gradient; the wrapper reduces dense ones only")
         if grad is not None:
             if self._direct[i]:
                 if not _same_memory(grad, view):

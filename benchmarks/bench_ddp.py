@@ -1,0 +1,127 @@
+"""Training-step time: torch's DistributedDataParallel vs mixprec's wrapper on the same model (gloo, CPU).
+
+Same run, same fp32 MLP, same data, same optimizer (AdamW); a step is zero_grad + forward + backward
+(with its gradient reduction) + optimizer step. Variants:
+
+* torch DDP (fp32 wire, gloo's fp32 sum): the baseline every ratio divides by;
+* torch DDP + a bf16 wire hook (bf16 wire, gloo's bf16 sum): the algorithm of torch's
+  ``bf16_compress_hook`` (cast, pre-divide, all-reduce, cast back), written out here because torch refuses
+  that hook on CPU ("requires CUDA 11+ and NCCL 2.10+");
+* mixprec native (fp32 wire, gloo's sum): the wrapper's own overhead against torch DDP;
+* mixprec fp32_accumulate, fp32 wire;
+* mixprec fp32_accumulate, ``grad_dtype=bf16`` (bf16 wire, fp32 sum): against the bf16 wire hook;
+* mixprec fp32_accumulate, bf16 wire, ``sharded_optimizer=True`` (ZeRO-1).
+
+Bucket sizes match: torch's 25 MB cap in fp32 elements for the wrapper. Time: median over steps of the
+slowest rank's step; the variants take turns, one step each, so that load from other work on a
+shared machine spreads over all of them.
+
+    python benchmarks/bench_ddp.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from _common import machine_header, markdown_table
+from mixprec.parallel import DistributedDataParallel
+from mixprec.testing import run_distributed
+
+BUCKET_MB = 25
+VARIANTS = (
+    "torch DDP",
+    "torch DDP + bf16 wire hook",
+    "mixprec native",
+    "mixprec fp32_accumulate",
+    "mixprec fp32_accumulate, bf16 wire",
+    "mixprec fp32_accumulate, bf16 wire, ZeRO-1",
+)
+
+
+def _model(width: int, depth: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 16))
+
+
+def _bf16_wire_hook(state, bucket):  # no annotations: torch DDP compares them with its own types
+    buffer = bucket.buffer()
+    wire = buffer.to(torch.bfloat16).div_(dist.get_world_size(state))
+    dist.all_reduce(wire, group=state)
+    buffer.copy_(wire)
+    future = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+def _build(variant: str, width: int, depth: int):
+    model = _model(width, depth)
+    bucket_elems = BUCKET_MB * (1 << 20) // 4
+    if variant.startswith("torch"):
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
+        if "bf16" in variant:
+            ddp.register_comm_hook(None, _bf16_wire_hook)
+        return ddp, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    reduce = "native" if variant == "mixprec native" else "fp32_accumulate"
+    grad_dtype = torch.bfloat16 if "bf16 wire" in variant else None
+    ddp = DistributedDataParallel(
+        model, bucket_size=bucket_elems, reduce=reduce, grad_dtype=grad_dtype, sharded_optimizer="ZeRO" in variant
+    )
+    return ddp, ddp.make_optimizer(torch.optim.AdamW, lr=1e-4)
+
+
+def _bench_rank(rank: int, world_size: int, width: int, depth: int, batch: int, steps: int) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(batch, width, generator=gen), torch.randn(batch, 16, generator=gen)
+    setups = {variant: _build(variant, width, depth) for variant in VARIANTS}
+    times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    # Round-robin over the variants, one step each: load from other work on a shared machine then
+    # falls on all of them alike instead of on whichever variant ran during a busy minute.
+    for step in range(steps + 2):  # two warm-up rounds
+        for variant, (ddp, opt) in setups.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            if step >= 2:
+                times[variant].append(time.perf_counter() - t0)
+    out = {}
+    for variant in VARIANTS:
+        per_step = torch.tensor(times[variant], dtype=torch.float64)
+        dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
+        out[variant] = statistics.median(per_step.tolist())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="2 ranks, a small model, 3 steps (seconds)")
+    args = ap.parse_args()
+    import torch._dynamo  # noqa: F401  (torch DDP imports it: once here instead of in every forked rank)
+
+    if args.quick:
+        plans, width, depth, batch, steps = [2], 256, 2, 32, 3
+    else:
+        plans, width, depth, batch, steps = [2, 4], 1024, 6, 64, 10
+    params = sum(p.numel() for p in _model(width, depth).parameters())
+    rows = []
+    for world_size in plans:
+        result = run_distributed(_bench_rank, world_size, width, depth, batch, steps, timeout=3600)[0]
+        base = result["torch DDP"]
+        for variant in VARIANTS:
+            rows.append([world_size, variant, result[variant] * 1e3, result[variant] / base])
+    print(machine_header(f"Training step, torch DDP vs mixprec wrapper (MLP, {params / 1e6:.1f}M fp32 params)"))
+    print(f"batch {batch} per rank, AdamW, {steps} timed steps after 2 warm-up steps, {BUCKET_MB} MB buckets\n")
+    print(markdown_table(["ranks", "variant", "step ms", "ratio to torch DDP"], rows))
+
+
+if __name__ == "__main__":
+    main()
