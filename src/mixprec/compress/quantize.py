@@ -55,7 +55,6 @@ torch's float32 -> uint8 cast is not vectorized on CPU while int32 -> uint8 is.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -76,6 +75,10 @@ _WIDE_BELOW = 255.0 * torch.finfo(torch.float32).tiny
 _MAGIC = 8388608.0  # 2**23: fl32(q + 2**23) = 2**23 + rne(q) for 0 <= q < 2**22, so the low byte holds rne(q)
 # Elements per block of the cache-blocked passes: 512 KiB of fp32 scratch, well inside a 1.25 MiB L2.
 _BLOCK = 1 << 17
+# Elements per super-block of the encoder: its min/max pass leaves 4 MiB of fp32 input in the last-level
+# cache for the code pass (instead of reading it twice from DRAM), and the fp64 per-chunk scalars are
+# computed once per super-block (a handful of small ops).
+_SUPER = 1 << 20
 
 
 class NonFiniteError(ValueError):
@@ -230,94 +233,103 @@ class MinMaxUInt8:
     def _buf(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self._scratch.get(name, numel, dtype, device)
 
-    def _segments(self, length: int) -> Iterator[tuple[int, int, int, int]]:
-        """Cache blocks of a row of ``length`` elements: ``(first chunk, n chunks, first element, chunk len)``.
-
-        Whole chunks are grouped ``_BLOCK // chunk_size`` at a time; a short last chunk is its own block.
+    def _blocks(self, t: torch.Tensor, per_block: int) -> list[tuple[int, int, torch.Tensor]]:
+        """Cache blocks of ``t`` [R, L] (rows contiguous): ``(first chunk, n chunks, view [R, n, chunk len])``
+        covering every chunk of every row, ``per_block`` chunks at a time; a short last chunk is its own block.
         """
+        length = t.shape[1]
         c = self.chunk_size
         full, tail = divmod(length, c)
-        per_block = max(1, _BLOCK // c)
-        for first in range(0, full, per_block):
-            n = min(per_block, full - first)
-            yield first, n, first * c, c
+        blocks = []
+        if full:
+            whole = t[:, : full * c].unflatten(1, (full, c))
+            blocks += [(f, min(per_block, full - f), whole[:, f : f + per_block]) for f in range(0, full, per_block)]
         if tail:
-            yield full, 1, full * c, tail
+            blocks.append((full, 1, t[:, full * c :].unsqueeze(1)))
+        return blocks
 
     def _chunk_bounds(self, chunk: int, length: int) -> tuple[int, int]:
         start = chunk * self.chunk_size
         return start, min(length, start + self.chunk_size)
 
+    @staticmethod
+    def _scalars(mins: torch.Tensor, maxs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-chunk range ``R = max - min`` (fp64) and whether the chunk needs the float64 path."""
+        rng = maxs.double() - mins.double()
+        return rng, (rng > _FP32_MAX) | ((rng > 0) & (rng < _WIDE_BELOW))  # NaN: neither
+
     def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, *, uniforms: torch.Tensor | None = None) -> int:
         """Encode each row of ``x`` [R, L] (any float dtype, last dim contiguous) into the matching row of
         ``out`` [R, encoded_nbytes(L)] (uint8, last dim contiguous). Returns the number of non-finite chunks.
         For stochastic rounding, ``uniforms`` [R, L] (fp32 in [0, 1)) replaces this call's own draws.
+
+        Works on super-blocks of about ``_SUPER`` elements (all rows at once): a min/max pass that pulls them
+        into the last-level cache, the fp64 chunk scalars, then the code pass block by block in L2.
         """
         rows, length = x.shape
         chunks = self.num_chunks(length)
         device = x.device
+        c = self.chunk_size
         hdr = self._buf("hdr", rows * 2 * chunks, torch.float32, device).view(rows, 2, chunks)
         mins, maxs = hdr[:, 0], hdr[:, 1]  # (R, C) each, rows contiguous
-        segments = list(self._segments(length))
+        scale = self._buf("scale", rows * chunks, torch.float32, device).view(rows, chunks)
+        stochastic = self.rounding == "stochastic"
+        if stochastic and uniforms is None:
+            # One draw per element, in element order, whatever the blocking (so a reference can replay it).
+            uniforms = self._buf("uniform", rows * length, torch.float32, device).view(rows, length)
+            torch.rand(rows * length, generator=self.generator, out=uniforms.view(-1))
+        per_block = max(1, _BLOCK // (rows * c))
+        x_blocks = self._blocks(x, per_block)
+        code_blocks = self._blocks(out[:, HEADER_BYTES_PER_CHUNK * chunks :], per_block)
+        u_blocks = self._blocks(uniforms, per_block) if uniforms is not None and stochastic else None
+        block_elems = rows * per_block * c
+        work = self._buf("work", block_elems, torch.float32, device)
+        floor = self._buf("floor", block_elems if stochastic else 0, torch.float32, device)
+        group = max(1, _SUPER // _BLOCK)
 
-        # Pass 1: per-chunk min and max (NaN propagates through amin/amax; +-Inf shows up as a bound).
-        for r in range(rows):
-            for first, n, start, clen in segments:
-                block = x[r, start : start + n * clen].view(n, clen)
+        for g in range(0, len(x_blocks), group):
+            members = range(g, min(len(x_blocks), g + group))
+            for i in members:  # pass 1: per-chunk min and max (NaN propagates; +-Inf shows up as a bound)
+                first, n, xv = x_blocks[i]
                 if x.dtype == torch.float32:
-                    torch.amin(block, dim=1, out=mins[r, first : first + n])
-                    torch.amax(block, dim=1, out=maxs[r, first : first + n])
+                    torch.amin(xv, dim=-1, out=mins[:, first : first + n])
+                    torch.amax(xv, dim=-1, out=maxs[:, first : first + n])
                 else:  # fp16/bf16 bounds are exact in fp32
-                    mins[r, first : first + n].copy_(torch.amin(block, dim=1))
-                    maxs[r, first : first + n].copy_(torch.amax(block, dim=1))
+                    mins[:, first : first + n].copy_(torch.amin(xv, dim=-1))
+                    maxs[:, first : first + n].copy_(torch.amax(xv, dim=-1))
+            lo = x_blocks[members[0]][0]
+            hi = x_blocks[members[-1]][0] + x_blocks[members[-1]][1]
+            rng, _ = self._scalars(mins[:, lo:hi], maxs[:, lo:hi])
+            scale[:, lo:hi].copy_(torch.where(rng > 0, 255.0 / rng, torch.zeros_like(rng)))
+            for i in members:  # pass 2: codes
+                first, n, xv = x_blocks[i]
+                clen = xv.shape[-1]
+                w = work[: rows * n * clen].view(rows, n, clen)
+                torch.sub(xv, mins[:, first : first + n, None], out=w)
+                w.mul_(scale[:, first : first + n, None])
+                if u_blocks is not None:
+                    f = floor[: rows * n * clen].view(rows, n, clen)
+                    torch.floor(w, out=f)
+                    w.sub_(f)  # frac(q), exact
+                    torch.lt(u_blocks[i][2], w, out=w)  # 1.0 with probability frac(q)
+                    w.add_(f).clamp_max_(255.0)  # q may exceed 255 by a few ulps
+                w.add_(_MAGIC)
+                code_blocks[i][2].copy_(w.view(torch.int32))  # int32 -> uint8 keeps the low byte
 
-        # Per-chunk scalars, from the fp32 bounds, in fp64 (C elements: cheap).
+        rng, wide = self._scalars(mins, maxs)
         finite = torch.isfinite(mins) & torch.isfinite(maxs)
-        rng = maxs.double() - mins.double()
-        scale64 = torch.where(rng > 0, 255.0 / rng, torch.zeros_like(rng))
-        scale = scale64.float()
-        wide = finite & ((rng > _FP32_MAX) | ((rng > 0) & (rng < _WIDE_BELOW)))
         n_bad = int((~finite).sum())
         if n_bad:
             mins.masked_fill_(~finite, math.nan)
             maxs.masked_fill_(~finite, math.nan)
         out[:, : HEADER_BYTES_PER_CHUNK * chunks].copy_(hdr.view(rows, 2 * chunks).view(torch.uint8))
 
-        codes = out[:, HEADER_BYTES_PER_CHUNK * chunks :]
-        stochastic = self.rounding == "stochastic"
-        if stochastic and uniforms is None:
-            # One draw per element, in element order, whatever the blocking (so a reference can replay it).
-            uniforms = self._buf("uniform", rows * length, torch.float32, device)
-            torch.rand(rows * length, generator=self.generator, out=uniforms)
-            uniforms = uniforms.view(rows, length)
-        elif uniforms is None:
-            uniforms = self._buf("uniform", 0, torch.float32, device).view(rows, 0)
-        block_elems = max((n * clen for _, n, _, clen in segments), default=0)
-        work = self._buf("work", block_elems, torch.float32, device)
-        floor = self._buf("floor", block_elems if stochastic else 0, torch.float32, device)
-
-        # Pass 2: codes, block by block (each block's passes hit L2, not DRAM).
-        for r in range(rows):
-            for first, n, start, clen in segments:
-                stop = start + n * clen
-                w = work[: n * clen].view(n, clen)
-                torch.sub(x[r, start:stop].view(n, clen), mins[r, first : first + n, None], out=w)
-                w.mul_(scale[r, first : first + n, None])
-                if stochastic:
-                    f = floor[: n * clen].view(n, clen)
-                    torch.floor(w, out=f)
-                    w.sub_(f)  # frac(q), exact
-                    torch.lt(uniforms[r, start:stop].view(n, clen), w, out=w)  # 1.0 with probability frac(q)
-                    w.add_(f).clamp_max_(255.0)  # q may exceed 255 by a few ulps
-                w.add_(_MAGIC)
-                codes[r, start:stop].view(n, clen).copy_(w.view(torch.int32))  # int32 -> uint8 keeps the low byte
-
         # Rare paths, chunk by chunk: float64 arithmetic for extreme ranges; zero codes for flagged chunks.
-        for r, chunk in wide.nonzero().tolist():
+        codes = out[:, HEADER_BYTES_PER_CHUNK * chunks :]
+        for r, chunk in (wide & finite).nonzero().tolist():
             a, b = self._chunk_bounds(chunk, length)
-            xc = x[r, a:b].double()
-            q = (xc - mins[r, chunk].double()) * scale64[r, chunk]
-            if stochastic:
+            q = (x[r, a:b].double() - mins[r, chunk].double()) * (255.0 / rng[r, chunk])
+            if stochastic and uniforms is not None:
                 fl = q.floor()
                 q = fl + (uniforms[r, a:b].double() < q - fl).double()
             else:
@@ -342,41 +354,34 @@ class MinMaxUInt8:
         hdr = self._buf("dhdr", rows * 2 * chunks, torch.float32, device).view(rows, 2, chunks)
         hdr.view(rows, 2 * chunks).view(torch.uint8).copy_(buf[:, :hb])
         mins = hdr[:, 0]
-        rng = hdr[:, 1].double() - mins.double()
+        rng, wide = self._scalars(mins, hdr[:, 1])
         step = (rng / 255.0).float()  # NaN for flagged chunks: they decode to NaN
-        wide = (rng > _FP32_MAX) | ((rng > 0) & (rng < _WIDE_BELOW))
         n_bad = int(mins.isnan().sum())
-        codes = buf[:, hb:]
-        segments = list(self._segments(length))
         if reduce and out.dtype != torch.float32:
             raise TypeError(f"internal: a reducing decode needs an fp32 output; got {out.dtype}")
-        direct = out.dtype == torch.float32  # decode straight into out, else via an fp32 block
-        block_elems = max((n * clen for _, n, _, clen in segments), default=0)
-        work = self._buf("dwork", block_elems if (reduce or not direct) else 0, torch.float32, device)
-
-        for first, n, start, clen in segments:
-            stop = start + n * clen
-            st = step[:, first : first + n, None]
-            mn = mins[:, first : first + n, None]
-            for r in range(rows):
-                if reduce:
-                    target = out[start:stop].view(n, clen)
-                    w = target if r == 0 else work[: n * clen].view(n, clen)
-                elif direct:
-                    w = out[r, start:stop].view(n, clen)
-                else:
-                    w = work[: n * clen].view(n, clen)
-                w.copy_(codes[r, start:stop].view(n, clen))
-                w.mul_(st[r])
-                w.add_(mn[r])
-                if reduce and r > 0:
-                    target.add_(w)
-                elif not reduce and not direct:
-                    out[r, start:stop].view(n, clen).copy_(w)
+        per_block = max(1, _BLOCK // (rows * self.chunk_size))
+        code_blocks = self._blocks(buf[:, hb:], per_block)
+        out_blocks = self._blocks(out.view(1, -1) if reduce else out, per_block)
+        # Decode straight into out when nothing is left to do afterwards (no sum, no rounding to fp16/bf16).
+        direct = out.dtype == torch.float32 and (not reduce or rows == 1)
+        work = self._buf("dwork", 0 if direct else rows * per_block * self.chunk_size, torch.float32, device)
+        for (first, n, cv), (_, _, ov) in zip(code_blocks, out_blocks):
+            clen = cv.shape[-1]
+            w = ov if direct else work[: rows * n * clen].view(rows, n, clen)
+            w.copy_(cv)
+            w.mul_(step[:, first : first + n, None])
+            w.add_(mins[:, first : first + n, None])
+            if reduce and rows > 1:
+                acc = ov[0]
+                torch.add(w[0], w[1], out=acc)
+                for r in range(2, rows):
+                    acc.add_(w[r])
+            elif not direct:
+                ov.copy_(w)
 
         # Chunks needing float64 arithmetic: recompute them (and, when reducing, their whole sum).
-        wide_chunks = sorted({c for _, c in wide.nonzero().tolist()})
-        for chunk in wide_chunks:
+        codes = buf[:, hb:]
+        for chunk in sorted({c for _, c in wide.nonzero().tolist()}):
             a, b = self._chunk_bounds(chunk, length)
             decoded = [
                 self._decode_chunk_wide(codes[r, a:b], mins[r, chunk], rng[r, chunk])
