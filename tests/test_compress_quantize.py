@@ -126,7 +126,8 @@ def test_stochastic_rounding_is_unbiased() -> None:
     x = torch.cat([torch.tensor([0.0]), frac * 10 / 255 * 7.0 + 20 / 255, torch.tensor([10.0])]).float()
     x = x + 100.0  # an offset, so the arithmetic terms are present
     q = MinMaxUInt8(chunk_size=chunk, rounding="stochastic", generator=torch.Generator().manual_seed(11))
-    draws = torch.stack([q.decode(q.encode(x), chunk).double() for _ in range(n)])
+    # n copies of the chunk in one tensor: each copy is its own chunk with its own draws
+    draws = q.decode(q.encode(x.repeat(n)), n * chunk).double().view(n, chunk)
     rng, big = 10.0, 110.0
     step = rng / 255
     sigma = step / 2 / math.sqrt(n)
