@@ -11,6 +11,10 @@ into W parts of L = N / W:
 4. rank p quantizes its reduced part once more, the buffers are all-gathered, and every rank decodes all
    W of them, its own included, so all ranks end with identical bits.
 
+Steps 1-4 are pipelined over segments of whole chunks (``_SEGMENT_ELEMENTS``): each segment has its own
+asynchronous all-to-all and all-gather, so quantizing one segment overlaps sending the previous ones; the
+chunk grid, and so the result, is the same as without segments.
+
 Hierarchical scheme (``topology`` given; m nodes of n ranks):
 
 1. intra-node, full precision: a reduce-scatter that sends the input dtype and adds in fp32
