@@ -191,6 +191,19 @@ def worker(cfg: dict) -> None:
     methods["uint8"] = (uint8, torch.float32)
     if per_node > 1:
         methods["uint8_hier"] = (uint8_hier, torch.float32)
+    if cfg["probe"] and per_node == 1:
+        # gloo's all-to-all of the uint8 payload's bytes as one call, and as 8 concurrent async calls: why
+        # the compressed collectives pipeline over segments.
+        def a2a_1(x):
+            dist.all_to_all_single(probe_out.view(-1), x.view(-1))
+
+        def a2a_8(x):
+            works = [dist.all_to_all_single(probe_out[k], x[k], async_op=True) for k in range(8)]
+            for w in works:
+                w.wait()
+
+        methods["a2a x1"] = (a2a_1, torch.uint8)
+        methods["a2a x8"] = (a2a_8, torch.uint8)
 
     rows = []
     for gbit in cfg["rates"]:
@@ -200,7 +213,11 @@ def worker(cfg: dict) -> None:
         dist.barrier()
         for numel in cfg["sizes"]:
             for name, (fn, dtype) in methods.items():
-                x = torch.randn(numel, generator=torch.Generator().manual_seed(rank)).to(dtype)
+                if dtype == torch.uint8:  # probe: 8 contiguous [world, m] pieces, row p of each goes to rank p
+                    x = torch.zeros(8, world, numel // (8 * world), dtype=torch.uint8)
+                    probe_out = torch.empty_like(x)
+                else:
+                    x = torch.randn(numel, generator=torch.Generator().manual_seed(rank)).to(dtype)
                 fn(x)  # warm-up: connections, buffers
                 times, cpus = [], []
                 dist.barrier()
@@ -217,9 +234,10 @@ def worker(cfg: dict) -> None:
                 if name.startswith("uint8"):
                     st = stats_box["stats"]
                     accounted, inter = st.bytes_sent, st.bytes_sent_compressed
-                else:
-                    accounted = 2 * (world - 1) * numel * x.element_size() // world
-                    inter = accounted
+                elif dtype == torch.uint8:  # one all-to-all
+                    accounted = inter = (world - 1) * x.numel() // world
+                else:  # gloo's ring all-reduce
+                    accounted = inter = 2 * (world - 1) * numel * x.element_size() // world
                 info = [tx if local == 0 else 0.0, statistics.mean(cpus), accounted, inter]
                 gathered = [None] * world
                 dist.all_gather_object(gathered, info)
@@ -262,6 +280,7 @@ def launch(net: Network, per_node: int, args: argparse.Namespace, out: str, dead
         "links": net.links(),
         "timeout": args.rank_timeout,
         "out": out,
+        "probe": not args.no_probe,
     }
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
@@ -351,6 +370,21 @@ def report(config: str, rows: list[dict], methods: list[str]) -> None:
     crossover(config, by, rates, sizes, best)
 
 
+def probe_report(config: str, rows: list[dict]) -> None:
+    from _common import markdown_table
+
+    by = {(r["rate"], r["method"], r["numel"]): r for r in rows}
+    table = []
+    for (g, m, n), r in sorted(by.items()):
+        if m == "a2a x1":
+            wire = 8 * r["accounted_per_rank"] / (g * 1e9) * 1e3 if g else float("nan")
+            table.append(
+                [f"{g:g} Gbit/s" if g else "unlimited", f"{n / 2**20:.0f} MiB", r["ms"], by[g, "a2a x8", n]["ms"], wire]
+            )
+    print(f"\n#### {config}: gloo all-to-all of the uint8 payload, one call vs 8 concurrent calls\n")
+    print(markdown_table(["rate", "uint8 payload (all ranks)", "1 call ms", "8 concurrent ms", "wire time ms"], table))
+
+
 def crossover(config: str, by: dict, rates: list[float], sizes: list[int], best: str) -> None:
     """Speedup of the compressed all-reduce over bf16 and fp32 per rate, and the rate where it falls to 1x
     (interpolated linearly in log(rate) between the two measured rates around it).
@@ -389,6 +423,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None, help="timed calls per point (after one warm-up)")
     ap.add_argument("--deadline", type=float, default=None, help="seconds for the whole run")
     ap.add_argument("--rank-timeout", type=float, default=600, help="seconds a collective may wait for a peer")
+    ap.add_argument("--no-probe", action="store_true", help="skip the all-to-all probe (1 call vs 8 concurrent)")
     args = ap.parse_args()
     if args.worker:
         worker(json.loads(args.worker))
@@ -427,6 +462,8 @@ def main() -> None:
         if any(r["method"] == "uint8_hier" for r in rows):
             methods.append("uint8_hier")
         report(config, rows, methods)
+        if any(r["method"] == "a2a x1" for r in rows):
+            probe_report(config, rows)
     print("\nRaw rows (JSON):", json.dumps(results), file=sys.stderr)
 
 
