@@ -273,7 +273,7 @@ class _FlatPhase:
         uniforms = self._uniforms("uniform", n, device)
         self.local_bad = 0
         self._works = []
-        for (a, b), send in zip(self.segments, self.send):
+        for (a, b), send, recv in zip(self.segments, self.send, self.recv):
             u = None if uniforms is None else uniforms.view(world, part)[:, a:b]
             bad = comp._encode_rows(v[:, a:b], send, uniforms=u)
             self.local_bad += bad
@@ -281,9 +281,7 @@ class _FlatPhase:
                 res = worker.view(world, part)[:, a:b]
                 comp._decode_rows(send, b - a, res)
                 torch.sub(v[:, a:b], res, out=res)  # what this quantization lost
-            self._works.append(
-                dist.all_to_all_single(self.recv[len(self._works)].view(-1), send.view(-1), group=group, async_op=True)
-            )
+            self._works.append(dist.all_to_all_single(recv.view(-1), send.view(-1), group=group, async_op=True))
         self.recv_bad = 0
 
     def _per_segment(self, flat: torch.Tensor) -> list[torch.Tensor]:
