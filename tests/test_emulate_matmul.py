@@ -68,7 +68,7 @@ MODELS_FOR_REFERENCE = [
         k_group=16,
         align_bits=TENSOR_CORE_ALIGN_BITS["h100"],
         align_rounding="nearest",
-    ),  # fmt: skip
+    ),
     MatmulModel(inputs="fp16", accumulator="fp32", k_group=4, align_bits=TENSOR_CORE_ALIGN_BITS["v100"]),
     MATMUL_PRESETS["fp8/promote128"],
     MATMUL_PRESETS["fp8/nopromote"],

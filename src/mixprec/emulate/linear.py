@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from mixprec.emulate.matmul import MatmulModel, _matmul_model, get_matmul_model
-from mixprec.emulate.rounding import round_to_
+from mixprec.emulate.rounding import round_to, round_to_
 
 __all__ = ["EmulatedLinear", "LinearSwap", "emulate_linear_layers"]
 
@@ -30,13 +30,17 @@ class _EmulatedLinearFunction(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, model: MatmulModel
     ) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        y = _matmul_model(x2, weight.t(), model)
+        # the operands are rounded once here and saved rounded (fp32), so the backward products reuse them
+        x_r = round_to(x.reshape(-1, x.shape[-1]), model.inputs)
+        w_r = round_to(weight, model.inputs)
+        y = _matmul_model(x_r, w_r.t(), model, rounded=True)
         if bias is not None:
             y.add_(bias.float())
             if model.output is not None:
                 round_to_(y, model.output)
-        ctx.save_for_backward(x2, weight)
+        ctx.save_for_backward(x_r, w_r)
+        ctx.x_dtype = x.dtype
+        ctx.w_dtype = weight.dtype
         ctx.model = model
         ctx.x_shape = x.shape
         ctx.has_bias = bias is not None
@@ -45,14 +49,15 @@ class _EmulatedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x2, weight = ctx.saved_tensors
+        x_r, w_r = ctx.saved_tensors
         model: MatmulModel = ctx.model
-        gy = grad_y.reshape(-1, weight.shape[0])
+        gy = grad_y.reshape(-1, w_r.shape[0])
+        gy_r = round_to(gy, model.inputs)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = _matmul_model(gy, weight, model).reshape(ctx.x_shape).to(x2.dtype)
+            grad_x = _matmul_model(gy_r, w_r, model, rounded=True).reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = _matmul_model(gy.t(), x2, model).to(weight.dtype)
+            grad_w = _matmul_model(gy_r.t(), x_r, model, rounded=True).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = gy.float().sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None

@@ -249,7 +249,9 @@ def _check_operand(x: object, name: str) -> torch.Tensor:
     return x
 
 
-def _matmul_model(a: torch.Tensor, b: torch.Tensor, model: MatmulModel) -> torch.Tensor:
+def _matmul_model(a: torch.Tensor, b: torch.Tensor, model: MatmulModel, *, rounded: bool = False) -> torch.Tensor:
+    """Validate, round the operands to ``model.inputs`` (skipped when the caller passes ``rounded=True``
+    operands that already hold representable values, e.g. EmulatedLinear's saved ones), broadcast, accumulate."""
     _check_operand(a, "a")
     _check_operand(b, "b")
     if a.device != b.device:
@@ -263,8 +265,8 @@ def _matmul_model(a: torch.Tensor, b: torch.Tensor, model: MatmulModel) -> torch
     m, k = a.shape[-2], a.shape[-1]
     n = b.shape[-1]
     with torch.autocast(device_type=a.device.type, enabled=False), torch.no_grad():
-        ar = round_to(a, model.inputs).double()
-        br = round_to(b, model.inputs).double()
+        ar = a.double() if rounded else round_to(a, model.inputs).double()
+        br = b.double() if rounded else round_to(b, model.inputs).double()
         if math.prod(b.shape[:-2]) == 1:
             # b is shared by the whole batch: fold the batch into rows (one big product, no copies of b)
             a3 = ar.expand(*batch, m, k).reshape(1, -1, k)
@@ -299,16 +301,18 @@ def _accumulate(a3: torch.Tensor, b3: torch.Tensor, model: MatmulModel) -> torch
     if groups * kg != k:  # zero products change no exact sum and no aligned maximum
         a3 = torch.nn.functional.pad(a3, (0, groups * kg - k))
         b3 = torch.nn.functional.pad(b3, (0, 0, 0, groups * kg - k))
-    a_groups = a3.reshape(nb, m, groups, kg).permute(2, 0, 1, 3).contiguous()  # (G, B, M, kg)
-    b_groups = b3.reshape(nb, groups, kg, n).transpose(0, 1).contiguous()  # (G, B, kg, N)
     promote_groups = None if model.promote_every is None else model.promote_every // kg
     acc_fmt = model.accumulator
-    # Overflow of the accumulator needs a per-step check only when |a| |b| could reach the format's max:
-    # |acc| <= sum|a_k b_k| (1 + tiny) <= min(max row-sum|a| * max|b|, max|a| * max col-sum|b|).
-    row_sum = a3.abs().sum(-1).amax().item()
-    col_sum = b3.abs().sum(-2).amax().item()
-    crude = min(row_sum * b3.abs().amax().item(), a3.abs().amax().item() * col_sum)
-    check_overflow = not (crude * 1.01 < acc_fmt.max_finite)
+    # Overflow of the accumulator needs a per-step check (one min/max pass per group) only when |a| |b| could
+    # reach the format's max: |acc| <= sum|a_k b_k| (1 + tiny) <= min(max row-sum|a| max|b|, max|a| max col-sum|b|).
+    # That bound costs 4 passes over the operands, worth it only when they are smaller than the per-step checks.
+    check_overflow = True
+    if 2 * (a3.numel() + b3.numel()) < groups * nb * m * n:
+        row_sum = torch.linalg.vector_norm(a3, ord=1, dim=-1).amax().item()
+        col_sum = torch.linalg.vector_norm(b3, ord=1, dim=-2).amax().item()
+        a_max = torch.linalg.vector_norm(a3, ord=math.inf).item()
+        b_max = torch.linalg.vector_norm(b3, ord=math.inf).item()
+        check_overflow = not (min(row_sum * b_max, a_max * col_sum) * 1.01 < acc_fmt.max_finite)
     aligned = model.align_bits is not None
     rows = _tile_rows(nb, m, n, kg if aligned else 1, dev)
     # toward-zero rounding of aligned sums by clearing bits is exact when every non-zero sum is a normal number
@@ -316,22 +320,29 @@ def _accumulate(a3: torch.Tensor, b3: torch.Tensor, model: MatmulModel) -> torch
     fast_rz = aligned and 2 * (model.inputs.emin - model.inputs.man_bits) - model.align_bits >= acc_fmt.emin
     for r0 in range(0, m, rows):
         r1 = min(m, r0 + rows)
-        acc = torch.zeros(nb, r1 - r0, n, dtype=torch.float64, device=dev)
+        acc = torch.empty(nb, r1 - r0, n, dtype=torch.float64, device=dev)
         work = torch.empty_like(acc, dtype=torch.int64)
         scratch32 = torch.empty_like(acc, dtype=torch.float32)
         promoted = torch.zeros_like(acc) if promote_groups is not None else None
         products = torch.empty(nb, r1 - r0, kg, n, dtype=torch.float64, device=dev) if aligned else None
         for g in range(groups):
-            a_g = a_groups[g, :, r0:r1]
+            a_g = a3[:, r0:r1, g * kg : (g + 1) * kg]  # strided views: BLAS reads them in place
+            b_g = b3[:, g * kg : (g + 1) * kg]
+            fresh = g == 0 or (promote_groups is not None and g % promote_groups == 0)  # accumulator is zero
             if aligned:
-                _aligned_step_(acc, a_g, b_groups[g], model, products, fast_rz)
+                if fresh:
+                    acc.zero_()
+                _aligned_step_(acc, a_g, b_g, model, products, fast_rz)
             else:
-                acc.baddbmm_(a_g, b_groups[g])  # exact in fp64 (see the module docstring)
+                if fresh:
+                    torch.bmm(a_g, b_g, out=acc)
+                else:
+                    acc.baddbmm_(a_g, b_g)  # exact in fp64 (see the module docstring)
                 _round_acc_(acc, acc_fmt, work, scratch32, check_overflow)
             if promoted is not None and ((g + 1) % promote_groups == 0 or g == groups - 1):
+                # fp64 then fp32 rounding of a sum of two <=24-bit values equals one rounding (53 >= 2*24 + 2)
                 promoted.add_(acc)
                 _round_acc_(promoted, FORMAT_PRESETS["fp32"], work, scratch32, True)
-                acc.zero_()
         out[:, r0:r1] = promoted if promoted is not None else acc
     return out
 

@@ -1,0 +1,133 @@
+"""The Triton two-stage fp16 matmul (imported only when used: needs ``triton``).
+
+Main loop per (BLOCK_M, BLOCK_N) tile: ``block = tl.dot(a, b, out_dtype=tl.float16)`` over one K block (the
+tensor cores chain the block's MMAs through an fp16 accumulator, starting from zero), then
+``acc += block.to(tl.float32)`` in fp32 registers. Loads of A and B rows/columns past M/N wrap around (their
+results are never stored); K is masked only when it is not a multiple of BLOCK_K.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["autotuned_block_k", "launch"]
+
+
+@triton.jit
+def _two_stage_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    OUT_FP16: tl.constexpr,
+):
+    # grouped ordering of the tiles so that consecutive programs reuse rows of A in L2
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = offs_m % M
+    cols = offs_n % N
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k0
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        block = tl.dot(a, b, out_dtype=tl.float16)  # stage 1: fp16 accumulation inside the K block
+        acc += block.to(tl.float32)  # stage 2: fp32 accumulation across blocks
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if OUT_FP16:
+        tl.store(c_ptrs, acc.to(tl.float16), mask=c_mask)
+    else:
+        tl.store(c_ptrs, acc, mask=c_mask)
+
+
+def _configs(block_ks: tuple[int, ...]) -> list[triton.Config]:
+    shapes = [(128, 256, 8, 3), (256, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (64, 128, 4, 4)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+        for bk in block_ks
+        for bm, bn, w, s in shapes
+    ]
+
+
+_AUTOTUNED: dict[tuple[int, ...], triton.runtime.Autotuner] = {}
+
+
+def _autotuned(block_ks: tuple[int, ...]) -> triton.runtime.Autotuner:
+    if block_ks not in _AUTOTUNED:
+        _AUTOTUNED[block_ks] = triton.autotune(configs=_configs(block_ks), key=["M", "N", "K"])(_two_stage_kernel)
+    return _AUTOTUNED[block_ks]
+
+
+def autotuned_block_k(block_k: int | None = None) -> int | None:
+    """BLOCK_K of the configuration the autotuner last chose (for ``block_k=None`` or the given one)."""
+    tuner = _AUTOTUNED.get((32, 64) if block_k is None else (block_k,))
+    config = getattr(tuner, "best_config", None) if tuner is not None else None
+    return None if config is None else int(config.kwargs["BLOCK_K"])
+
+
+def launch(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype, block_k: int | None) -> torch.Tensor:
+    m, k = a.shape
+    n = b.shape[1]
+    c = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return c
+    if k == 0:
+        return c.zero_()
+    out_fp16 = out_dtype == torch.float16
+    args = (a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        # the interpreter runs each program in numpy: small tiles, no autotuning
+        bk = block_k or 16
+        grid = (triton.cdiv(m, 16) * triton.cdiv(n, 16),)
+        _two_stage_kernel[grid](
+            *args, BLOCK_M=16, BLOCK_N=16, BLOCK_K=bk, GROUP_M=4, EVEN_K=k % bk == 0, OUT_FP16=out_fp16
+        )
+        return c
+    tuner = _autotuned((32, 64) if block_k is None else (block_k,))
+
+    def grid(meta: dict) -> tuple[int]:
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    # EVEN_K depends on the chosen BLOCK_K; all candidate BLOCK_Ks divide 128, so K % 128 == 0 decides for all
+    even_k = k % max(cfg.kwargs["BLOCK_K"] for cfg in tuner.configs) == 0
+    tuner[grid](*args, EVEN_K=even_k, OUT_FP16=out_fp16)
+    return c
