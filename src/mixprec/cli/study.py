@@ -11,6 +11,7 @@ import importlib
 # name -> (module, one-line help). Modules are imported when the parser is built, so keep their
 # top-level imports light.
 _STUDIES: dict[str, tuple[str, str]] = {
+    "matmul-error": ("mixprec.lab.matmul_error", "error of emulated matmul accumulators vs float64 (seed 003)"),
     "reduction-error": ("mixprec.lab.reduction_error", "error of fp16/bf16 gradient reduction vs DP size (seed 000)"),
 }
 
