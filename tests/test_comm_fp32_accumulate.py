@@ -230,16 +230,25 @@ def _memory_case(rank: int, world_size: int, numel: int) -> dict[str, int]:
     return {"with": with_scratch, "without": without_scratch, "fp32_out": fp32_out, "cast": cast}
 
 
-def test_extra_memory_is_one_fp32_shard_plus_scratch(dist_run) -> None:
-    """Measured from torch's allocator events (torch.profiler, profile_memory): see mixprec.comm.memory."""
+@pytest.fixture
+def profiler_imported() -> None:
+    """The first profiler session in a process imports seconds' worth of modules: pay it once in the
+    parent, before the ranks fork."""
+    measure_peak_allocated(torch.empty, 1)
+
+
+def test_extra_memory_is_the_receive_buffer_and_two_fp32_blocks(dist_run, profiler_imported) -> None:
+    """Measured from torch's allocator events (torch.profiler, profile_memory): see mixprec.comm.memory.
+    The shard is summed and rounded block by block (2**16 elements): an fp32 accumulator block and an fp32
+    block for the widened addend, 512 KiB, whatever the size; the fp32 shard itself never exists."""
     world_size, numel = 4, 1 << 20
+    block = 4 * (1 << 16)
     shard_fp32 = 4 * numel // world_size
-    block = 4 * (1 << 16)  # the fp32 summation block buffer
     for r in dist_run(_memory_case, world_size, numel, timeout=120):
-        assert r["with"] <= shard_fp32 + block
-        assert r["with"] >= shard_fp32  # the probe does see the fp32 shard
-        assert r["without"] <= shard_fp32 + block + 2 * numel  # + the bf16 receive buffer
-        assert r["fp32_out"] <= block  # fp32 output: it is the accumulator, nothing else
+        assert block <= r["with"] <= 2 * block + 1024  # 1 KiB: the allocator's rounding of tiny tensors
+        assert r["without"] <= 2 * block + 1024 + 2 * numel  # + the bf16 receive buffer
+        assert r["fp32_out"] <= block + 1024  # fp32 output: its own accumulator; only the widening block
+        assert r["with"] < shard_fp32
         # Never an fp32 copy of the input, which the cast-to-fp32 baseline does allocate.
         assert r["without"] < 4 * numel <= r["cast"]
 

@@ -402,6 +402,21 @@ def test_bad_arguments_raise_clear_errors(dist_run) -> None:
         assert fragment in message, (fragment, message)
 
 
+def _sparse_grad(rank: int, world_size: int) -> str:
+    model = torch.nn.Embedding(10, 4, sparse=True)
+    ddp = DistributedDataParallel(model)
+    try:
+        ddp(torch.tensor([1, 2])).sum().backward()
+    except TypeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_sparse_gradients_are_refused(dist_run) -> None:
+    for message in dist_run(_sparse_grad, 2, timeout=60):
+        assert "weight has a sparse gradient" in message
+
+
 def test_needs_an_initialised_group() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         DistributedDataParallel(torch.nn.Linear(2, 2))

@@ -48,7 +48,7 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # are reproducible when the caller passes no generator.
 DEFAULT_STOCHASTIC_SEED = 0x6D697870
 _default_generators: dict[tuple[int, int], torch.Generator] = {}
-# Elements per block of the fp32 sum (256 KiB of fp32: fits in L2 with its addends).
+# Elements per block of the fp32 sum (256 KiB of fp32: the accumulator and the widened addend fit in L2).
 _SUM_BLOCK = 1 << 16
 
 
@@ -106,34 +106,35 @@ def _sum_shards_into(
     """``output = round(sum_r shards[r] (/ world_size) (* factor))``: fp32 sum in rank order, fp32 scaling,
     one rounding to output.dtype.
 
-    Works block by block: on CPU an in-place fp32 add of an fp16/bf16 operand makes torch allocate an fp32
-    copy of that operand, so each block is first converted into a small preallocated fp32 buffer
-    (``_SUM_BLOCK`` elements). This bounds the temporaries at 256 KiB and keeps the block in cache (about
-    3x faster here than whole-shard adds).
+    Works block by block (``_SUM_BLOCK`` elements): each block is summed in a small fp32 accumulator,
+    scaled and rounded into ``output`` while it is still in cache, so the whole shard never exists in fp32
+    (an fp32 ``output`` is its own accumulator). The addends are widened into a second small buffer
+    first: on CPU, an in-place fp32 add of an fp16/bf16 operand makes torch allocate an fp32 copy of it.
+    Extra memory: two blocks of fp32 (512 KiB); about 3x faster here than whole-shard passes.
     """
+    if rounding == "stochastic" and generator is None and output.dtype != torch.float32:
+        generator = _default_generator(output.device)
     world_size, shard = shards.shape
     out_flat = output.view(-1)
-    # An fp32 output is its own accumulator: no fp32 shard is allocated and nothing is rounded at the end.
-    acc = out_flat if output.dtype == torch.float32 else torch.empty_like(out_flat, dtype=torch.float32)
-    widen = shards.dtype != torch.float32
-    block_buf = torch.empty(min(_SUM_BLOCK, shard), dtype=torch.float32, device=acc.device) if widen else None
+    in_place = output.dtype == torch.float32
+    size = min(_SUM_BLOCK, shard)
+    acc_buf = None if in_place else torch.empty(size, dtype=torch.float32, device=output.device)
+    widen_buf = torch.empty(size, dtype=torch.float32, device=output.device) if shards.dtype != torch.float32 else None
     for start in range(0, shard, _SUM_BLOCK):
         stop = min(start + _SUM_BLOCK, shard)
-        acc_block = acc[start:stop]
-        acc_block.copy_(shards[0, start:stop])
+        acc = out_flat[start:stop] if acc_buf is None else acc_buf[: stop - start]
+        acc.copy_(shards[0, start:stop])
         for r in range(1, world_size):
             addend = shards[r, start:stop]
-            if block_buf is not None:
-                addend = block_buf[: stop - start].copy_(addend)  # exact widening to fp32
-            acc_block.add_(addend)  # one fp32 rounding per addend
-    if average:
-        acc.div_(world_size)
-    if factor is not None:
-        acc.mul_(factor)
-    if acc is not out_flat:
-        if rounding == "stochastic" and generator is None:
-            generator = _default_generator(acc.device)
-        round_into_(out_flat, acc, rounding=rounding, generator=generator)
+            if widen_buf is not None:
+                addend = widen_buf[: stop - start].copy_(addend)  # exact widening to fp32
+            acc.add_(addend)  # one fp32 rounding per addend
+        if average:
+            acc.div_(world_size)
+        if factor is not None:
+            acc.mul_(factor)
+        if acc_buf is not None:
+            round_into_(out_flat[start:stop], acc, rounding=rounding, generator=generator)
 
 
 def reduce_scatter_fp32_accumulate(
@@ -156,9 +157,9 @@ def reduce_scatter_fp32_accumulate(
     receives ``(P-1)/P`` of the input, the same bytes as a ring reduce-scatter.
     Accumulation: fp32, in rank order, then one rounding to ``output.dtype`` (none when it is fp32).
     Extra memory: the receive buffer (``input.numel()`` elements of ``input.dtype``; pass ``scratch`` to
-    reuse one across calls) plus one fp32 shard (``S`` elements; none when ``output`` is fp32), plus a
-    256 KiB fp32 block buffer and, for stochastic rounding, about 3 MiB of float64 temporaries. Never an
-    fp32 copy of the whole input.
+    reuse one across calls) plus two fp32 blocks of 2**16 elements (512 KiB) in which the shard is summed
+    and rounded block by block, and, for stochastic rounding, about 3 MiB of float64 temporaries. So less
+    than one fp32 shard, and never an fp32 copy of the whole input.
 
     Args:
         output: contiguous, ``S`` elements, dtype ``input.dtype`` or torch.float32 (then nothing is rounded).
@@ -280,8 +281,8 @@ def all_reduce_fp32_accumulate(
     Wire dtype: ``tensor.dtype`` for both phases (an all-to-all and an all-gather: the bytes of a ring
     all-reduce). Accumulation: fp32, rank order, one rounding to ``tensor.dtype``.
     Extra memory: the receive buffer (``tensor.numel()`` elements of ``tensor.dtype``, or ``scratch``) plus
-    one fp32 shard (``numel / P``; none for an fp32 tensor). The reduced shard is written into this rank's
-    slice of ``tensor``, which the all-gather then sends from, in place.
+    512 KiB of fp32 blocks. The reduced shard is written into this rank's slice of ``tensor``, which the
+    all-gather then sends from, in place.
 
     Args:
         tensor: contiguous fp16/bf16/fp32, ``numel`` divisible by the group size; reduced in place.

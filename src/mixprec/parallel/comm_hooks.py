@@ -26,7 +26,7 @@ def fp32_accumulate_hook(
     (None = the default group). A bucket whose length is not a multiple of the group size is copied into
     a zero-padded buffer first (extra memory: that buffer, at most one bucket). Besides, the extra memory
     is that of :func:`mixprec.comm.all_reduce_fp32_accumulate`: a receive buffer of the bucket's size and
-    one fp32 shard.
+    512 KiB of fp32 blocks.
 
     The reduction runs inside the hook (the returned future is already complete): torch DDP still calls
     the hook for each bucket as soon as backward has produced it, but backward waits for that bucket's

@@ -35,7 +35,7 @@ all-gathers the parameters.
 
 Memory: the gradient buffers (one element of ``grad_dtype`` per parameter element, plus bucket padding);
 the reducer's receive buffers ("fp32_accumulate": at most ``max_in_flight``, default 2, buffers of one
-bucket each in the wire dtype) and one fp32 shard while a bucket is summed; with ``grad_dtype`` different
+bucket each in the wire dtype) and 512 KiB of fp32 blocks while a bucket is summed; with ``grad_dtype`` different
 from the parameter dtype, ``param.grad`` is a separate tensor in the parameter dtype. Sharded: the
 parameters become views of flat buffers (do not call ``.to()``/``.half()`` on the module afterwards) and
 the fp32 gradient shard holds ``1/world_size`` of the elements.

@@ -57,7 +57,7 @@ class FP32AccumulateReduceScatter(_fsdp_base()):  # type: ignore[misc]
     power-of-two group, so exact away from the subnormal range.
 
     Wire dtype: FSDP's reduce dtype. Accumulation: fp32. Extra memory: a receive buffer of the input's
-    size (kept between calls and reused when large enough) plus one fp32 shard.
+    size (kept between calls and reused when large enough) plus 512 KiB of fp32 blocks.
 
     Args:
         rounding: ``"nearest"`` or ``"stochastic"`` for the single rounding to the reduce dtype.

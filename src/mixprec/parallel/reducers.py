@@ -210,8 +210,8 @@ class FP32AccumulateReducer:
             finishes the oldest still pending (blocking on it), so the extra memory stays at
             ``max_in_flight`` buckets however many buckets a backward pass starts.
 
-    Extra memory: up to ``max_in_flight`` receive buffers of the largest bucket, plus one fp32 shard
-    while a reduction finishes.
+    Extra memory: up to ``max_in_flight`` receive buffers of the largest bucket, plus 512 KiB of fp32
+    blocks while a reduction finishes.
     """
 
     def __init__(
@@ -224,6 +224,7 @@ class FP32AccumulateReducer:
         self.max_in_flight = check_positive_int("max_in_flight", max_in_flight)
         self._free: list[torch.Tensor] = []
         self._pending: deque[_PooledReduction] = deque()
+        self._largest: dict[tuple[torch.dtype, torch.device], int] = {}
         self._generator: torch.Generator | None = None
         self._generator_state: torch.Tensor | None = None
 
@@ -236,7 +237,11 @@ class FP32AccumulateReducer:
                 return self._free.pop(i)
         if self._free and len(self._free) + len(self._pending) >= self.max_in_flight:
             self._free.pop(0)  # too small or the wrong dtype: replace it rather than grow the pool
-        return torch.empty(bucket.numel(), dtype=bucket.dtype, device=bucket.device)
+        # Sized for the largest bucket seen so far, so that buckets of mixed sizes stop reallocating after
+        # the first backward pass.
+        key = (bucket.dtype, bucket.device)
+        self._largest[key] = max(self._largest.get(key, 0), bucket.numel())
+        return torch.empty(self._largest[key], dtype=bucket.dtype, device=bucket.device)
 
     def _track(self, pending: PendingReduction | None, scratch: torch.Tensor) -> ReductionHandle:
         if pending is None:  # the async collectives always return a handle; None would skip the reduction
