@@ -111,3 +111,23 @@ def test_head_must_divide_width() -> None:
 def test_missing_config_file_exits_2(tmp_path, capsys) -> None:
     assert _train(tmp_path, "--config", str(tmp_path / "absent.toml")) == 2
     assert "config file not found" in capsys.readouterr().err
+
+
+def test_builtin_example_configs_are_valid_and_say_what_to_expect() -> None:
+    from mixprec.lab.config import CONFIGS_DIR, builtin_configs
+
+    names = builtin_configs()
+    assert {"fp16_dynamic", "bf16_fp32acc", "seed002_fc_fp16", "gpu_bf16"} <= set(names)
+    for name in names:
+        with open(os.path.join(CONFIGS_DIR, name + ".toml")) as fh:
+            text = fh.read()
+        assert f"--config {name}" in text.splitlines()[0], name  # the first line is the command that runs it
+        assert "Expect" in text and "EXPECT_" not in text, name
+        cfg = merge_config(config_from_toml(name))  # by name, as --config NAME does
+        assert cfg.num_microbatches >= 1
+
+
+def test_config_name_or_missing_file(tmp_path, capsys) -> None:
+    assert merge_config(config_from_toml("fp16_dynamic.toml")).precision == "fp16"
+    with pytest.raises(ValueError, match=r"built-in examples: .*fp16_dynamic"):
+        config_from_toml(str(tmp_path / "nope.toml"))

@@ -21,6 +21,7 @@ from mixprec.lab.config import (
     PRECISIONS,
     REDUCTIONS,
     TrainConfig,
+    builtin_configs,
     config_from_toml,
     field_docs,
     merge_config,
@@ -83,7 +84,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", metavar="FILE", default=None, help="TOML file of configuration keys (flat)")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="TOML file of configuration keys (flat), or the name of a built-in example: "
+        + ", ".join(builtin_configs()),
+    )
     p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out-dir")
     p.add_argument(

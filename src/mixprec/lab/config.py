@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 import itertools
 import math
+import os
 import tomllib
 from dataclasses import dataclass, fields
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "PRECISIONS",
     "REDUCTIONS",
     "TrainConfig",
+    "builtin_configs",
     "config_from_toml",
     "config_to_toml",
     "field_docs",
@@ -260,8 +262,32 @@ def field_docs() -> dict[str, str]:
     return docs
 
 
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+def builtin_configs() -> list[str]:
+    """Names of the example configurations shipped in ``mixprec/lab/configs`` (``--config NAME`` finds them)."""
+    if not os.path.isdir(CONFIGS_DIR):
+        return []
+    return sorted(f.removesuffix(".toml") for f in os.listdir(CONFIGS_DIR) if f.endswith(".toml"))
+
+
+def resolve_config_path(name_or_path: str) -> str:
+    """An existing file, else a built-in example's path by name (with or without ``.toml``)."""
+    if os.path.isfile(name_or_path):
+        return name_or_path
+    candidate = os.path.join(CONFIGS_DIR, name_or_path.removesuffix(".toml") + ".toml")
+    if os.sep not in name_or_path and os.path.isfile(candidate):
+        return candidate
+    raise ValueError(
+        f"config file not found: {name_or_path!r} (built-in examples: {', '.join(builtin_configs()) or 'none'})"
+    )
+
+
 def config_from_toml(path: str) -> dict[str, Any]:
-    """Read a flat TOML file of TrainConfig fields. Raises ValueError on unknown keys, tables or bad syntax."""
+    """Read a flat TOML file of TrainConfig fields (or a built-in example by name). Raises ValueError on unknown
+    keys, tables, bad syntax or a missing file."""
+    path = resolve_config_path(path)
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)

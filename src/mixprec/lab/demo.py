@@ -75,6 +75,8 @@ DEMO_DEFAULTS: dict[str, Any] = {
     # fp16: start high so that the first steps overflow and the scaler visibly backs off, then grows again.
     "loss_scale": 2.0**16,
     "scale_growth_interval": 50,
+    # The demo studies the CPU emulation on gloo ranks, also on a machine that has a GPU.
+    "device": "cpu",
 }
 
 # A few seconds in total: for tests and a first look.

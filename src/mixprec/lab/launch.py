@@ -118,6 +118,15 @@ def _resolve(cfg: TrainConfig, world_size: int, local_world_size: int | None = N
     )
 
 
+def _check_local_gpu(local_rank: int) -> None:
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(
+            f"local rank {local_rank} needs CUDA device {local_rank}, but this machine has {count}: start at most "
+            f"{count} rank(s) per machine (NCCL cannot share a GPU between ranks), or use device = 'cpu'"
+        )
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -136,6 +145,7 @@ def run_rank(
 ) -> dict[str, Any] | None:
     """Join the process group described by the environment (MASTER_ADDR/PORT), train, leave."""
     if device_type == "cuda":
+        _check_local_gpu(local_rank)
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         backend = "nccl"
@@ -262,6 +272,8 @@ def launch(
     check_capabilities(cfg)
     check_run_dir(cfg, resume=resume, overwrite=overwrite)
     device_type = resolve_device(cfg)
+    if device_type == "cuda":
+        _check_local_gpu(cfg.nproc - 1)
     prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
     if cfg.nproc == 1:
         device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
@@ -283,6 +295,7 @@ def _launch_torchrun(
     check_run_dir(cfg, resume=resume, overwrite=overwrite)
     device_type = resolve_device(cfg)
     if device_type == "cuda":
+        _check_local_gpu(env["LOCAL_RANK"])
         torch.cuda.set_device(env["LOCAL_RANK"])
     backend = "nccl" if device_type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout))
