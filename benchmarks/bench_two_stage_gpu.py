@@ -20,6 +20,7 @@ section, so a run cut short still leaves what it measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -73,7 +74,7 @@ def header(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     props = torch.cuda.get_device_properties(0)
     mm = torch.backends.cuda.matmul
     info = {
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),  # noqa: UP017 (py3.10 on GPU hosts)
         "device": props.name,
         "capability": f"{props.major}.{props.minor}",
         "torch": torch.__version__,
@@ -221,7 +222,15 @@ def hardware_errors(quick: bool) -> tuple[dict[str, Any], str]:
     mm.allow_tf32 = tf32
     results: dict[str, Any] = {"size": size}
     outs: dict[str, torch.Tensor] = {}
-    outs["cuBLAS fp16/32"] = (a @ b).double()
+    outs["cuBLAS fp16/32, fp16 out (torch.matmul)"] = (a @ b).double()
+    # fp32 output of the fp16 GEMM, as seed 003's cublasGemmEx FP16/32 (newer torch: mm(out_dtype=))
+    with contextlib.suppress(Exception):
+        outs["cuBLAS fp16/32, fp32 out (mm out_dtype)"] = torch.mm(a, b, out_dtype=torch.float32).double()
+    # fp16 values are exact in TF32, so a TF32 tensor-core GEMM of the widened data is an fp16/32 GEMM with fp32
+    # output: exact products, fp32 accumulation
+    mm.allow_tf32 = True
+    outs["cuBLAS TF32 on fp16 data, fp32 out"] = (a.float() @ b.float()).double()
+    mm.allow_tf32 = tf32
     if hasattr(mm, "allow_fp16_accumulation"):
         mm.allow_fp16_accumulation = True
         try:
@@ -248,10 +257,12 @@ def hardware_errors(quick: bool) -> tuple[dict[str, Any], str]:
         )
     med = {k: v["vs_fp32"]["p50"] for k, v in results.items() if isinstance(v, dict)}
     ratios = []
+    f32 = "cuBLAS TF32 on fp16 data, fp32 out"
     for big, small, claim in (
-        ("cuBLAS fp16/16", "two-stage kernel (fp16 out)", "~10x"),
-        ("two-stage kernel (fp16 out)", "cuBLAS fp16/32", "~100x"),
-        ("cuBLAS fp16/16", "cuBLAS fp16/32", "~1000x"),
+        ("cuBLAS fp16/16", "two-stage kernel (fp32 out)", "~10x"),
+        ("two-stage kernel (fp32 out)", f32, "~100x"),
+        ("cuBLAS fp16/16", f32, "~1000x"),
+        ("two-stage kernel (fp32 out)", "cuBLAS fp16/32, fp32 out (mm out_dtype)", "~100x"),
         ("emulator fp16/16", "emulator two_stage", "~10x"),
         ("emulator two_stage", "emulator fp16/32", "~100x"),
     ):
