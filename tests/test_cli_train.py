@@ -88,8 +88,8 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("reduce", ["native", "fp32_accumulate"])
-def test_two_ranks_equal_one_rank_bit_for_bit(tmp_path, one_thread, reduce) -> None:
+@pytest.mark.parametrize(("reduce", "optimizer"), [("native", "adamw"), ("fp32_accumulate", "sgd")])
+def test_two_ranks_equal_one_rank_bit_for_bit(tmp_path, one_thread, reduce, optimizer) -> None:
     """GBS 4, MBS 2: one rank accumulates fl(g0/2 + g1/2); two ranks reduce g0 and g1 to (g0 + g1) / 2. Halving is
     exact (no underflow at these magnitudes) and a sum of two fp32 terms is one correctly rounded addition either
     way, so the averaged gradient, and with it every later step, must agree bit for bit (the fp32 tolerance for
@@ -98,6 +98,7 @@ def test_two_ranks_equal_one_rank_bit_for_bit(tmp_path, one_thread, reduce) -> N
     if why:
         pytest.skip(why)
     common = ["--global-batch-size", "4", "--micro-batch-size", "2", "--steps", "5", "--reduce", reduce]
+    common += ["--optimizer", optimizer]
     assert train(tmp_path / "one", "--nproc", "1", *common) == 0
     assert train(tmp_path / "two", "--nproc", "2", *common) == 0
     one, two = rows_of(tmp_path / "one"), rows_of(tmp_path / "two")

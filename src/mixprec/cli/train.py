@@ -31,6 +31,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "precision": PRECISIONS,
     "loss_scaler": LOSS_SCALERS,
     "reduce": REDUCTIONS,
+    "reduce_rounding": ("nearest", "stochastic"),
     "optimizer": OPTIMIZERS,
     "linear_mode": LINEAR_MODES,
     "device": ("auto", "cpu", "cuda"),

@@ -95,9 +95,10 @@ class TrainConfig:
     # ---------------------------------------------------------------- data parallel
     nproc: int = 1
     """Ranks to start with --nproc (gloo on CPU, NCCL on GPU); under torchrun its WORLD_SIZE replaces it."""
-    reduce: str = "native"
-    """Gradient reduction across ranks: 'native' (the backend's own collective, summing in the gradient dtype),
-    'fp32_accumulate' (low-precision wire, fp32 sum), 'uint8' or 'uint8_hierarchical' (8-bit compression)."""
+    reduce: str = "fp32_accumulate"
+    """Gradient reduction across ranks: 'fp32_accumulate' (gradient-dtype wire, fp32 sum, one rounding), 'native'
+    (the backend's own collective, summing in the gradient dtype), 'uint8' or 'uint8_hierarchical' (8-bit
+    compression). No effect with one rank."""
     reduce_rounding: str = "nearest"
     """'nearest' or 'stochastic' (unbiased): the rounding of fp32_accumulate's result to bf16/fp16, or of uint8's
     quantization. native rounds to nearest only."""
