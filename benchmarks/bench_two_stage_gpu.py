@@ -337,19 +337,96 @@ def interpreter(quick: bool) -> tuple[Any, str]:
     return {"cases": cases, "seconds": time.perf_counter() - t0}, md
 
 
+def hardware_vs_models(quick: bool) -> tuple[Any, str]:
+    """How closely each model reproduces the hardware, output by output: bit-equal fractions and median errors of
+    cuBLAS fp16/16 vs the fp16/16 model, cuBLAS fp16/32 (fp32 out) vs fp16/32 with and without the H100 alignment
+    model (F=25, toward zero), and fp8 _scaled_mm vs the fp8 models; plus the spread of elementwise relative errors
+    of fp8 without promotion (for DeepSeek-V3's "maximum relative error")."""
+    from mixprec.emulate import MatmulModel, matmul, round_to
+
+    mm = torch.backends.cuda.matmul
+    rows, data = [], []
+    for size in (1024,) if quick else (1024, 4096):
+        gen = torch.Generator().manual_seed(size + 1)
+        a = torch.randn(size, size, generator=gen).half().to(DEVICE)
+        b = torch.randn(size, size, generator=gen).half().to(DEVICE)
+        ref = a.double() @ b.double()
+        mm.allow_fp16_accumulation = True
+        hw16 = (a @ b).double()
+        mm.allow_fp16_accumulation = False
+        hw32 = torch.mm(a, b, out_dtype=torch.float32).double()
+        align_rz = MatmulModel(inputs="fp16", accumulator="fp32", k_group=16, align_bits=25)
+        align_rn = MatmulModel(inputs="fp16", accumulator="fp32", k_group=16, align_bits=25, align_rounding="nearest")
+        models = {
+            "fp16/16": matmul(a, b, mode="fp16/16", output="fp16").double(),
+            "fp16/32 exact sums": matmul(a, b, mode="fp16/32").double(),
+            "fp16/32 align 25 toward_zero": matmul(a, b, mode=align_rz).double(),
+            "fp16/32 align 25 nearest": matmul(a, b, mode=align_rn).double(),
+        }
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        one = torch.ones((), device=DEVICE)
+        hw8 = torch._scaled_mm(a8, b8.t().contiguous().t(), scale_a=one, scale_b=one, out_dtype=torch.float32,
+                               use_fast_accum=True).double()  # fmt: skip
+        ref8 = a8.double() @ b8.double()
+        emu8 = matmul(round_to(a, "fp8_e4m3"), round_to(b, "fp8_e4m3"), mode="fp8/nopromote").double()
+        pairs = [
+            ("cuBLAS fp16/16", hw16, "fp16/16", models["fp16/16"], ref),
+            ("cuBLAS fp16/32 fp32 out", hw32, "fp16/32 exact sums", models["fp16/32 exact sums"], ref),
+            (
+                "cuBLAS fp16/32 fp32 out",
+                hw32,
+                "fp16/32 align 25 toward_zero",
+                models["fp16/32 align 25 toward_zero"],
+                ref,
+            ),
+            ("cuBLAS fp16/32 fp32 out", hw32, "fp16/32 align 25 nearest", models["fp16/32 align 25 nearest"], ref),
+            ("_scaled_mm fp8 fast accum", hw8, "fp8/nopromote", emu8, ref8),
+        ]
+        for hw_name, hw, model_name, emu, r in pairs:
+            rec = {"size": size, "hardware": hw_name, "model": model_name,
+                   "bit_equal": float((hw == emu).double().mean()),
+                   "hw_median_abs_err": float((hw - r).abs().median()),
+                   "model_median_abs_err": float((emu - r).abs().median())}  # fmt: skip
+            data.append(rec)
+            rows.append(
+                [size, hw_name, model_name, rec["bit_equal"], rec["hw_median_abs_err"], rec["model_median_abs_err"]]
+            )
+        big = ref8.abs() >= ref8.abs().median()
+        rel = ((hw8 - ref8).abs() / ref8.abs())[big]
+        data.append({"size": size, "fp8_fast_accum_elementwise_rel_err_upper_half": pct(rel)})
+        rows.append([size, "fp8 fast accum: |err|/|ref| where |ref| >= median", "p50 / p99 / max", "-",
+                     pct(rel)["p50"], f"{pct(rel)['p99']:.3g} / {pct(rel)['p100']:.3g}"])  # fmt: skip
+    md = "#### Hardware vs models, output by output\n\n" + table(
+        [
+            "M=N=K",
+            "hardware",
+            "model",
+            "bit-equal fraction",
+            "hardware median |err| vs f64",
+            "model median |err| vs f64",
+        ],
+        rows,
+    )
+    return data, md
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes only")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
     parser.add_argument("--dry-run-cpu", action="store_true", help="check the script's logic on CPU (no speed)")
+    parser.add_argument("--sections", default="", help="comma-separated subset of the sections to run")
     args = parser.parse_args()
     global DEVICE
     sections = [("correctness", correctness), ("speed", speed), ("hardware_errors", hardware_errors),
-                ("emulator_study", emulator_study), ("interpreter", interpreter)]  # fmt: skip
+                ("emulator_study", emulator_study), ("interpreter", interpreter),
+                ("hardware_vs_models", hardware_vs_models)]  # fmt: skip
+    if args.sections:
+        sections = [sec for sec in sections if sec[0] in args.sections.split(",")]
     rep = Report(args.out)
     if args.dry_run_cpu:
         DEVICE = "cpu"
-        sections = [s for s in sections if s[0] not in ("speed", "interpreter")]
+        sections = [sec for sec in sections if sec[0] not in ("speed", "interpreter", "hardware_vs_models")]
     elif not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         sys.exit(1)

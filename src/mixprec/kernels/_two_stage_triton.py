@@ -37,6 +37,7 @@ def _two_stage_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     OUT_FP16: tl.constexpr,
+    K_BLOCKS: tl.constexpr = 0,
 ):
     # grouped ordering of the tiles so that consecutive programs reuse rows of A in L2
     pid = tl.program_id(0)
@@ -58,12 +59,18 @@ def _two_stage_kernel(
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # K_BLOCKS > 0 (interpreter only): a Python-int trip count; Triton 3.6's interpreter cannot take a range over a
+    # runtime int under numpy 2. On the GPU it stays 0 (one compiled kernel for every K).
+    if K_BLOCKS > 0:
+        n_blocks = K_BLOCKS
+    else:
+        n_blocks = tl.cdiv(K, BLOCK_K)
+    for kb in range(0, n_blocks):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
         else:
-            k_left = K - k0
+            k_left = K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         block = tl.dot(a, b, out_dtype=tl.float16)  # stage 1: fp16 accumulation inside the K block
@@ -119,7 +126,14 @@ def launch(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype, block_k:
         bk = block_k or 16
         grid = (triton.cdiv(m, 16) * triton.cdiv(n, 16),)
         _two_stage_kernel[grid](
-            *args, BLOCK_M=16, BLOCK_N=16, BLOCK_K=bk, GROUP_M=4, EVEN_K=k % bk == 0, OUT_FP16=out_fp16
+            *args,
+            BLOCK_M=16,
+            BLOCK_N=16,
+            BLOCK_K=bk,
+            GROUP_M=4,
+            EVEN_K=k % bk == 0,
+            OUT_FP16=out_fp16,
+            K_BLOCKS=triton.cdiv(k, bk),
         )
         return c
     tuner = _autotuned((32, 64) if block_k is None else (block_k,))
