@@ -6,9 +6,10 @@ tensor cores chain the block's MMAs through an fp16 accumulator, starting from z
 results are never stored); K is masked only when it is not a multiple of BLOCK_K.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: Triton's interpreter recognises constexpr parameters by their
+# annotation object, and would turn string annotations into runtime tensors.
 import os
+from typing import Any
 
 import torch
 import triton
@@ -95,10 +96,10 @@ def _configs(block_ks: tuple[int, ...]) -> list[triton.Config]:
     ]
 
 
-_AUTOTUNED: dict[tuple[int, ...], triton.runtime.Autotuner] = {}
+_AUTOTUNED: dict[tuple[int, ...], Any] = {}  # block_k candidates -> triton Autotuner
 
 
-def _autotuned(block_ks: tuple[int, ...]) -> triton.runtime.Autotuner:
+def _autotuned(block_ks: tuple[int, ...]) -> Any:
     if block_ks not in _AUTOTUNED:
         _AUTOTUNED[block_ks] = triton.autotune(configs=_configs(block_ks), key=["M", "N", "K"])(_two_stage_kernel)
     return _AUTOTUNED[block_ks]
