@@ -60,24 +60,33 @@ def _two_stage_kernel(
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # K_BLOCKS > 0 (interpreter only): a Python-int trip count; Triton 3.6's interpreter cannot take a range over a
-    # runtime int under numpy 2. On the GPU it stays 0 (one compiled kernel for every K).
-    if K_BLOCKS > 0:
-        n_blocks = K_BLOCKS
+    if K_BLOCKS == 0:
+        # compiled: a for loop over the K blocks (software-pipelined over num_stages)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_left = K - kb * BLOCK_K
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            block = tl.dot(a, b, out_dtype=tl.float16)  # stage 1: fp16 accumulation inside the K block
+            acc += block.to(tl.float32)  # stage 2: fp32 accumulation across blocks
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
     else:
-        n_blocks = tl.cdiv(K, BLOCK_K)
-    for kb in range(0, n_blocks):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
+        # interpreter (K_BLOCKS = number of K blocks): the same body in a while loop, because Triton 3.6's
+        # interpreter under numpy 2 cannot turn a runtime int into a range bound
+        kb = 0
+        while kb < K_BLOCKS:
             k_left = K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        block = tl.dot(a, b, out_dtype=tl.float16)  # stage 1: fp16 accumulation inside the K block
-        acc += block.to(tl.float32)  # stage 2: fp32 accumulation across blocks
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+            block = tl.dot(a, b, out_dtype=tl.float16)
+            acc += block.to(tl.float32)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+            kb += 1
 
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
