@@ -42,59 +42,109 @@ from mixprec.testing import run_distributed
 _AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class _TorchLoop:
+    """The torch-only training step: torch DDP (no_sync for all but the last microbatch), fp32 parameters,
+    torch.autocast in bf16/fp16, torch.amp.GradScaler for fp16, clip_grad_norm_, AdamW."""
+
+    def __init__(self, cfg: TrainConfig, vocab_size: int, device: torch.device, world_size: int) -> None:
+        torch.manual_seed(cfg.seed)
+        self.model = GPT(
+            GPTConfig(
+                vocab_size=vocab_size,
+                block_size=cfg.block_size,
+                n_layer=cfg.n_layer,
+                n_head=cfg.n_head,
+                n_embd=cfg.n_embd,
+            )
+        ).to(device)
+        distributed = dist.is_initialized() and world_size > 1
+        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model) if distributed else self.model
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+        self.amp_dtype = _AMP[cfg.precision]
+        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+        self.device = device
+        self.cfg = cfg
+
+    def step(self, mbs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        nmb = len(mbs)
+        self.opt.zero_grad(set_to_none=True)
+        for i, (x, y) in enumerate(mbs):
+            sync = i == nmb - 1 or not hasattr(self.ddp, "no_sync")
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                    _, loss = self.ddp(x, y)
+                self.scaler.scale(loss / nmb).backward()
+        self.scaler.unscale_(self.opt)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        float(loss.detach())  # the host sync mixprec's loop does to log the loss
+
+
+def _batches(corpus, cfg: TrainConfig, step: int, rank: int, world_size: int, device: torch.device) -> list:
+    mbs = train_microbatches(
+        corpus.train,
+        seed=cfg.seed,
+        step=step,
+        global_batch_size=cfg.global_batch_size,
+        micro_batch_size=cfg.micro_batch_size,
+        block_size=cfg.block_size,
+        rank=rank,
+        world_size=world_size,
+    )
+    return [(x.to(device), y.to(device)) for x, y in mbs]
+
+
+def _timed(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def _baseline_rank(rank: int, world_size: int, cfg: TrainConfig, warmup: int, device: str) -> list[float]:
     """Seconds per optimizer step of the torch-only loop on this rank (timed steps only)."""
     corpus = load_corpus(cfg.corpus)
     dev = torch.device(device)
-    torch.manual_seed(cfg.seed)
-    model = GPT(
-        GPTConfig(
-            vocab_size=corpus.vocab_size,
-            block_size=cfg.block_size,
-            n_layer=cfg.n_layer,
-            n_head=cfg.n_head,
-            n_embd=cfg.n_embd,
-        )
-    ).to(dev)
-    ddp: torch.nn.Module = (
-        torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() and world_size > 1 else model
-    )
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
-    amp_dtype = _AMP[cfg.precision]
-    scaler = torch.amp.GradScaler(dev.type, enabled=cfg.precision == "fp16")
-    nmb = cfg.num_microbatches
+    loop = _TorchLoop(cfg, corpus.vocab_size, dev, world_size)
     times = []
     for step in range(cfg.steps):
-        mbs = train_microbatches(
-            corpus.train,
-            seed=cfg.seed,
-            step=step,
-            global_batch_size=cfg.global_batch_size,
-            micro_batch_size=cfg.micro_batch_size,
-            block_size=cfg.block_size,
-            rank=rank,
-            world_size=world_size,
-        )
-        mbs = [(x.to(dev), y.to(dev)) for x, y in mbs]
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        for i, (x, y) in enumerate(mbs):
-            sync = i == nmb - 1 or not hasattr(ddp, "no_sync")
-            with contextlib.nullcontext() if sync else ddp.no_sync():
-                with torch.autocast(dev.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                    _, loss = ddp(x, y)
-                scaler.scale(loss / nmb).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        scaler.step(opt)
-        scaler.update()
-        float(loss.detach())  # the host sync mixprec's loop does to log the loss
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+        mbs = _batches(corpus, cfg, step, rank, world_size, dev)
+        t = _timed(lambda mbs=mbs: loop.step(mbs), dev)
         if step >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(t)
+    return times
+
+
+def _interleaved_rank(
+    rank: int, world_size: int, cfgs: list[TrainConfig], warmup: int, device: str
+) -> list[list[float]]:
+    """Seconds per step of the torch loop and of mixprec's step for each of ``cfgs``, alternating step by step in
+    the same processes, so that a load change on a shared machine hits every side alike. The mixprec step is
+    what ``mixprec train`` times: ``Updater.step`` over the parts ``build_parts`` makes (model in the precision's
+    dtype, DistributedDataParallel, master-weight optimizer, loss scaler) plus the loss all-reduce."""
+    from mixprec.lab.train import _all_reduce_sum, build_parts
+
+    corpus = load_corpus(cfgs[0].corpus)
+    dev = torch.device(device)
+    loop = _TorchLoop(cfgs[0], corpus.vocab_size, dev, world_size)
+    parts = [build_parts(cfg, corpus.vocab_size, dev, world_size) for cfg in cfgs]
+    times: list[list[float]] = [[] for _ in range(1 + len(cfgs))]
+
+    def mixprec_step(p, mbs) -> None:
+        result = p.updater.step(mbs)
+        _all_reduce_sum([result.loss], dev)
+
+    for step in range(cfgs[0].steps):
+        mbs = _batches(corpus, cfgs[0], step, rank, world_size, dev)
+        samples = [_timed(lambda mbs=mbs: loop.step(mbs), dev)]
+        samples += [_timed(lambda p=p, mbs=mbs: mixprec_step(p, mbs), dev) for p in parts]
+        if step >= warmup:
+            for k, t in enumerate(samples):
+                times[k].append(t)
     return times
 
 
@@ -104,6 +154,16 @@ def baseline_tokens_per_s(cfg: TrainConfig, warmup: int, device: str) -> float:
     else:
         times = run_distributed(_baseline_rank, cfg.nproc, cfg, warmup, device, timeout=3600)[0]
     return cfg.global_batch_size * cfg.block_size / statistics.median(times)
+
+
+def interleaved_tokens_per_s(cfgs: list[TrainConfig], warmup: int, device: str) -> list[float]:
+    """tokens/s of [torch loop, mixprec step for each cfg], measured alternating in the same ranks."""
+    if cfgs[0].nproc == 1:
+        times = _interleaved_rank(0, 1, cfgs, warmup, device)
+    else:
+        times = run_distributed(_interleaved_rank, cfgs[0].nproc, cfgs, warmup, device, timeout=3600)[0]
+    tokens = cfgs[0].global_batch_size * cfgs[0].block_size
+    return [tokens / statistics.median(t) for t in times]
 
 
 def mixprec_tokens_per_s(cfg: TrainConfig, warmup: int) -> float:
@@ -176,6 +236,25 @@ def main() -> None:
         "mixprec reduce=fp32_accumulate tok/s",
         "ratio (mixprec / torch)",
     ]
+    print(markdown_table(header, rows))
+
+    print(
+        "\nSame ranks, steps alternating (torch loop, then mixprec's step per reduction, on the same batch): "
+        "a load change hits every side alike, so these ratios are the robust ones on a shared machine.\n"
+    )
+    reductions = ["native", "fp32_accumulate"] if nproc > 1 else ["native"]
+    rows = []
+    for precision in ("fp32", "bf16", "fp16"):
+        cfgs = [TrainConfig(**base, precision=precision, reduce=r) for r in reductions]
+        tps = interleaved_tokens_per_s(cfgs, warmup, args.device)
+        row = [precision, round(tps[0])]
+        for value in tps[1:]:
+            row += [round(value), value / tps[0]]
+        rows.append(row)
+        print(f"  {precision} done (interleaved)", file=sys.stderr, flush=True)
+    header = ["precision", "torch DDP + torch.amp tok/s"]
+    for r in reductions:
+        header += [f"mixprec step reduce={r} tok/s", "ratio (mixprec / torch)"]
     print(markdown_table(header, rows))
 
 

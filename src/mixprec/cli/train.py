@@ -3,7 +3,10 @@
 Every field of :class:`mixprec.lab.config.TrainConfig` is a flag (``n_layer`` -> ``--n-layer``) and a key of the
 ``--config`` TOML file; flags win over the file, the file over the defaults. ``--resume`` starts from the run
 directory's saved ``config.toml``. Exit codes: 0 done, 1 a rank failed (the others were stopped), 2 invalid
-configuration or input.
+configuration or input, 130 interrupted.
+
+With several nodes (torchrun), ``--out-dir`` must be on a filesystem every node sees: rank 0 writes the run files
+and every rank reads the checkpoint on ``--resume``.
 """
 
 from __future__ import annotations
@@ -115,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
     except TrainingFailed as exc:
         print(f"mixprec train: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("mixprec train: interrupted; the last checkpoint is intact (continue with --resume)", file=sys.stderr)
+        return 130
     if summary is not None:
         print(
             f"mixprec train: done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}"
