@@ -22,7 +22,8 @@ Hierarchical scheme (``topology`` given; m nodes of n ranks):
    (N / n elements) summed over its node;
 2. inter-node, compressed: the flat scheme above on slice l among the m ranks with local rank l, one per
    node, dividing by m * n when averaging;
-3. intra-node: all-gather of the n slices (in the tensor dtype).
+3. intra-node: all-gather of the n quantized slices (uint8, as they came out of step 2), which every rank
+   decodes: a quarter of the bytes of an fp32 all-gather, and the same bits on every rank.
 
 Compared with ByteGrad's leader scheme (reduce to one leader GPU per node, the leader alone quantizes and
 exchanges the whole N elements with the other leaders, then broadcasts in the node): the bytes crossing
@@ -83,11 +84,13 @@ class CompressionStats:
     Attributes:
         numel: elements reduced (the caller's tensor, before any padding).
         world_size: ranks in the group.
-        bytes_sent: all bytes this rank sent, both phases, all links (``compressed + full_precision``).
+        bytes_sent: all bytes this rank sent, both phases, all links.
         bytes_sent_compressed: bytes of uint8 buffers (codes + headers): the flat scheme's all-to-all and
-            all-gather, or the hierarchical scheme's inter-node traffic.
-        bytes_sent_full_precision: bytes of the hierarchical scheme's intra-node reduce-scatter and
-            all-gather (in the tensor dtype); 0 in the flat scheme.
+            all-gather; in the hierarchical scheme the inter-node exchange plus the intra-node relay of the
+            quantized slices.
+        bytes_sent_full_precision: the hierarchical scheme's intra-node reduce-scatter (tensor dtype); 0 flat.
+        bytes_sent_intra_node: the hierarchical scheme's intra-node bytes (that reduce-scatter and the
+            relay); 0 in the flat scheme, which does not know the topology.
         header_bytes: the part of ``bytes_sent_compressed`` that is per-chunk (min, max) headers.
         fp32_baseline_bytes: what a ring fp32 collective of the same tensor sends per rank:
             ``2 (W-1)/W * 4N`` for an all-reduce, ``(W-1)/W * 4N`` for a reduce-scatter.
@@ -99,9 +102,15 @@ class CompressionStats:
     bytes_sent: int
     bytes_sent_compressed: int
     bytes_sent_full_precision: int
+    bytes_sent_intra_node: int
     header_bytes: int
     fp32_baseline_bytes: int
     found_nonfinite: bool
+
+    @property
+    def bytes_sent_inter_node(self) -> int:
+        """``bytes_sent - bytes_sent_intra_node`` (in the flat scheme: everything)."""
+        return self.bytes_sent - self.bytes_sent_intra_node
 
     @property
     def ratio_to_fp32(self) -> float:
@@ -317,14 +326,17 @@ class _FlatPhase:
             self._sum_segment(s, acc[a:b], divisor)
         return acc
 
-    def all_reduce_into(self, out: torch.Tensor, divisor: int | None) -> int:
+    def all_reduce_into(
+        self, out: torch.Tensor | None, divisor: int | None, *, relay: Callable[[int], None] | None = None
+    ) -> int:
         """Sum, re-quantize the owned part (+ server residual), all-gather and decode every part into ``out``
         [W * part], segment by segment. Returns the number of flagged chunks seen in the gathered buffers
-        (the same on every rank).
+        (the same on every rank). With ``relay``, nothing is decoded here: ``relay(s)`` is called as soon as
+        segment s's all-gather is done (its buffers are ``self.gathered[s]``).
         """
         device = self.recv[0].device
         acc = self.shared.get(self.tag + "acc", self.part, torch.float32, device)
-        gathered = self._per_segment(
+        self.gathered = gathered = self._per_segment(
             self.shared.get(self.tag + "gather", self.world * self.nbytes, torch.uint8, device)
         )
         server = self.ef.residual("server", self.part, device) if self.ef is not None else None
@@ -344,10 +356,12 @@ class _FlatPhase:
                 torch.sub(acc_s, server[a:b], out=server[a:b])
             works.append(all_gather_flat(gathered[s].view(-1), own.view(-1), self.group, async_op=True))
         n_bad = 0
-        rows = out.view(self.world, self.part)
         for s, (a, b) in enumerate(self.segments):
             works[s].wait()
-            n_bad += self.comp._decode_rows(gathered[s], b - a, rows[:, a:b])
+            if relay is not None:
+                relay(s)
+            elif out is not None:
+                n_bad += self.comp._decode_rows(gathered[s], b - a, out.view(self.world, self.part)[:, a:b])
         return n_bad
 
 
@@ -441,7 +455,7 @@ def start_compressed_all_reduce(
             n_bad = phase.all_reduce_into(flat, world if average else None)
             copy_back()
             sent, header = phase.bytes_per_phase()
-            stats = CompressionStats(numel, world, 2 * sent, 2 * sent, 0, 2 * header, fp32_baseline, n_bad > 0)
+            stats = CompressionStats(numel, world, 2 * sent, 2 * sent, 0, 0, 2 * header, fp32_baseline, n_bad > 0)
             return _conclude(n_bad > 0, comp, error_feedback, stats, "compressed_all_reduce")
 
         return CompressedReduction(finish_flat)
@@ -458,16 +472,40 @@ def start_compressed_all_reduce(
         if pending is not None:
             pending.wait()
         phase = _FlatPhase(slice_acc, hier.inter, comp, error_feedback, shared, shared, "inter.")
-        own = flat[hier.local * slice_len : (hier.local + 1) * slice_len]
-        n_bad = phase.all_reduce_into(own, world if average else None)
-        all_gather_flat(flat, own, hier.intra)
-        # Every inter-node group saw its own slices' flags; one tiny all-reduce tells the whole node.
-        found = agree_any(n_bad > 0, hier.intra) if per_node > 1 else n_bad > 0
+        # Step 3 moves the quantized slices, not decoded ones: 1 byte per element instead of 4 on the
+        # intra-node link, and every rank decodes the same bytes (identical bits, flags seen everywhere).
+        nodes = hier.nodes
+        relayed = shared.get("intra.gather", per_node * nodes * phase.nbytes, torch.uint8, flat.device)
+        views, offset, works = [], 0, []
+        for nb in phase.seg_nbytes:
+            views.append(relayed[offset : offset + per_node * nodes * nb].view(per_node * nodes, nb))
+            offset += per_node * nodes * nb
+
+        def relay(s: int) -> None:
+            works.append(all_gather_flat(views[s].view(-1), phase.gathered[s].view(-1), hier.intra, async_op=True))
+
+        phase.all_reduce_into(None, world if average else None, relay=relay)
+        rows = flat.view(per_node * nodes, phase.part)  # row l * nodes + i: node i's part of slice l
+        n_bad = 0
+        for s, (a, b) in enumerate(phase.segments):
+            works[s].wait()
+            n_bad += comp._decode_rows(views[s], b - a, rows[:, a:b])
         copy_back()
         sent, header = phase.bytes_per_phase()
-        full = 2 * (per_node - 1) * slice_len * flat.element_size()
-        stats = CompressionStats(numel, world, 2 * sent + full, 2 * sent, full, 2 * header, fp32_baseline, found)
-        return _conclude(found, comp, error_feedback, stats, "compressed_all_reduce")
+        rs_bytes = (per_node - 1) * slice_len * flat.element_size()
+        relay_bytes = (per_node - 1) * nodes * phase.nbytes
+        stats = CompressionStats(
+            numel=numel,
+            world_size=world,
+            bytes_sent=2 * sent + rs_bytes + relay_bytes,
+            bytes_sent_compressed=2 * sent + relay_bytes,
+            bytes_sent_full_precision=rs_bytes,
+            bytes_sent_intra_node=rs_bytes + relay_bytes,
+            header_bytes=2 * header + (per_node - 1) * nodes * phase.header,
+            fp32_baseline_bytes=fp32_baseline,
+            found_nonfinite=n_bad > 0,
+        )
+        return _conclude(n_bad > 0, comp, error_feedback, stats, "compressed_all_reduce")
 
     return CompressedReduction(finish_hierarchical)
 
@@ -486,11 +524,13 @@ def compressed_all_reduce(
 
     Wire dtype: uint8 codes plus fp32 per-chunk (min, max) headers, about ``1/4`` of fp32's bytes:
     flat, each rank sends ``2 (W-1)/W`` of the encoded tensor (``N + 8 N / chunk_size`` bytes); hierarchical,
-    the same over the inter-node group of m ranks on ``N / n`` elements, plus intra-node traffic in the
-    tensor dtype. Accumulation: fp32, in rank order (node order, then local order, in hierarchical mode).
+    the same over the inter-node group of m ranks on ``N / n`` elements, plus, intra-node, ``(n-1)/n N``
+    elements in the tensor dtype (reduce-scatter) and ``(n-1)/n`` of the encoded tensor (relay).
+    Accumulation: fp32, in rank order (hierarchical: local-rank order inside the node, then node order).
     Extra memory: about ``3 N`` bytes of uint8 buffers and ``4 N / W`` bytes of fp32 (the owned part's
     sum), kept in ``workspace``; ``+ 4 N`` with error feedback (worker residual and its staging copy) and,
-    hierarchical, ``N`` elements of the tensor dtype (intra-node receive buffer) and ``4 N / n`` of fp32.
+    hierarchical, ``N`` elements of the tensor dtype (intra-node receive buffer), ``4 N / n`` of fp32 and
+    ``N`` more bytes (the relayed slices).
 
     Args:
         tensor: fp32/fp16/bf16, any shape; reduced in place. Identical bits on every rank afterwards.
@@ -562,7 +602,7 @@ def start_compressed_reduce_scatter(
             output.view(-1).copy_(acc)
             found = agree_any(phase.recv_bad > 0 or phase.local_bad > 0, group)
             sent, header = phase.bytes_per_phase()
-            stats = CompressionStats(numel, world, sent, sent, 0, header, fp32_baseline, found)
+            stats = CompressionStats(numel, world, sent, sent, 0, 0, header, fp32_baseline, found)
             return _conclude(found, comp, error_feedback, stats, "compressed_reduce_scatter")
 
         return CompressedReduction(finish_flat)
@@ -588,7 +628,7 @@ def start_compressed_reduce_scatter(
         found = agree_any(found, hier.intra) if per_node > 1 else found
         sent, header = phase.bytes_per_phase()
         full = (per_node - 1) * nodes * shard * flat.element_size()
-        stats = CompressionStats(numel, world, sent + full, sent, full, header, fp32_baseline, found)
+        stats = CompressionStats(numel, world, sent + full, sent, full, full, header, fp32_baseline, found)
         return _conclude(found, comp, error_feedback, stats, "compressed_reduce_scatter")
 
     return CompressedReduction(finish_hierarchical)
