@@ -238,6 +238,8 @@ def worker(cfg: dict) -> None:
                     accounted = inter = (world - 1) * x.numel() // world
                 else:  # gloo's ring all-reduce
                     accounted = inter = 2 * (world - 1) * numel * x.element_size() // world
+                if per_node > 1 and name != "uint8_hier":
+                    inter = None  # these schemes do not know which of their peers are on another node
                 info = [tx if local == 0 else 0.0, statistics.mean(cpus), accounted, inter]
                 gathered = [None] * world
                 dist.all_gather_object(gathered, info)
@@ -253,7 +255,7 @@ def worker(cfg: dict) -> None:
                             "cpu_ms": 1e3 * statistics.mean(g[1] for g in gathered),
                             "veth_tx_per_node": sum(g[0] for g in gathered) / nodes,
                             "accounted_per_rank": gathered[0][2],
-                            "accounted_compressed_per_rank": gathered[0][3],
+                            "accounted_inter_node_per_rank": gathered[0][3],
                         }
                     )
                     print(f"[{world // per_node}x{per_node}] {gbit:g} Gbit/s {name:10s} {numel / 2**20:.0f}M: "
@@ -349,7 +351,9 @@ def report(config: str, rows: list[dict], methods: list[str]) -> None:
             [
                 m,
                 f"{r['accounted_per_rank'] / 2**20:.1f}",
-                f"{r['accounted_compressed_per_rank'] / 2**20:.1f}",
+                "-"
+                if r["accounted_inter_node_per_rank"] is None
+                else f"{r['accounted_inter_node_per_rank'] / 2**20:.1f}",
                 f"{r['veth_tx_per_node'] / 2**20:.1f}",
                 r["cpu_ms"],
             ]

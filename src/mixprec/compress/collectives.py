@@ -15,7 +15,7 @@ Steps 1-4 are pipelined over segments of whole chunks (``_SEGMENT_ELEMENTS``): e
 asynchronous all-to-all and all-gather, so quantizing one segment overlaps sending the previous ones; the
 chunk grid, and so the result, is the same as without segments.
 
-Hierarchical scheme (``topology`` given; m nodes of n ranks):
+Hierarchical scheme (``topology`` given; m nodes of n ranks), pipelined over the same segments:
 
 1. intra-node, full precision: a reduce-scatter that sends the input dtype and adds in fp32
    (:func:`mixprec.comm.reduce_scatter_fp32_accumulate`): local rank l of every node gets slice l
@@ -63,7 +63,7 @@ from mixprec.comm.agree import agree_any
 from mixprec.comm.fp32_accumulate import reduce_scatter_fp32_accumulate
 from mixprec.compress._scratch import Scratch
 from mixprec.compress.quantize import HEADER_BYTES_PER_CHUNK, MinMaxUInt8, NonFiniteError
-from mixprec.compress.topology import resolve_topology
+from mixprec.compress.topology import HierarchicalGroups, resolve_topology
 
 __all__ = [
     "CompressedReduction",
@@ -240,6 +240,12 @@ def _compressor(compressor: MinMaxUInt8 | None) -> MinMaxUInt8:
 _SEGMENT_ELEMENTS = 1 << 21
 
 
+def segment_bounds(part: int, world: int, chunk: int) -> list[tuple[int, int]]:
+    """Pipeline segments ``[a, b)`` of each rank's part: whole chunks, about ``_SEGMENT_ELEMENTS / world``."""
+    sub = max(chunk, -(-_SEGMENT_ELEMENTS // (world * chunk)) * chunk)
+    return [(a, min(part, a + sub)) for a in range(0, part, sub)] or [(0, 0)]
+
+
 class _FlatPhase:
     """The flat scheme on one group, pipelined over segments: ``__init__`` quantizes every segment and starts
     its all-to-all; ``reduce`` (reduce-scatter) or ``all_reduce_into`` (re-quantize, all-gather, decode)
@@ -248,7 +254,8 @@ class _FlatPhase:
 
     def __init__(
         self,
-        x: torch.Tensor,
+        numel: int,
+        source: Callable[[int, int, int], torch.Tensor],
         group: dist.ProcessGroup | None,
         comp: MinMaxUInt8,
         ef: ErrorFeedback | None,
@@ -256,42 +263,57 @@ class _FlatPhase:
         shared: Scratch,
         tag: str,
     ) -> None:
+        """``source(s, a, b)`` returns segment s of every part, a [W, b - a] tensor (rows contiguous), waiting
+        for it if it is still being produced (the hierarchical scheme's intra-node reduce-scatter).
+        """
         self.group, self.comp, self.ef, self.shared, self.tag = group, comp, ef, shared, tag
-        self.world = dist.get_world_size(group)
+        self.world = world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        n = x.numel()
-        world = self.world
-        self.part = part = n // world
-        chunk = comp.chunk_size
-        sub = max(chunk, -(-_SEGMENT_ELEMENTS // (world * chunk)) * chunk)
-        self.segments = [(a, min(part, a + sub)) for a in range(0, part, sub)] or [(0, 0)]
+        self.part = part = numel // world
+        self.segments = segment_bounds(part, world, comp.chunk_size)
         self.seg_nbytes = [comp.encoded_nbytes(b - a) for a, b in self.segments]
         self.nbytes = sum(self.seg_nbytes)
         self.header = sum(HEADER_BYTES_PER_CHUNK * comp.num_chunks(b - a) for a, b in self.segments)
-        device = x.device
+        first = source(0, *self.segments[0])
+        device = first.device
         self.send = self._per_segment(inflight.get(tag + "send", world * self.nbytes, torch.uint8, device))
         self.recv = self._per_segment(inflight.get(tag + "recv", world * self.nbytes, torch.uint8, device))
-        v = x
-        worker = None
+        worker = staged = None
         if ef is not None:
-            worker = ef.residual("worker", n, device)
-            v = shared.get(tag + "v", n, torch.float32, device)
-            torch.add(x, worker, out=v)
-        v = v.view(world, part)
+            worker = ef.residual("worker", numel, device).view(world, part)
+            staged = shared.get(tag + "v", numel, torch.float32, device).view(world, part)
         # All draws up front, in element order: the same as one unsegmented encode of the whole input.
-        uniforms = self._uniforms("uniform", n, device)
+        uniforms = self._uniforms("uniform", numel, device)
         self.local_bad = 0
         self._works = []
-        for (a, b), send, recv in zip(self.segments, self.send, self.recv):
+        for s, ((a, b), send, recv) in enumerate(zip(self.segments, self.send, self.recv)):
+            v = first if s == 0 else source(s, a, b)
+            if worker is not None and staged is not None:
+                v = torch.add(v, worker[:, a:b], out=staged[:, a:b])
             u = None if uniforms is None else uniforms.view(world, part)[:, a:b]
-            bad = comp._encode_rows(v[:, a:b], send, uniforms=u)
+            bad = comp._encode_rows(v, send, uniforms=u)
             self.local_bad += bad
             if worker is not None and not bad:
-                res = worker.view(world, part)[:, a:b]
+                res = worker[:, a:b]
                 comp._decode_rows(send, b - a, res)
-                torch.sub(v[:, a:b], res, out=res)  # what this quantization lost
+                torch.sub(v, res, out=res)  # what this quantization lost
             self._works.append(dist.all_to_all_single(recv.view(-1), send.view(-1), group=group, async_op=True))
         self.recv_bad = 0
+
+    @classmethod
+    def of(
+        cls,
+        x: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        comp: MinMaxUInt8,
+        ef: ErrorFeedback | None,
+        inflight: Scratch,
+        shared: Scratch,
+        tag: str,
+    ) -> _FlatPhase:
+        """The flat scheme on a contiguous tensor ``x`` (rank p owns ``x.view(W, -1)[p]``)."""
+        rows = x.view(dist.get_world_size(group), -1)
+        return cls(x.numel(), lambda s, a, b: rows[:, a:b], group, comp, ef, inflight, shared, tag)
 
     def _per_segment(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Split a buffer of ``world * nbytes`` bytes into one [world, segment bytes] view per segment."""
@@ -363,6 +385,51 @@ class _FlatPhase:
             elif out is not None:
                 n_bad += self.comp._decode_rows(gathered[s], b - a, out.view(self.world, self.part)[:, a:b])
         return n_bad
+
+
+class _IntraReduceScatter:
+    """The hierarchical scheme's step 1, pipelined with step 2: for each segment of the inter-node scheme, a
+    full-precision reduce-scatter inside the node (:func:`reduce_scatter_fp32_accumulate`: wire in the tensor
+    dtype, fp32 sum in local-rank order), all started at once; ``source`` hands the inter-node phase each
+    segment's sum as it completes.
+
+    ``layout`` [n, m, L] (any strides) views the tensor so that row l is what local rank l reduces: the m
+    inter-node parts of its slice. Each segment's columns are first copied into a contiguous send buffer.
+    """
+
+    def __init__(
+        self, layout: torch.Tensor, hier: HierarchicalGroups, comp: MinMaxUInt8, inflight: Scratch, shared: Scratch
+    ) -> None:
+        per_node, nodes, part = layout.shape
+        numel = layout.numel()
+        dtype, device = layout.dtype, layout.device
+        self.segments = segment_bounds(part, nodes, comp.chunk_size)  # the inter-node phase's segments
+        send = inflight.get("intra.send", numel, dtype, device)
+        recv = inflight.get("intra.recv", numel, dtype, device)
+        # Written only inside wait(), so concurrently pending collectives may share it.
+        self._sums = shared.get("intra.sum", nodes * part, torch.float32, device)
+        self._pending: list[Any] = []
+        self._outs: list[torch.Tensor] = []
+        offset = 0
+        for a, b in self.segments:
+            size = per_node * nodes * (b - a)
+            staged = send[offset : offset + size].view(per_node, nodes, b - a)
+            staged.copy_(layout[:, :, a:b])
+            out = self._sums[offset // per_node : (offset + size) // per_node]
+            self._pending.append(
+                reduce_scatter_fp32_accumulate(
+                    out, staged.view(-1), hier.intra, average=False, async_op=True, scratch=recv[offset : offset + size]
+                )
+            )
+            self._outs.append(out.view(nodes, b - a))
+            offset += size
+
+    def source(self, s: int, a: int, b: int) -> torch.Tensor:
+        """Segment s's node sum, [m, b - a] fp32, once its reduce-scatter has finished."""
+        pending = self._pending[s]
+        if pending is not None:
+            pending.wait()
+        return self._outs[s]
 
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:
@@ -448,7 +515,7 @@ def start_compressed_all_reduce(
             tensor.copy_(flat[:numel].view(tensor.shape))
 
     if hier is None:
-        phase = _FlatPhase(flat, group, comp, error_feedback, inflight, shared, "")
+        phase = _FlatPhase.of(flat, group, comp, error_feedback, inflight, shared, "")
 
         def finish_flat() -> CompressionStats:
             # flagged chunks travel in the gathered headers: no extra collective
@@ -462,16 +529,11 @@ def start_compressed_all_reduce(
 
     per_node = hier.ranks_per_node
     slice_len = padded // per_node
-    slice_acc = shared.get("slice", slice_len, torch.float32, flat.device)
-    intra_recv = inflight.get("intra_recv", padded, flat.dtype, flat.device)
-    pending = reduce_scatter_fp32_accumulate(
-        slice_acc, flat, hier.intra, average=False, async_op=True, scratch=intra_recv
-    )
+    # Local rank l reduces slice l = flat[l S, (l+1) S): in [local, node, part] layout, row l.
+    intra = _IntraReduceScatter(flat.view(per_node, hier.nodes, -1), hier, comp, inflight, shared)
 
     def finish_hierarchical() -> CompressionStats:
-        if pending is not None:
-            pending.wait()
-        phase = _FlatPhase(slice_acc, hier.inter, comp, error_feedback, shared, shared, "inter.")
+        phase = _FlatPhase(slice_len, intra.source, hier.inter, comp, error_feedback, shared, shared, "inter.")
         # Step 3 moves the quantized slices, not decoded ones: 1 byte per element instead of 4 on the
         # intra-node link, and every rank decodes the same bytes (identical bits, flags seen everywhere).
         nodes = hier.nodes
@@ -529,8 +591,8 @@ def compressed_all_reduce(
     Accumulation: fp32, in rank order (hierarchical: local-rank order inside the node, then node order).
     Extra memory: about ``3 N`` bytes of uint8 buffers and ``4 N / W`` bytes of fp32 (the owned part's
     sum), kept in ``workspace``; ``+ 4 N`` with error feedback (worker residual and its staging copy) and,
-    hierarchical, ``N`` elements of the tensor dtype (intra-node receive buffer), ``4 N / n`` of fp32 and
-    ``N`` more bytes (the relayed slices).
+    hierarchical, ``2 N`` elements of the tensor dtype (intra-node send copy and receive buffer), ``4 N / n``
+    of fp32 and ``N`` more bytes (the relayed slices).
 
     Args:
         tensor: fp32/fp16/bf16, any shape; reduced in place. Identical bits on every rank afterwards.
@@ -595,7 +657,7 @@ def start_compressed_reduce_scatter(
     fp32_baseline = (world - 1) * 4 * numel // world
 
     if hier is None:
-        phase = _FlatPhase(flat, group, comp, error_feedback, inflight, shared, "")
+        phase = _FlatPhase.of(flat, group, comp, error_feedback, inflight, shared, "")
 
         def finish_flat() -> CompressionStats:
             acc = phase.reduce(world if average else None)
@@ -608,20 +670,12 @@ def start_compressed_reduce_scatter(
         return CompressedReduction(finish_flat)
 
     nodes, per_node = hier.nodes, hier.ranks_per_node
-    # Local rank l must end up with parts {node * n + l}: lay the tensor out as [local, node, shard] so
-    # that the intra-node reduce-scatter hands slice l = those parts (in node order) to local rank l.
-    permuted = inflight.get("permuted", numel, flat.dtype, flat.device).view(per_node, nodes, shard)
-    permuted.copy_(flat.view(nodes, per_node, shard).transpose(0, 1))
-    slice_acc = shared.get("slice", nodes * shard, torch.float32, flat.device)
-    intra_recv = inflight.get("intra_recv", numel, flat.dtype, flat.device)
-    pending = reduce_scatter_fp32_accumulate(
-        slice_acc, permuted.view(-1), hier.intra, average=False, async_op=True, scratch=intra_recv
-    )
+    # Local rank l must end up with parts {node * n + l} (in node order), so that the inter-node
+    # reduce-scatter hands node i part i * n + l, which is rank i * n + l's: the [local, node, shard] layout.
+    intra = _IntraReduceScatter(flat.view(nodes, per_node, shard).transpose(0, 1), hier, comp, inflight, shared)
 
     def finish_hierarchical() -> CompressionStats:
-        if pending is not None:
-            pending.wait()
-        phase = _FlatPhase(slice_acc, hier.inter, comp, error_feedback, shared, shared, "inter.")
+        phase = _FlatPhase(nodes * shard, intra.source, hier.inter, comp, error_feedback, shared, shared, "inter.")
         acc = phase.reduce(world if average else None)
         output.view(-1).copy_(acc)
         found = agree_any(phase.recv_bad > 0 or phase.local_bad > 0, hier.inter)
@@ -654,8 +708,8 @@ def compressed_reduce_scatter(
 
     Wire dtype: uint8 + headers, ``(W-1)/W`` of the encoded tensor per rank (hierarchical: over the
     inter-node group, plus the intra-node reduce-scatter in the tensor dtype). Accumulation: fp32.
-    Extra memory: about ``2 N`` bytes of uint8 buffers and ``4 N / W`` of fp32; hierarchical adds a permuted
-    copy and a receive buffer of the tensor (``2 N`` elements of its dtype).
+    Extra memory: about ``2 N`` bytes of uint8 buffers and ``4 N / W`` of fp32; hierarchical adds a re-laid-out
+    send copy and a receive buffer of the tensor (``2 N`` elements of its dtype) and ``4 N / n`` of fp32.
 
     Args:
         output: contiguous, ``tensor.numel() / W`` elements, fp32/fp16/bf16 (rounded to nearest once).
