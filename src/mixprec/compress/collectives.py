@@ -315,12 +315,13 @@ class _FlatPhase:
         rows = x.view(dist.get_world_size(group), -1)
         return cls(x.numel(), lambda s, a, b: rows[:, a:b], group, comp, ef, inflight, shared, tag)
 
-    def _per_segment(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Split a buffer of ``world * nbytes`` bytes into one [world, segment bytes] view per segment."""
+    def _per_segment(self, flat: torch.Tensor, rows: int | None = None) -> list[torch.Tensor]:
+        """Split a buffer of ``rows * nbytes`` bytes (rows: default W) into [rows, segment bytes] views."""
+        rows = self.world if rows is None else rows
         views, offset = [], 0
         for nb in self.seg_nbytes:
-            views.append(flat[offset : offset + self.world * nb].view(self.world, nb))
-            offset += self.world * nb
+            views.append(flat[offset : offset + rows * nb].view(rows, nb))
+            offset += rows * nb
         return views
 
     def _uniforms(self, name: str, numel: int, device: torch.device) -> torch.Tensor | None:
@@ -538,10 +539,8 @@ def start_compressed_all_reduce(
         # intra-node link, and every rank decodes the same bytes (identical bits, flags seen everywhere).
         nodes = hier.nodes
         relayed = shared.get("intra.gather", per_node * nodes * phase.nbytes, torch.uint8, flat.device)
-        views, offset, works = [], 0, []
-        for nb in phase.seg_nbytes:
-            views.append(relayed[offset : offset + per_node * nodes * nb].view(per_node * nodes, nb))
-            offset += per_node * nodes * nb
+        views = phase._per_segment(relayed, per_node * nodes)
+        works: list[Any] = []
 
         def relay(s: int) -> None:
             works.append(all_gather_flat(views[s].view(-1), phase.gathered[s].view(-1), hier.intra, async_op=True))
