@@ -27,13 +27,15 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from _common import machine_header, markdown_table
 from mixprec.lab.config import TrainConfig
-from mixprec.lab.corpus import load_corpus
+from mixprec.lab.corpus import Corpus, load_corpus
 from mixprec.lab.data import train_microbatches
 from mixprec.lab.launch import launch
 from mixprec.lab.model import GPT, GPTConfig
@@ -81,7 +83,7 @@ class _TorchLoop:
         float(loss.detach())  # the host sync mixprec's loop does to log the loss
 
 
-def _batches(corpus, cfg: TrainConfig, step: int, rank: int, world_size: int, device: torch.device) -> list:
+def _batches(corpus: Corpus, cfg: TrainConfig, step: int, rank: int, world_size: int, device: torch.device) -> list:
     mbs = train_microbatches(
         corpus.train,
         seed=cfg.seed,
@@ -95,7 +97,7 @@ def _batches(corpus, cfg: TrainConfig, step: int, rank: int, world_size: int, de
     return [(x.to(device), y.to(device)) for x, y in mbs]
 
 
-def _timed(fn, device: torch.device) -> float:
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -134,7 +136,7 @@ def _interleaved_rank(
     parts = [build_parts(cfg, corpus.vocab_size, dev, world_size) for cfg in cfgs]
     times: list[list[float]] = [[] for _ in range(1 + len(cfgs))]
 
-    def mixprec_step(p, mbs) -> None:
+    def mixprec_step(p: Any, mbs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         result = p.updater.step(mbs)
         _all_reduce_sum([result.loss], dev)
 

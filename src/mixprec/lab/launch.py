@@ -163,7 +163,7 @@ def run_rank(
         dist.destroy_process_group()
 
 
-def _child(cfg: TrainConfig, rank: int, world_size: int, port: int, device_type: str, resume: bool, fork: bool):
+def _child(cfg: TrainConfig, rank: int, world_size: int, port: int, device_type: str, resume: bool, fork: bool) -> None:
     if fork:
         # Intra-op thread pools inherited through fork can deadlock; and N ranks share the cores anyway.
         torch.set_num_threads(1)
