@@ -19,12 +19,15 @@ parameter gradients         fp32        bf16/fp16: each microbatch's fp32 gradie
 gradient wire and sum       fp32        bf16/fp16 on the wire, summed as ``reduce``   same
                                         says: native in bf16/fp16, fp32_accumulate
                                         in fp32 then one rounding, uint8 as 8-bit
-                                        codes summed in fp32
+                                        codes summed in fp32; with sharded_optimizer
+                                        the sum lands in fp32 shards (fp32_accumulate
+                                        then never rounds it to bf16/fp16)
 unscale, inf/NaN check,     fp32        fp32, on exact fp32 copies of the gradients   fp32
 grad norm, clipping
 ==========================  ==========  ============================================  ==============================
 
-Why a CPU does not run real bf16/fp16 matmuls: they run near 1 GFLOP/s on a CPU, against near 100 for fp32, so
+Why a CPU does not run real bf16/fp16 matmuls: most CPUs run them far slower than fp32 (on the 2-core development
+machine a torch.amp step of this model took 2.4x (bf16) and 25x (fp16) the fp32 time; benchmarks/RESULTS.md), so
 the CPU runs compute in fp32 and round exactly where the numerics under study live: the parameters, the
 gradients, the wire, and (with ``linear_mode``) the matmuls through mixprec's emulator. What a CPU run therefore
 does not model without ``linear_mode``: the rounding of activations to bf16/fp16 and fp16's overflow of large
