@@ -173,7 +173,8 @@ def test_error_ordering_of_presets():
     gen = torch.Generator().manual_seed(4)
     a, b = torch.randn(128, 1024, generator=gen).half(), torch.randn(1024, 128, generator=gen).half()
     ref = a.double() @ b.double()
-    med = {mode: float((matmul(a, b, mode=mode).double() - ref).abs().median()) for mode in MATMUL_PRESETS}
+    modes = ("fp16/16", "two_stage", "fp16/32", "bf16/32")
+    med = {mode: float((matmul(a, b, mode=mode).double() - ref).abs().median()) for mode in modes}
     assert med["fp16/16"] > 2 * med["two_stage"] > 2 * 2 * med["fp16/32"]
     assert med["bf16/32"] > 2 * med["fp16/32"]  # bf16 inputs lose 3 bits of the fp16 data
     # fp8: accumulation-only error (vs the product of the fp8 inputs): promotion every 128 helps

@@ -8,6 +8,7 @@ import pytest
 
 from mixprec.cli.main import main
 from mixprec.lab.matmul_error import (
+    DEFAULT_PRESETS,
     PERCENTILES,
     MatmulErrorResult,
     check_claims,
@@ -20,18 +21,13 @@ def test_quick_study_writes_table_csv_and_png(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| 256 | 256 | two_stage |" in out and "Claims:" in out and "seed 003" in out
     rows = list(csv.DictReader((tmp_path / "matmul_error.csv").open()))
-    assert len(rows) == 2 * 6 * 2  # sizes x models x references
-    assert {r["model"] for r in rows} == {
-        "fp16/16",
-        "two_stage",
-        "fp16/32",
-        "bf16/32",
-        "fp8/promote128",
-        "fp8/nopromote",
-    }
+    assert len(rows) == 2 * len(DEFAULT_PRESETS) * 2  # sizes x models x references
+    assert {r["model"] for r in rows} == set(DEFAULT_PRESETS)
+    issue5 = {"fp16/16", "two_stage", "fp16/32", "bf16/32", "fp8/promote128", "fp8/nopromote"}
+    assert issue5 <= set(DEFAULT_PRESETS)
     assert (tmp_path / "matmul_error.png").stat().st_size > 10_000
     curves = list(csv.DictReader((tmp_path / "matmul_error_curves.csv").open()))
-    assert len(curves) == 2 * 6 * 201
+    assert len(curves) == 2 * len(DEFAULT_PRESETS) * 201
 
 
 def test_row_subset_and_error_ordering():
@@ -45,9 +41,9 @@ def test_row_subset_and_error_ordering():
         assert r.max_over_abs <= r.bound_det
 
 
-def _fake(preset: str, median32: float, rel_max: float = 0.0) -> MatmulErrorResult:
+def _fake(preset: str, median32: float, rel: float = 0.0) -> MatmulErrorResult:
     pct = dict.fromkeys(PERCENTILES, median32)
-    return MatmulErrorResult(4096, 256, preset, 0.0, pct, pct, 0.0, rel_max, 0.0, 1.0, None)
+    return MatmulErrorResult(4096, 256, preset, 0.0, pct, pct, 0.0, rel / 5, 0.0, rel, 1.0, None)
 
 
 def test_claim_checks_state_agreement_plainly():
@@ -55,14 +51,14 @@ def test_claim_checks_state_agreement_plainly():
         _fake("fp16/16", 1e-2),
         _fake("two_stage", 1e-3),
         _fake("fp16/32", 1e-4),  # two-stage only 10x above fp16/32: disagrees with ~100x
-        _fake("fp8/nopromote", 1.0, rel_max=0.021),
+        _fake("fp8/nopromote", 1.0, rel=0.021),
     ]
     checks = {c.claim: c for c in check_claims(results)}
     assert checks["two-stage error ~10x smaller than fp16/16"].agrees is True
-    assert checks["two-stage error ~100x larger than fp16/32"].agrees is False
+    assert checks["two-stage error ~100x larger than fp16/32 (model fp16/32)"].agrees is False
     fp8 = next(c for c in checks.values() if c.source == "DeepSeek-V3")
     assert fp8.agrees is True and "2.1%" in fp8.measured
-    assert "DISAGREES" in checks["two-stage error ~100x larger than fp16/32"].line()
+    assert "DISAGREES" in checks["two-stage error ~100x larger than fp16/32 (model fp16/32)"].line()
 
 
 def test_cli_errors_exit_2(tmp_path, capsys):

@@ -224,6 +224,8 @@ def round_to(
             raise ValueError(f"out must have x's shape {tuple(x.shape)} and device {x.device}; got {tuple(out.shape)}")
     if x.dtype == torch.float64 or rounding != "nearest" or not _magic_or_trick_ok(fmt):
         w = x.to(torch.float64, copy=True, memory_format=torch.contiguous_format)
+    elif out is not None and out.dtype == torch.float32 and out.is_contiguous():
+        w = out.copy_(x)  # round in the caller's buffer: no temporary
     else:
         w = x.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
     if rounding == "nearest":
@@ -232,7 +234,8 @@ def round_to(
         _round_directed_work_(w, fmt, rounding, generator)
     if out is None:
         return w.to(torch.float32)
-    out.copy_(w)
+    if w is not out:
+        out.copy_(w)
     return out
 
 

@@ -1,7 +1,7 @@
 """How much error each accumulator model adds to a matmul: seed 003's comparison, emulated.
 
 A, B ~ N(0, 1) (fp32, seeded), rounded to fp16: these fp16 matrices are the data, as in seed 003. For each
-size M = N = K and each model (fp16/16, two_stage, fp16/32, bf16/32, fp8/promote128, fp8/nopromote), the
+size M = N = K and each model (fp16/16, two_stage, fp16/32, fp16/32-h100, bf16/32, fp8/promote128, fp8/nopromote), the
 emulated product is compared with a float64 product of the data and with a plain fp32 ``torch.matmul`` of it
 (seed 003's reference, fp32 on CUDA cores). bf16 and fp8 models round the fp16 data to their own input format
 first, so their error includes that input rounding. Large sizes are computed on a random subset of output rows
@@ -34,7 +34,7 @@ __all__ = [
     "run",
 ]
 
-DEFAULT_PRESETS = ("fp16/16", "two_stage", "fp16/32", "bf16/32", "fp8/promote128", "fp8/nopromote")
+DEFAULT_PRESETS = ("fp16/16", "two_stage", "fp16/32", "fp16/32-h100", "bf16/32", "fp8/promote128", "fp8/nopromote")
 PERCENTILES = (50.0, 90.0, 99.0, 99.9, 100.0)
 CURVE_POINTS = tuple(p / 2 for p in range(0, 201))  # 0, 0.5, ..., 100
 
@@ -48,7 +48,8 @@ class MatmulErrorResult:
     The accumulation-only measures compare with the float64 product of the model's own rounded inputs
     ``A_r @ B_r``: ``rel_fro = ||y - A_r B_r||_F / ||A_r B_r||_F``, ``rel_max = max|y - A_r B_r| / max|A_r B_r|``
     and ``max_over_abs = max_ij |y - A_r B_r|_ij / (|A_r||B_r|)_ij``, which :func:`mixprec.emulate.bounds` bounds
-    (``bound_det``, ``bound_prob`` at lam=1)."""
+    (``bound_det``, ``bound_prob`` at lam=1). ``rel_elem_max``: the largest elementwise ``|err_ij| / |ref_ij|`` among
+    the outputs with ``|ref_ij|`` at or above the median (elementwise relative error is unbounded near zero)."""
 
     size: int
     rows: int
@@ -59,6 +60,7 @@ class MatmulErrorResult:
     rel_fro: float
     rel_max: float
     max_over_abs: float
+    rel_elem_max: float
     bound_det: float
     bound_prob: float | None
     curve_vs_f64: list[float] = field(repr=False, default_factory=list)
@@ -131,6 +133,7 @@ def matmul_error_study(
                     rel_fro=float(torch.linalg.vector_norm(y - ref_own) / torch.linalg.vector_norm(ref_own)),
                     rel_max=float(err_own.max() / ref_own.abs().max()),
                     max_over_abs=float((err_own / abs_ab.clamp_min(1e-300)).max()),
+                    rel_elem_max=float((err_own / ref_own.abs())[ref_own.abs() >= ref_own.abs().median()].max()),
                     bound_det=bd.deterministic,
                     bound_prob=bd.probabilistic,
                     curve_vs_f64=_percentiles(err, CURVE_POINTS),
@@ -164,7 +167,9 @@ def _find(results: list[MatmulErrorResult], size: int, preset: str) -> MatmulErr
 def check_claims(results: list[MatmulErrorResult]) -> list[ClaimCheck]:
     """Put the seeds' claims beside the measurement at the largest size measured. A ratio claim "~R x" agrees
     when the measured ratio of median |error| (vs the fp32 reference, as the seed measured) is within a factor
-    of 3 of R; DeepSeek's "~2% maximum relative error" agrees when max|err| / max|ref| lies in [0.5%, 8%]."""
+    of 3 of R. DeepSeek-V3 does not say how its "~2% maximum relative error" is normalised: it is read as the
+    largest elementwise |err|/|ref| (over outputs with |ref| at or above the median) and agrees within a factor
+    of 4 (0.5% to 8%); the normwise max|err|/max|ref| is shown beside it."""
     size = max(r.size for r in results)
     checks: list[ClaimCheck] = []
 
@@ -184,9 +189,11 @@ def check_claims(results: list[MatmulErrorResult]) -> list[ClaimCheck]:
             )
         )
 
+    # fp16/32 as the hardware does it (alignment model, which matched cuBLAS on an H200) when it was run
+    f32 = "fp16/32-h100" if _find(results, size, "fp16/32-h100") is not None else "fp16/32"
     ratio_claim("fp16/16", "two_stage", 10, "two-stage error ~10x smaller than fp16/16")
-    ratio_claim("two_stage", "fp16/32", 100, "two-stage error ~100x larger than fp16/32")
-    ratio_claim("fp16/16", "fp16/32", 1000, "fp16/16 error ~1000x that of fp16/32")
+    ratio_claim("two_stage", f32, 100, f"two-stage error ~100x larger than fp16/32 (model {f32})")
+    ratio_claim("fp16/16", f32, 1000, f"fp16/16 error ~1000x that of fp16/32 (model {f32})")
     r8 = _find(results, size, "fp8/nopromote")
     text = "fp8 accumulation without promotion: ~2% maximum relative error at K=4096"
     if r8 is None:
@@ -198,9 +205,10 @@ def check_claims(results: list[MatmulErrorResult]) -> list[ClaimCheck]:
                 text,
                 "DeepSeek-V3",
                 "~2% (their normalisation is not stated)",
-                f"accumulation error vs the float64 product of the fp8 inputs: max|err|/max|ref| = "
+                f"accumulation error vs the float64 product of the fp8 inputs: largest elementwise |err|/|ref| "
+                f"(|ref| >= median) = {100 * r8.rel_elem_max:.3g}%; normwise max|err|/max|ref| = "
                 f"{100 * r8.rel_max:.3g}%, ||err||_F/||ref||_F = {100 * r8.rel_fro:.3g}%{note}",
-                (0.005 <= r8.rel_max <= 0.08) if size == 4096 else None,
+                (0.005 <= r8.rel_elem_max <= 0.08) if size == 4096 else None,
             )
         )
     return checks
@@ -229,13 +237,13 @@ def write_csv(results: list[MatmulErrorResult], out_dir: Path) -> tuple[Path, Pa
         w = csv.writer(f)
         w.writerow(
             ["size", "rows", "model", "reference", *[f"p{p:g}" for p in PERCENTILES], "rel_fro", "rel_max",
-             "max_over_abs", "bound_det", "bound_prob", "seconds"]
+             "rel_elem_max", "max_over_abs", "bound_det", "bound_prob", "seconds"]
         )  # fmt: skip
         for r in results:
             for ref, pct in (("float64", r.abs_vs_f64), ("fp32", r.abs_vs_f32)):
                 w.writerow(
                     [r.size, r.rows, r.preset, ref, *[f"{pct[p]:.6e}" for p in PERCENTILES], f"{r.rel_fro:.6e}",
-                     f"{r.rel_max:.6e}", f"{r.max_over_abs:.6e}", f"{r.bound_det:.6e}",
+                     f"{r.rel_max:.6e}", f"{r.rel_elem_max:.6e}", f"{r.max_over_abs:.6e}", f"{r.bound_det:.6e}",
                      "" if r.bound_prob is None else f"{r.bound_prob:.6e}", f"{r.seconds:.3f}"]
                 )  # fmt: skip
     curves = out_dir / "matmul_error_curves.csv"
