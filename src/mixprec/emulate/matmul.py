@@ -37,10 +37,11 @@ rounding that can differ from the exact model only for sums within that distance
 Signed zeros in the low-precision accumulator are not modelled (a step that cancels or underflows to zero
 gives +0).
 
-Cost: one fp64 ``baddbmm`` of a ``k_group``-wide slice plus 5 elementwise passes per group, on row tiles sized to
-stay in cache; at M=N=K=1024 "fp16/16" takes about 10x a plain fp32 ``torch.matmul`` on a 2-core CPU (see
-benchmarks/bench_emulated_matmul.py). The alignment model materialises the products of a group
-(``rows x k_group x N``) and is several times slower. Works on any device torch supports (fp64 on CUDA).
+Cost: one fp64 ``baddbmm`` of a ``k_group``-wide slice plus 5 elementwise passes over the accumulator per group,
+on row tiles that stay in cache (on a CPU, tiles small enough that each op runs single-threaded, spread over a
+thread pool). At M=N=K=1024 "fp16/16" measured 13-20x a plain fp32 ``torch.matmul`` on a 2-core CPU
+(benchmarks/RESULTS.md). The alignment model materialises the products of a group (``rows x k_group x N``) and is
+another ~20x slower on a CPU: use it on row subsets or on a GPU. Works on any device torch supports (fp64 on CUDA).
 """
 
 from __future__ import annotations
