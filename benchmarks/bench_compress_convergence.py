@@ -136,18 +136,28 @@ def plot(results: dict[str, dict[str, Any]], path: str, title: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise SystemExit(f"--plot needs matplotlib (pip install 'mixprec[plot]'): {exc}") from exc
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=90)
+    fig, (ax, diff) = plt.subplots(2, 1, figsize=(6.4, 5.6), dpi=90, sharex=True, height_ratios=(3, 2))
     window = 10
+
+    def smooth(values: list[float]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.float64)
+        return t.unfold(0, window, 1).mean(1) if len(t) >= window else t
+
+    base = smooth(results["fp32"]["losses"])
+    steps = range(window - 1, window - 1 + len(base))
     for name, res in results.items():
-        losses = torch.tensor(res["losses"])
-        smooth = losses.unfold(0, window, 1).mean(1) if len(losses) >= window else losses
-        ax.plot(range(window - 1, window - 1 + len(smooth)), smooth.tolist(), label=name, lw=1.2)
+        (line,) = ax.plot(steps, smooth(res["losses"]).tolist(), label=name, lw=1.2)
+        if name != "fp32":
+            diff.plot(steps, (smooth(res["losses"]) - base).tolist(), color=line.get_color(), lw=1.0)
     ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"training loss (global batch, mean of {window} steps)")
+    ax.set_ylabel(f"training loss\n(global batch, mean of {window} steps)")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
+    diff.axhline(0.0, color="black", lw=0.8)
+    diff.set_xlabel("step")
+    diff.set_ylabel("loss minus fp32's")
+    diff.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
     print(f"wrote {path}", file=sys.stderr)

@@ -15,8 +15,9 @@ killed earlier run (prefix ``mpxb``) are removed first. Every rank and the whole
 
 Each configuration (``nodes x ranks per node``) runs in one set of rank processes (``ip netns exec``, gloo
 over TCP, ``GLOO_SOCKET_IFNAME`` = the node's veth, one torch thread each); rank 0 changes the qdiscs between
-rates. Per (rate, method, size): one warm-up call, then ``--reps`` timed calls, each between barriers; the
-time of a call is the slowest rank's; the table shows the median. Bytes: this rank's accounting
+rates. Per (rate, size): one warm-up call of each method, then ``--reps`` rounds in which the methods take
+turns, one call each between barriers (so load from other processes falls on all of them alike); the time of
+a call is the slowest rank's; the table shows the median over rounds. Bytes: this rank's accounting
 (``CompressionStats`` for uint8; the ring all-reduce's ``2 (W-1)/W N s`` for gloo's own collectives) and,
 independently, the kernel's ``tx_bytes`` of each node's veth (frames: payload + Ethernet/IP/TCP headers +
 ACKs), per call and node.
@@ -169,7 +170,6 @@ def worker(cfg: dict) -> None:
         with open(counter) as f:
             return int(f.read())
 
-    methods: dict = {}
     stats_box: dict = {}
 
     def fp32(x):
@@ -191,19 +191,27 @@ def worker(cfg: dict) -> None:
     methods["uint8"] = (uint8, torch.float32)
     if per_node > 1:
         methods["uint8_hier"] = (uint8_hier, torch.float32)
+    probe_out: dict[str, torch.Tensor] = {}
     if cfg["probe"] and per_node == 1:
         # gloo's all-to-all of the uint8 payload's bytes as one call, and as 8 concurrent async calls: why
         # the compressed collectives pipeline over segments.
         def a2a_1(x):
-            dist.all_to_all_single(probe_out.view(-1), x.view(-1))
+            dist.all_to_all_single(probe_out["a2a x1"].view(-1), x.view(-1))
 
         def a2a_8(x):
-            works = [dist.all_to_all_single(probe_out[k], x[k], async_op=True) for k in range(8)]
+            out = probe_out["a2a x8"]
+            works = [dist.all_to_all_single(out[k], x[k], async_op=True) for k in range(8)]
             for w in works:
                 w.wait()
 
         methods["a2a x1"] = (a2a_1, torch.uint8)
         methods["a2a x8"] = (a2a_8, torch.uint8)
+
+    def make_input(name: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        if dtype == torch.uint8:  # probe: 8 contiguous [world, m] pieces, row p of each goes to rank p
+            probe_out[name] = torch.empty(8, world, numel // (8 * world), dtype=torch.uint8)
+            return torch.zeros(8, world, numel // (8 * world), dtype=torch.uint8)
+        return torch.randn(numel, generator=torch.Generator().manual_seed(rank)).to(dtype)
 
     rows = []
     for gbit in cfg["rates"]:
@@ -212,27 +220,31 @@ def worker(cfg: dict) -> None:
             set_rate(cfg["links"], gbit)
         dist.barrier()
         for numel in cfg["sizes"]:
-            for name, (fn, dtype) in methods.items():
-                if dtype == torch.uint8:  # probe: 8 contiguous [world, m] pieces, row p of each goes to rank p
-                    x = torch.zeros(8, world, numel // (8 * world), dtype=torch.uint8)
-                    probe_out = torch.empty_like(x)
-                else:
-                    x = torch.randn(numel, generator=torch.Generator().manual_seed(rank)).to(dtype)
-                fn(x)  # warm-up: connections, buffers
-                times, cpus = [], []
-                dist.barrier()
-                tx0 = tx_bytes()
-                for _ in range(cfg["reps"]):
+            inputs = {name: make_input(name, dtype, numel) for name, (_, dtype) in methods.items()}
+            for name, (fn, _) in methods.items():
+                fn(inputs[name])  # warm-up: connections, buffers
+            times = {name: [] for name in methods}
+            cpus = {name: [] for name in methods}
+            tx = dict.fromkeys(methods, 0)
+            stats = {}
+            # The methods take turns call by call, so that load from other processes falls on all alike.
+            for _ in range(cfg["reps"]):
+                for name, (fn, _) in methods.items():
                     dist.barrier()
+                    tx0 = tx_bytes()
                     c0, t0 = time.process_time(), time.perf_counter()
-                    fn(x)
-                    times.append(time.perf_counter() - t0)
-                    cpus.append(time.process_time() - c0)
-                tx = (tx_bytes() - tx0) / cfg["reps"]
-                slowest = torch.tensor(times, dtype=torch.float64)
+                    fn(inputs[name])
+                    times[name].append(time.perf_counter() - t0)
+                    cpus[name].append(time.process_time() - c0)
+                    dist.barrier()  # every rank's sends have left before the counter is read
+                    tx[name] += tx_bytes() - tx0
+                    stats[name] = stats_box.get("stats")
+            for name, (_, dtype) in methods.items():
+                slowest = torch.tensor(times[name], dtype=torch.float64)
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                x = inputs[name]
                 if name.startswith("uint8"):
-                    st = stats_box["stats"]
+                    st = stats[name]
                     accounted, inter = st.bytes_sent, st.bytes_sent_inter_node
                 elif dtype == torch.uint8:  # one all-to-all
                     accounted = inter = (world - 1) * x.numel() // world
@@ -240,7 +252,7 @@ def worker(cfg: dict) -> None:
                     accounted = inter = 2 * (world - 1) * numel * x.element_size() // world
                 if per_node > 1 and name != "uint8_hier":
                     inter = None  # these schemes do not know which of their peers are on another node
-                info = [tx if local == 0 else 0.0, statistics.mean(cpus), accounted, inter]
+                info = [tx[name] / cfg["reps"] if local == 0 else 0.0, statistics.mean(cpus[name]), accounted, inter]
                 gathered = [None] * world
                 dist.all_gather_object(gathered, info)
                 if rank == 0:
@@ -260,7 +272,7 @@ def worker(cfg: dict) -> None:
                     )
                     print(f"[{world // per_node}x{per_node}] {gbit:g} Gbit/s {name:10s} {numel / 2**20:.0f}M: "
                           f"{rows[-1]['ms']:.1f} ms", file=sys.stderr, flush=True)  # fmt: skip
-                del x
+            del inputs
     if rank == 0:
         with open(cfg["out"], "w") as f:
             json.dump(rows, f)

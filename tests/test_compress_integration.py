@@ -13,7 +13,12 @@ import pytest
 import torch
 
 import mixprec.hooks
-from compress_reference import ref_flat_all_reduce, ref_flat_reduce, ref_hierarchical_all_reduce
+from compress_reference import (
+    ref_flat_all_reduce,
+    ref_flat_reduce,
+    ref_hierarchical_all_reduce,
+    ref_hierarchical_reduce_scatter,
+)
 from mixprec.compress import ErrorFeedback, Topology, Uint8Reducer, uint8_compress_hook
 from mixprec.parallel import DistributedDataParallel, make_reducer
 
@@ -51,10 +56,13 @@ def test_registered_reducers_match_the_reference(dist_run, world: int, name: str
             expected = ref_hierarchical_all_reduce(inputs, CHUNK, 2, 2)[0]
         for r in range(world):
             np.testing.assert_array_equal(res[r]["buckets"][k].numpy(), expected)
+    inputs = [_bucket(r, 7).numpy() for r in range(world)]
     if name == "uint8":
-        shards = ref_flat_reduce([_bucket(r, 7).numpy() for r in range(world)], CHUNK, divisor=world)
-        for r in range(world):
-            np.testing.assert_array_equal(res[r]["shard"].numpy(), shards[r])
+        shards = ref_flat_reduce(inputs, CHUNK, divisor=world)
+    else:
+        shards = ref_hierarchical_reduce_scatter(inputs, CHUNK, 2, 2)
+    for r in range(world):
+        np.testing.assert_array_equal(res[r]["shard"].numpy(), shards[r])
     assert sorted(res[0]["stats"]) == [0, 1, 2, 7]
     assert ("hierarchical" in res[0]["repr"]) == (name == "uint8_hierarchical")
 
