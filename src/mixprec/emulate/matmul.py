@@ -48,8 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -298,20 +296,6 @@ def _matmul_model(a: torch.Tensor, b: torch.Tensor, model: MatmulModel, *, round
 
 # Elementwise ops on fewer elements than this run inline in the calling thread (ATen's intra-op grain size).
 _ATEN_GRAIN = 32768
-_POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (process id, workers, executor)
-_POOL_LOCK = threading.Lock()
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """The tile workers of this process. A forked child (e.g. a gloo rank) inherits the executor object but not
-    its threads, so the process id is part of the key and a child starts its own."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL[:2] != (os.getpid(), workers):
-            if _POOL is not None and _POOL[0] == os.getpid():
-                _POOL[2].shutdown(wait=False)
-            _POOL = (os.getpid(), workers, ThreadPoolExecutor(workers, thread_name_prefix="mixprec-emulate"))
-        return _POOL[2]
 
 
 def _plan_tiles(nb: int, m: int, n: int, kg: int, aligned: bool, device: torch.device) -> tuple[int, int]:
@@ -364,9 +348,11 @@ def _accumulate(a3: torch.Tensor, b3: torch.Tensor, model: MatmulModel) -> torch
     rows, workers = _plan_tiles(nb, m, n, kg, aligned, dev)
     tiles = [(r0, min(m, r0 + rows)) for r0 in range(0, m, rows)]
     if workers > 1:
-        futures = [_pool(workers).submit(_tile, a3, b3, r0, r1, model, groups, check_overflow, out) for r0, r1 in tiles]
-        for future in futures:
-            future.result()
+        # a pool per call: no idle threads outlive it, so a later fork (gloo ranks, DataLoader workers) is clean
+        with ThreadPoolExecutor(workers, thread_name_prefix="mixprec-emulate") as pool:
+            futures = [pool.submit(_tile, a3, b3, r0, r1, model, groups, check_overflow, out) for r0, r1 in tiles]
+            for future in futures:
+                future.result()
     else:
         for r0, r1 in tiles:
             _tile(a3, b3, r0, r1, model, groups, check_overflow, out)
