@@ -62,7 +62,7 @@ from mixprec.comm._compat import all_gather_flat, require_initialized
 from mixprec.comm.agree import agree_any
 from mixprec.comm.fp32_accumulate import reduce_scatter_fp32_accumulate
 from mixprec.compress._scratch import Scratch
-from mixprec.compress.quantize import HEADER_BYTES_PER_CHUNK, MinMaxUInt8, NonFiniteError
+from mixprec.compress.quantize import HEADER_BYTES_PER_CHUNK, MinMaxUInt8, NonFiniteError, _check_float_tensor
 from mixprec.compress.topology import HierarchicalGroups, resolve_topology
 
 __all__ = [
@@ -73,8 +73,6 @@ __all__ = [
     "compressed_all_reduce",
     "compressed_reduce_scatter",
 ]
-
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -433,14 +431,6 @@ class _IntraReduceScatter:
         return self._outs[s]
 
 
-def _check_tensor(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16; got {t.dtype}")
-    return t
-
-
 def _check_common(
     compressor: MinMaxUInt8 | None,
     average: bool,
@@ -496,7 +486,7 @@ def start_compressed_all_reduce(
     the ones used only inside this call or ``wait()``, which concurrently pending collectives may share.
     """
     require_initialized("compressed_all_reduce")
-    _check_tensor("tensor", tensor)
+    _check_float_tensor("tensor", tensor)
     comp, inflight = _check_common(compressor, average, error_feedback, workspace)
     shared = inflight if shared_workspace is None else _scratch_of("shared_workspace", shared_workspace)
     world = dist.get_world_size(group)
@@ -638,8 +628,8 @@ def start_compressed_reduce_scatter(
 ) -> CompressedReduction:
     """:func:`compressed_reduce_scatter`, split like :func:`start_compressed_all_reduce`."""
     require_initialized("compressed_reduce_scatter")
-    _check_tensor("tensor", tensor)
-    _check_tensor("output", output)
+    _check_float_tensor("tensor", tensor)
+    _check_float_tensor("output", output)
     comp, inflight = _check_common(compressor, average, error_feedback, workspace)
     shared = inflight if shared_workspace is None else _scratch_of("shared_workspace", shared_workspace)
     world = dist.get_world_size(group)

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec._validate import check_choice, check_positive_int
 from mixprec.comm.fp32_accumulate import DEFAULT_STOCHASTIC_SEED
 from mixprec.compress.collectives import CompressionStats, CompressionWorkspace, ErrorFeedback, compressed_all_reduce
 from mixprec.compress.quantize import MinMaxUInt8
+from mixprec.compress.reducers import rank_seeded_generator
 
 __all__ = ["Uint8HookState", "uint8_compress_hook"]
 
@@ -51,17 +51,12 @@ class Uint8HookState:
         seed: int = DEFAULT_STOCHASTIC_SEED,
     ) -> None:
         self.process_group = process_group
-        check_positive_int("chunk_size", chunk_size)
-        check_choice("rounding", rounding, ("nearest", "stochastic"))
-        check_choice("check_finite", check_finite, ("raise", "flag"))
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be a bool; got {type(error_feedback).__name__}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int; got {type(seed).__name__}")
-        generator = None
-        if rounding == "stochastic":
-            generator = torch.Generator()
-            generator.manual_seed(seed + (dist.get_rank() if dist.is_initialized() else 0))
+        generator = rank_seeded_generator(seed) if rounding == "stochastic" else None
+        # validates chunk_size, rounding and check_finite
         self.compressor = MinMaxUInt8(
             chunk_size=chunk_size, rounding=rounding, generator=generator, check_finite=check_finite
         )

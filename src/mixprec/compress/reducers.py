@@ -37,6 +37,13 @@ from mixprec.parallel.reducers import _check_bucket, _check_shard_out, register_
 __all__ = ["Uint8Reducer"]
 
 
+def rank_seeded_generator(seed: int) -> torch.Generator:
+    """A CPU generator seeded with ``seed + global rank``: every rank rounds with its own stream."""
+    generator = torch.Generator()
+    generator.manual_seed(seed + (dist.get_rank() if dist.is_initialized() else 0))
+    return generator
+
+
 class Uint8Reducer:
     """GradReducer with 8-bit min-max compression on the wire and fp32 sums (see mixprec.compress).
 
@@ -96,8 +103,7 @@ class Uint8Reducer:
         if self._compressor is None:
             generator = None
             if self.rounding == "stochastic":
-                generator = torch.Generator()
-                generator.manual_seed(self.seed + (dist.get_rank() if dist.is_initialized() else 0))
+                generator = rank_seeded_generator(self.seed)
                 if self._generator_state is not None:
                     generator.set_state(self._generator_state)
                     self._generator_state = None
