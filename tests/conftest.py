@@ -12,6 +12,10 @@ from mixprec.testing import run_distributed
 # Tests run on a 2-core CI machine; more intra-op threads only add contention with forked ranks.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# The first torch optimizer built in a process imports torch._dynamo (seconds). Build one here, in the parent,
+# so that every forked rank inherits the imported modules instead of paying again.
+torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
 
 @pytest.fixture
 def dist_run():

@@ -9,7 +9,10 @@ from typing import Any
 import torch
 
 __all__ = [
+    "check_bool",
     "check_choice",
+    "check_norm_type",
+    "check_tensor",
     "check_dtype",
     "check_positive_int",
     "check_positive_float",
@@ -58,4 +61,42 @@ def check_dtype(name: str, value: Any, allowed: Iterable[torch.dtype]) -> torch.
         raise TypeError(f"{name} must be a torch.dtype, one of {allowed}; got {type(value).__name__}")
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(str(a) for a in allowed)}; got {value}")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False); got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_norm_type(name: str, value: Any) -> float:
+    """A p-norm order: a finite number > 0, or math.inf."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a positive number or math.inf; got {type(value).__name__} {value!r}")
+    v = float(value)
+    if not (v == math.inf or (math.isfinite(v) and v > 0)):
+        raise ValueError(f"{name} must be a positive number or math.inf; got {value!r}")
+    return v
+
+
+def check_tensor(
+    name: str,
+    value: Any,
+    dtypes: Iterable[torch.dtype] | None = None,
+    *,
+    contiguous: bool = False,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """A tensor, optionally of one of ``dtypes`` (TypeError otherwise), contiguous and on ``device`` (ValueError)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
+    if dtypes is not None:
+        allowed = tuple(dtypes)
+        if value.dtype not in allowed:
+            raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in allowed)}; got {value.dtype}")
+    if contiguous and not value.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+    if device is not None and value.device != device:
+        raise ValueError(f"{name} must be on {device}; got {value.device}")
     return value

@@ -22,17 +22,18 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
 
 
 def agree_any(flag: torch.Tensor | bool, group: dist.ProcessGroup | None = None) -> bool:
-    """Return True on every rank of ``group`` if ``flag`` is true (non-zero) on any rank.
+    """Return True on every rank of ``group`` if ``flag`` is true on any rank (for a tensor: any element non-zero).
 
     One all-reduce(MAX) of a single fp32 element, then a host sync. Outside a distributed run it is
     just ``bool(flag)``. ``group=None`` means the default (world) group.
     """
-    if not is_distributed():
-        return bool(flag.item()) if isinstance(flag, torch.Tensor) else bool(flag)
-    device = collective_device(group)
     if isinstance(flag, torch.Tensor):
-        t = flag.detach().reshape(-1)[:1].to(device=device, dtype=torch.float32, copy=True)
+        # Any non-zero (or NaN) element counts: a multi-element flag is never read through its first element.
+        local = flag.detach().ne(0).any().reshape(1)
     else:
-        t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float32, device=device)
+        local = torch.tensor([bool(flag)])
+    if not is_distributed():
+        return bool(local.item())
+    t = local.to(device=collective_device(group), dtype=torch.float32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item() != 0.0)

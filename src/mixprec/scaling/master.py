@@ -7,15 +7,14 @@ the optimizer on it and rounding back to the model dtype after every step keeps 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
-from mixprec._validate import check_positive_float
+from mixprec._validate import check_norm_type, check_positive_float
 
-__all__ = ["MasterWeightOptimizer", "clip_grad_norm_", "grad_norm"]
+__all__ = ["MasterWeightOptimizer", "clip_coefficient", "clip_grad_norm_", "grad_norm"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -30,14 +29,17 @@ def grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.T
 
 
 def _norm_of(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    norm_type = float(norm_type)
-    if not (norm_type == math.inf or (math.isfinite(norm_type) and norm_type > 0)):
-        raise ValueError(f"norm_type must be a positive number or math.inf; got {norm_type!r}")
+    norm_type = check_norm_type("norm_type", norm_type)
     if not grads:
         return torch.zeros((), dtype=torch.float32)
     device = grads[0].device
     per_tensor = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device) for g in grads])
     return torch.linalg.vector_norm(per_tensor, norm_type)
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(1, max_norm / (total_norm + 1e-6))`` in fp32, torch's own clipping rule (the 1e-6 avoids 0/0)."""
+    return torch.clamp(max_norm / (total_norm.float() + 1e-6), max=1.0)
 
 
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -52,7 +54,7 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: 
     total = _norm_of(grads, norm_type)
     if not grads or not torch.isfinite(total):
         return total
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coef = clip_coefficient(total, max_norm)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
@@ -173,6 +175,14 @@ class MasterWeightOptimizer:
                 m.grad = torch.empty_like(m)
             m.grad.copy_(p.grad)
         self._grads_ready = True
+
+    def mixprec_discard_grads_(self) -> None:
+        """Forget this iteration's master gradients: the next unscale or step copies the model's afresh.
+
+        The loss scalers call it from ``update()``, so a skipped step's inf/NaN master gradients are never
+        reused, however the model gradients are cleared afterwards.
+        """
+        self._grads_ready = False
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the master gradients by global norm (taken in fp32); returns the norm before clipping."""

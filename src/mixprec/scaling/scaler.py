@@ -57,9 +57,15 @@ class _Stage(enum.Enum):
 
 @dataclass
 class _OptimizerState:
+    optimizer: Any = None
     stage: _Stage = _Stage.READY
     found_inf: torch.Tensor | None = None  # 1-element fp32, already agreed across ranks
     found_inf_host: bool | None = None
+
+
+# The smallest positive normal fp32 number. A scale below it would be subnormal (its reciprocal overflows fp32
+# and the unscaled gradients lose bits), so it is the floor even when a scaler has no min_scale.
+_FP32_TINY = 2.0**-126
 
 
 def _round_to_fp32(x: float) -> float:
@@ -78,11 +84,11 @@ class LossScaler(abc.ABC):
 
     def __init__(self, init_scale: float, *, enabled: bool = True, group: dist.ProcessGroup | None = None):
         self._scale = _round_to_fp32(check_positive_float("init_scale", init_scale))
-        if not math.isfinite(self._scale):
-            raise ValueError(f"init_scale must be representable in fp32 (<= 3.4e38); got {init_scale!r}")
+        if not _FP32_TINY <= self._scale < math.inf:
+            raise ValueError(f"init_scale must be a normal fp32 number, in [2**-126, 3.4e38]; got {init_scale!r}")
         self._enabled = bool(enabled)
         self._group = group
-        self._per_optimizer: dict[int, _OptimizerState] = defaultdict(_OptimizerState)
+        self._per_optimizer: dict[int, _OptimizerState] = {}
         self.steps_taken = 0
         self.steps_skipped = 0
         self.last_found_inf: bool | None = None
@@ -94,6 +100,12 @@ class LossScaler(abc.ABC):
     def get_scale(self) -> float:
         """The current loss scale (a float exactly representable in fp32); 1.0 when disabled."""
         return self._scale if self._enabled else 1.0
+
+    def _state_of(self, optimizer: Any) -> _OptimizerState:
+        state = self._per_optimizer.get(id(optimizer))
+        if state is None:
+            state = self._per_optimizer[id(optimizer)] = _OptimizerState(optimizer=optimizer)
+        return state
 
     # ------------------------------------------------------------------ verbs
     @overload
@@ -122,7 +134,7 @@ class LossScaler(abc.ABC):
         """
         if not self._enabled:
             return
-        state = self._per_optimizer[id(optimizer)]
+        state = self._state_of(optimizer)
         if state.stage is _Stage.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state.stage is _Stage.STEPPED:
@@ -171,7 +183,7 @@ class LossScaler(abc.ABC):
         """
         if not self._enabled:
             return False
-        state = self._per_optimizer[id(optimizer)]
+        state = self._state_of(optimizer)
         if state.stage is _Stage.READY:
             self.unscale_(optimizer)
         if state.found_inf_host is None:
@@ -193,7 +205,7 @@ class LossScaler(abc.ABC):
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not supported with loss scaling (the closure would be unscaled).")
-        state = self._per_optimizer[id(optimizer)]
+        state = self._state_of(optimizer)
         if state.stage is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         overflow = self.has_overflow(optimizer)
@@ -233,8 +245,17 @@ class LossScaler(abc.ABC):
             self.steps_skipped += 1
         else:
             self.steps_taken += 1
-        self._per_optimizer.clear()
+        self._end_iteration()
         self._apply_rule(overflow)
+
+    def _end_iteration(self) -> None:
+        # Optimizers that stage gradients (fp32 master grads) must not reuse them in the next iteration, also
+        # when the step was skipped and the user clears gradients some other way than optimizer.zero_grad().
+        for st in self._per_optimizer.values():
+            discard = getattr(st.optimizer, "mixprec_discard_grads_", None)
+            if callable(discard):
+                discard()
+        self._per_optimizer.clear()
 
     @abc.abstractmethod
     def _apply_rule(self, found_inf: bool) -> None:
@@ -264,7 +285,7 @@ class LossScaler(abc.ABC):
         self._scale = scale
         self.steps_taken = int(state_dict.get("steps_taken", 0))
         self.steps_skipped = int(state_dict.get("steps_skipped", 0))
-        self._per_optimizer.clear()
+        self._end_iteration()
 
 
 class StaticLossScaler(LossScaler):
@@ -310,7 +331,9 @@ class DynamicLossScaler(LossScaler):
         growth_interval: clean iterations between growths, int >= 1.
         hysteresis: overflows tolerated before backing off, int >= 1 (1 = back off at once).
         consecutive_hysteresis: refill hysteresis on every clean step (only consecutive overflows count).
-        min_scale: floor, > 0, or None for no floor (default 1.0: below 1 loss scaling shrinks gradients).
+        min_scale: floor, > 0, or None for no floor of one's own (default 1.0: below 1 loss scaling shrinks
+            gradients). Even with None the scale never goes below 2**-126, fp32's smallest normal number,
+            and overflows there count towards ``min_patience``.
         max_scale: ceiling, or None for none (default 2**24).
         on_min_scale: ``"raise"`` (LossScaleFloorError), ``"warn"`` (RuntimeWarning) or ``"ignore"``: what
             happens after ``min_patience`` consecutive overflows at the floor.
@@ -363,15 +386,13 @@ class DynamicLossScaler(LossScaler):
     def _apply_rule(self, found_inf: bool) -> None:
         if found_inf:
             self._growth_tracker = 0
-            if self.min_scale is not None and self._scale <= self.min_scale:
+            floor = self.min_scale if self.min_scale is not None else _FP32_TINY
+            if self._scale <= floor:
                 self.overflows_at_floor += 1
                 self.total_overflows_at_floor += 1
             self._hysteresis_left -= 1
             if self._hysteresis_left <= 0:
-                new_scale = _round_to_fp32(self._scale * self.backoff_factor)
-                if self.min_scale is not None:
-                    new_scale = max(new_scale, self.min_scale)
-                self._scale = new_scale
+                self._scale = max(_round_to_fp32(self._scale * self.backoff_factor), floor)
             if self.overflows_at_floor and self.overflows_at_floor % self.min_patience == 0:
                 self._stuck_at_floor()
             return
@@ -389,8 +410,9 @@ class DynamicLossScaler(LossScaler):
                 self._scale = new_scale
 
     def _stuck_at_floor(self) -> None:
+        floor = f"min_scale={self.min_scale}" if self.min_scale is not None else "2**-126 (fp32's smallest normal)"
         msg = (
-            f"loss scale is stuck at its floor min_scale={self.min_scale}: {self.overflows_at_floor} "
+            f"loss scale is stuck at its floor {floor}: {self.overflows_at_floor} "
             f"consecutive iterations overflowed there (min_patience={self.min_patience}). The gradients are "
             "inf/NaN even unscaled: look for a diverged loss, a too-high learning rate, or an fp16 "
             "activation overflow; or lower min_scale."
@@ -428,17 +450,28 @@ class DynamicLossScaler(LossScaler):
         if not self._enabled:
             return
         super().load_state_dict(state_dict)
-        self.growth_factor = float(state_dict.get("growth_factor", self.growth_factor))
-        self.backoff_factor = float(state_dict.get("backoff_factor", self.backoff_factor))
-        self.growth_interval = int(state_dict.get("growth_interval", self.growth_interval))
+        growth_factor = check_positive_float(
+            "state_dict['growth_factor']", state_dict.get("growth_factor", self.growth_factor)
+        )
+        if growth_factor <= 1.0:
+            raise ValueError(f"state_dict['growth_factor'] must be > 1; got {growth_factor!r}")
+        self.growth_factor = growth_factor
+        self.backoff_factor = check_fraction(
+            "state_dict['backoff_factor']", state_dict.get("backoff_factor", self.backoff_factor)
+        )
+        self.growth_interval = check_positive_int(
+            "state_dict['growth_interval']", int(state_dict.get("growth_interval", self.growth_interval))
+        )
         self._growth_tracker = int(state_dict.get("_growth_tracker", 0))
-        self.hysteresis = int(state_dict.get("hysteresis", self.hysteresis))
+        self.hysteresis = check_positive_int(
+            "state_dict['hysteresis']", int(state_dict.get("hysteresis", self.hysteresis))
+        )
         self._hysteresis_left = int(state_dict.get("hysteresis_left", self.hysteresis))
         self.consecutive_hysteresis = bool(state_dict.get("consecutive_hysteresis", self.consecutive_hysteresis))
-        if "min_scale" in state_dict:
-            self.min_scale = state_dict["min_scale"]
-        if "max_scale" in state_dict:
-            self.max_scale = state_dict["max_scale"]
+        for key in ("min_scale", "max_scale"):
+            if key in state_dict:
+                value = state_dict[key]
+                setattr(self, key, None if value is None else check_positive_float(f"state_dict[{key!r}]", value))
         self.overflows_at_floor = int(state_dict.get("overflows_at_floor", 0))
         self.total_overflows_at_floor = int(state_dict.get("total_overflows_at_floor", 0))
 
