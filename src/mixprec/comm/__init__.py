@@ -8,6 +8,7 @@ from mixprec.comm.fp32_accumulate import (
     reduce_scatter_fp32_accumulate,
 )
 from mixprec.comm.memory import measure_peak_allocated
+from mixprec.comm.random import rank_generator
 from mixprec.comm.rounding import round_into_, stochastic_round
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "collective_device",
     "is_distributed",
     "measure_peak_allocated",
+    "rank_generator",
     "reduce_scatter_fp32_accumulate",
     "round_into_",
     "stochastic_round",

@@ -25,7 +25,6 @@ rounding to fp16 overflows to inf above 65504, as the backend's sum would).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 
 import torch
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 from mixprec._validate import check_choice
 from mixprec.comm._compat import all_gather_flat, overlaps, require_initialized
+from mixprec.comm.random import rank_generator
 from mixprec.comm.rounding import Rounding, round_into_
 
 __all__ = [
@@ -47,7 +47,6 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Seed of the per-process default generator for rounding="stochastic" (plus the global rank), so runs
 # are reproducible when the caller passes no generator.
 DEFAULT_STOCHASTIC_SEED = 0x6D697870
-_default_generators: dict[tuple[int, int], torch.Generator] = {}
 # Elements per block of the fp32 sum (256 KiB of fp32: the accumulator and the widened addend fit in L2).
 _SUM_BLOCK = 1 << 16
 
@@ -70,18 +69,6 @@ class PendingReduction:
     def is_completed(self) -> bool:
         """True once ``wait()`` has run (the local sum is only done inside ``wait()``)."""
         return self._finish is None
-
-
-def _default_generator(device: torch.device) -> torch.Generator:
-    # Keyed by pid as well: a generator inherited through fork would give every rank the same stream.
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    key = (os.getpid(), rank)
-    gen = _default_generators.get(key)
-    if gen is None or gen.device != device:
-        gen = torch.Generator(device=device)
-        gen.manual_seed(DEFAULT_STOCHASTIC_SEED + rank)
-        _default_generators[key] = gen
-    return gen
 
 
 def _check_contiguous(name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
@@ -113,7 +100,7 @@ def _sum_shards_into(
     Extra memory: two blocks of fp32 (512 KiB); about 3x faster here than whole-shard passes.
     """
     if rounding == "stochastic" and generator is None and output.dtype != torch.float32:
-        generator = _default_generator(output.device)
+        generator = rank_generator(DEFAULT_STOCHASTIC_SEED, output.device)
     world_size, shard = shards.shape
     out_flat = output.view(-1)
     in_place = output.dtype == torch.float32

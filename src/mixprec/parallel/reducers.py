@@ -55,6 +55,7 @@ from mixprec.comm.fp32_accumulate import (
     all_reduce_fp32_accumulate,
     reduce_scatter_fp32_accumulate,
 )
+from mixprec.comm.random import rank_generator
 
 __all__ = [
     "BUCKET_ALIGNMENT",
@@ -257,13 +258,10 @@ class FP32AccumulateReducer:
     def _rng(self, device: torch.device) -> torch.Generator | None:
         if self.rounding != "stochastic":
             return None
-        if self._generator is None or self._generator.device != device:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(self.seed + rank)
-            if self._generator_state is not None:
-                self._generator.set_state(self._generator_state)
-                self._generator_state = None
+        self._generator = rank_generator(self.seed, device)
+        if self._generator_state is not None:  # a state loaded before the first reduction
+            self._generator.set_state(self._generator_state)
+            self._generator_state = None
         return self._generator
 
     # ------------------------------------------------------------------ reducer interface

@@ -1,0 +1,62 @@
+"""mixprec.comm.rank_generator: one stream per (seed, device, rank), created lazily, never inherited by fork."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mixprec.comm import rank_generator
+
+
+def _first_draws(seed: int, n: int = 8) -> torch.Tensor:
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def test_same_arguments_give_the_same_generator_and_devices_are_canonical() -> None:
+    g = rank_generator(123_456)
+    assert g is rank_generator(123_456, "cpu") is rank_generator(123_456, torch.device("cpu"))
+    assert g is not rank_generator(123_457)
+    assert g.device == torch.device("cpu")
+    # Not distributed: rank 0, so the stream starts as a generator seeded with the seed itself.
+    fresh = rank_generator(98_765)
+    assert torch.equal(torch.rand(8, generator=fresh, dtype=torch.float64), _first_draws(98_765))
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="seed must be an int"):
+        rank_generator(1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="seed must be an int"):
+        rank_generator(True)
+    with pytest.raises(ValueError, match="outside torch's seed range"):
+        rank_generator(2**64)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        rank_generator(1, group=object())  # type: ignore[arg-type]
+
+
+def _ranks_case(rank: int, world_size: int, seed: int) -> dict[str, object]:
+    g = rank_generator(seed)
+    draws = torch.rand(8, generator=g, dtype=torch.float64)
+    subgroup = dist.new_group([1, 2])
+    in_group = rank_generator(seed, group=subgroup) if rank in (1, 2) else None
+    return {
+        "draws": draws,
+        "same_object": g is rank_generator(seed, "cpu"),
+        "group_seed_draw": None if in_group is None else torch.rand(8, generator=in_group, dtype=torch.float64),
+    }
+
+
+def test_each_rank_and_each_forked_child_gets_its_own_seeded_stream(dist_run) -> None:
+    seed = 4242
+    # Created and advanced in the parent before the fork: a pid-blind cache would hand this very object
+    # (mid-stream, with rank 0's seed) to every child.
+    parent = rank_generator(seed)
+    torch.rand(100, generator=parent)
+    results = dist_run(_ranks_case, 3, seed, timeout=60)
+    for rank, r in enumerate(results):
+        assert r["same_object"]
+        assert torch.equal(r["draws"], _first_draws(seed + rank))
+    # A group's rank is the rank within it: global ranks 1 and 2 are ranks 0 and 1 of the subgroup.
+    assert results[0]["group_seed_draw"] is None
+    assert torch.equal(results[1]["group_seed_draw"], _first_draws(seed + 0))
+    assert torch.equal(results[2]["group_seed_draw"], _first_draws(seed + 1))
