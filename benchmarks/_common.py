@@ -55,6 +55,25 @@ def time_it(fn: Callable[[], object], *, warmup: int = 2, repeat: int = 10) -> f
     return samples[len(samples) // 2]
 
 
+def time_alternating(
+    fn_a: Callable[[], object], fn_b: Callable[[], object], *, warmup: int = 2, repeat: int = 10
+) -> tuple[float, float]:
+    """Median seconds per call of ``fn_a`` and ``fn_b``, called in turns (a, b, a, b, ...) so that a change of
+    machine load during the measurement falls on both alike."""
+    for _ in range(warmup):
+        fn_a()
+        fn_b()
+    a, b = [], []
+    for _ in range(repeat):
+        for fn, out in ((fn_a, a), (fn_b, b)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    a.sort()
+    b.sort()
+    return a[len(a) // 2], b[len(b) // 2]
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     def fmt(v: object) -> str:
         if isinstance(v, float):

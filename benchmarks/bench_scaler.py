@@ -1,7 +1,10 @@
 """Per-step overhead of loss scaling: mixprec's DynamicLossScaler vs torch.amp.GradScaler.
 
 Times ``unscale_`` + the overflow check (inside ``step``, with an optimizer whose step does nothing, so
-only the scaler's own work is measured) + ``update``, on the same fp32 gradients, in the same run.
+only the scaler's own work is measured) + ``update``, on the same fp32 gradients, in the same run. Both scalers
+run at scale 1.0, so unscaling multiplies by exactly 1 and the gradients are the same at every iteration (at any
+other scale the in-place unscale would shrink them towards subnormals call after call); the multiply still runs.
+The two scalers take turns iteration by iteration, so a change of machine load hits both alike.
 
     python benchmarks/bench_scaler.py [--quick]
 """
@@ -13,7 +16,7 @@ import functools
 
 import torch
 
-from _common import machine_header, markdown_table, time_it
+from _common import machine_header, markdown_table, time_alternating
 from mixprec import DynamicLossScaler
 
 
@@ -53,10 +56,11 @@ def main() -> None:
         grads = [torch.randn(s) for s in shape_list]
         opt = _NoopOptimizer(params)
         # growth_interval large, no overflow: both scalers do the same unscale work every iteration
-        ours = DynamicLossScaler(init_scale=2.0**16, growth_interval=10**9)
-        theirs = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=10**9)
-        t_ours = time_it(functools.partial(_one_iteration, ours, opt, grads), repeat=repeat)
-        t_theirs = time_it(functools.partial(_one_iteration, theirs, opt, grads), repeat=repeat)
+        ours = DynamicLossScaler(init_scale=1.0, growth_interval=10**9)
+        theirs = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**9)
+        run_ours = functools.partial(_one_iteration, ours, opt, grads)
+        run_theirs = functools.partial(_one_iteration, theirs, opt, grads)
+        t_ours, t_theirs = time_alternating(run_ours, run_theirs, repeat=repeat)
         numel = sum(g.numel() for g in grads)
         rows.append([name, numel, t_theirs * 1e3, t_ours * 1e3, t_ours / t_theirs])
     print(machine_header("Loss-scaler per-step overhead (unscale_ + overflow check + update)"))

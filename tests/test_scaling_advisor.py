@@ -116,14 +116,35 @@ def test_grad_range_report_exact_on_crafted_values():
     assert math.isclose(r.zero + r.underflow + r.subnormal + r.normal + r.overflow + r.nonfinite, 1.0)
 
 
-def test_grad_range_report_matches_torch_cast_on_random_gradients():
-    g = torch.randn(100_000) * torch.exp2(torch.randint(-40, 5, (100_000,)).float())
-    for scale in (1.0, 2.0**8, 2.0**16):
-        r = grad_range_report([g], scale)
-        y = (g * scale).half()
-        assert round(r.underflow * r.count) == int(((g != 0) & (y == 0)).sum())
-        assert round(r.subnormal * r.count) == int(((y != 0) & (y.abs() < 2.0**-14)).sum())
-        assert round(r.overflow * r.count) == int(torch.isinf(y).sum())
+def _fp16_class_by_thresholds(y: torch.Tensor) -> dict[str, int]:
+    """Independent oracle: classify fp64 values by where round-to-nearest-even to fp16 sends them.
+
+    Smallest subnormal 2**-24: |y| <= 2**-25 rounds to 0 (the tie at 2**-25 goes to the even 0). The largest
+    subnormal is 2**-14 - 2**-24: |y| >= 2**-14 - 2**-25 rounds up to the smallest normal (the tie goes to the
+    even 2**-14). The largest finite is 65504 with spacing 32: |y| >= 65520 rounds to inf (the tie goes up).
+    """
+    a = y.abs()
+    nz = y != 0
+    return {
+        "underflow": int((nz & (a <= 2.0**-25)).sum()),
+        "subnormal": int(((a > 2.0**-25) & (a < 2.0**-14 - 2.0**-25)).sum()),
+        "normal": int(((a >= 2.0**-14 - 2.0**-25) & (a < 65520)).sum()),
+        "overflow": int((a >= 65520).sum()),
+    }
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**8, 2.0**16, 3.0, 1000.0])
+def test_grad_range_report_matches_threshold_oracle(scale):
+    torch.manual_seed(0)
+    g = torch.randn(200_000) * torch.exp2(torch.randint(-40, 5, (200_000,)).float())
+    g[:6] = torch.tensor([2.0**-25, 2.0**-14 - 2.0**-25, 65520.0, 65519.0, 2.0**-14 - 2.0**-24, 3 * 2.0**-26]) / scale
+    r = grad_range_report([g], scale)
+    # the report's model: the product formed in fp32, then rounded once to fp16
+    y = (g * scale).double()  # g * scale in fp32 (both operands fp32), widened exactly
+    expected = _fp16_class_by_thresholds(y)
+    for field, count in expected.items():
+        assert round(getattr(r, field) * r.count) == count, field
+    assert expected["underflow"] > 0 and expected["subnormal"] > 0 and expected["normal"] > 0
 
 
 def test_gradient_stats_approximates_exact_report_within_a_binade():

@@ -261,26 +261,80 @@ def _overflow_on_one_rank(rank: int, world_size: int, bad_rank: int):
     model = torch.nn.Linear(8, 4).half()
     opt = MasterWeightOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     scaler = DynamicLossScaler(init_scale=1024.0, growth_interval=1000)
-    before = [p.detach().clone() for p in model.parameters()]
-    results = []
+    per_step = []
     for step in range(3):
+        before = [p.detach().clone() for p in model.parameters()]
         opt.zero_grad()
         loss = model(torch.ones(2, 8, dtype=torch.float16)).float().sum()
         scaler.scale(loss).backward()
         if rank == bad_rank and step == 1:
             model.weight.grad[0, 0] = float("inf")
         scaler.step(opt)
-        stepped = not scaler.has_overflow(opt)
         scaler.update()
-        results.append((stepped, scaler.get_scale()))
-    changed_after_0 = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
-    return results, changed_after_0, scaler.steps_skipped
+        changed = [not torch.equal(b, p) for b, p in zip(before, model.parameters())]
+        per_step.append((changed, scaler.get_scale(), scaler.last_found_inf))
+    return per_step, scaler.steps_skipped
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_overflow_on_one_rank_skips_on_every_rank(dist_run, world_size):
     out = dist_run(_overflow_on_one_rank, world_size, world_size - 1, timeout=90)
-    for results, changed, skipped in out:
-        assert [r[0] for r in results] == [True, False, True]
-        assert [r[1] for r in results] == [1024.0, 512.0, 512.0]
-        assert changed and skipped == 1
+    for per_step, skipped in out:
+        # step 1 overflowed on the last rank only: every rank's parameters stay bit-identical through it
+        assert [all(changed) for changed, _, _ in per_step] == [True, False, True]
+        assert [any(changed) for changed, _, _ in per_step] == [True, False, True]
+        assert [scale for _, scale, _ in per_step] == [1024.0, 512.0, 512.0]
+        assert [found for _, _, found in per_step] == [False, True, False]
+        assert skipped == 1
+
+
+def test_stale_master_grads_after_a_skip_are_not_reused():
+    """A skipped step's inf master gradients must not leak into the next iteration, even when the user clears
+    gradients with model.zero_grad() instead of the optimizer's zero_grad()."""
+    model = torch.nn.Linear(2, 1).half()
+    opt = MasterWeightOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    s = DynamicLossScaler(init_scale=8.0, growth_interval=100)
+    model(torch.ones(1, 2, dtype=torch.float16)).float().sum().backward()
+    model.weight.grad.fill_(float("inf"))
+    s.step(opt)
+    s.update()
+    assert s.last_found_inf
+    model.zero_grad()
+    s.scale(model(torch.ones(1, 2, dtype=torch.float16)).float().sum()).backward()
+    assert not s.has_overflow(opt)
+    before = model.weight.detach().clone()
+    s.step(opt)
+    s.update()
+    assert not s.last_found_inf and not torch.equal(before, model.weight.detach())
+
+
+def test_no_floor_still_stops_at_fp32_smallest_normal():
+    s = DynamicLossScaler(init_scale=1.0, min_scale=None, min_patience=5, on_min_scale="ignore")
+    scales = _drive(s, [True] * 140)
+    assert min(scales) == 2.0**-126 and all(x > 0 for x in scales)
+    assert s.total_overflows_at_floor == 140 - 126
+    with pytest.raises(LossScaleFloorError, match="smallest normal"):
+        _drive(DynamicLossScaler(init_scale=2.0**-125, min_scale=None, min_patience=2), [True] * 4)
+    with pytest.raises(ValueError, match="init_scale"):
+        DynamicLossScaler(init_scale=1e-40, min_scale=None)
+
+
+def test_update_flag_tensor_any_element_counts():
+    s = DynamicLossScaler(init_scale=8.0, min_scale=None)
+    s.update(found_inf=torch.tensor([0.0, 1.0]))
+    assert s.last_found_inf and s.get_scale() == 4.0
+    s.update(found_inf=torch.tensor([0.0, float("nan")]))
+    assert s.last_found_inf
+    s.update(found_inf=torch.zeros(3))
+    assert not s.last_found_inf
+
+
+def test_load_state_dict_validates_values():
+    s = DynamicLossScaler()
+    sd = s.state_dict()
+    with pytest.raises(ValueError, match="growth_factor"):
+        s.load_state_dict({**sd, "growth_factor": 0.5})
+    with pytest.raises(ValueError, match="min_scale"):
+        s.load_state_dict({**sd, "min_scale": -1.0})
+    with pytest.raises(ValueError, match="scale"):
+        s.load_state_dict({**sd, "scale": float("nan")})

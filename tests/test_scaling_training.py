@@ -61,10 +61,12 @@ def test_fp16_with_master_weights_matches_fp32_accuracy_on_digits():
     acc32, _ = _train(torch.float32)
     acc16, skipped = _train(torch.float16)
     assert acc32 > 0.95  # the task is learnt at all
-    # Margin: 2 percentage points = 7 of the 360 test images. fp16 forward/backward perturbs every
-    # step by ~2**-11 relative; over a short run this moves a handful of borderline test images.
+    # Stated margin: 2 percentage points = 7 of the 360 test images, about two binomial standard deviations of a
+    # test accuracy near 0.96 (sqrt(0.96 * 0.04 / 360) = 1.0 %). fp16 storage and arithmetic perturb each step by
+    # ~2**-11 relative, which moves a few borderline images; a missing master-weight update or a wrong unscale
+    # costs far more than 7 images.
     assert acc16 >= acc32 - 0.02, (acc16, acc32)
-    assert skipped <= 5  # only the first steps at 2**16 may overflow
+    assert skipped < 40  # at most ~10% of the 330 steps: the scaler settles instead of oscillating
 
 
 def _resume_run(steps: int, checkpoint_at: int | None, resume_from: bytes | None):

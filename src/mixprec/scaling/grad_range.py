@@ -2,8 +2,11 @@
 
 Two entry points:
 
-* :func:`grad_range_report` on the gradients themselves: exact, because it rounds ``g * scale`` with
-  torch's own cast (round to nearest even) and classifies the result.
+* :func:`grad_range_report` on the gradients themselves: exact for the model it states, because it forms
+  ``g * scale`` in fp32 (as a backward computed in fp32 would) and rounds that with torch's own cast (round to
+  nearest even). For a power-of-two scale the fp32 product is exact, so this is the rounding of the exact
+  ``g * scale``; for other scales the fp32 product is itself rounded first (a double rounding that can move a
+  value lying within an fp32 ulp of a boundary).
 * :class:`GradientStats` + :meth:`GradientStats.report`: a log2-magnitude histogram that can be
   collected cheaply during training (or on another machine) and evaluated at any scale later. A bin
   covers one binade [2**e, 2**(e+1)); it is classified by where the scaled binade lies, and a binade
@@ -67,7 +70,8 @@ def grad_range_report(
     grads: Iterable[torch.Tensor], scale: float, dtype: torch.dtype = torch.float16
 ) -> GradRangeReport:
     """Classify every element of ``grads`` (any float dtype) after multiplying by ``scale`` and rounding
-    to ``dtype`` (fp16 or bf16). Exact; the product is formed in fp32 as autocast's backward would."""
+    to ``dtype`` (fp16 or bf16). The product is formed in fp32 (exact for power-of-two scales), then rounded
+    once to ``dtype`` by torch's cast; see the module docstring."""
     check_positive_float("scale", scale)
     check_dtype("dtype", dtype, _TARGETS)
     tiny = torch.finfo(dtype).tiny

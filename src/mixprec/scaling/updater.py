@@ -79,6 +79,22 @@ class Updater:
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(model, microbatch)")
+        if not all(callable(getattr(optimizer, name, None)) for name in ("step", "zero_grad")) or not hasattr(
+            optimizer, "param_groups"
+        ):
+            raise TypeError(
+                "optimizer must be a torch optimizer (or MasterWeightOptimizer / ShardedOptimizer) with "
+                f"param_groups, step() and zero_grad(); got {type(optimizer).__name__}"
+            )
+        if scaler is not None and not isinstance(scaler, LossScaler):
+            raise TypeError(
+                "scaler must be a mixprec loss scaler (DynamicLossScaler or StaticLossScaler) or None; got "
+                f"{type(scaler).__name__} (torch.amp.GradScaler's state_dict loads into DynamicLossScaler)"
+            )
+        if grad_reduce is not None and not callable(grad_reduce):
+            raise TypeError(
+                f"grad_reduce must be callable as grad_reduce(grads) or None; got {type(grad_reduce).__name__}"
+            )
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -119,8 +135,8 @@ class Updater:
     def _forward_backward(self, microbatches: Sequence[Any]) -> float:
         self.optimizer.zero_grad(set_to_none=True)
         no_sync = getattr(self.model, "no_sync", None)
-        total = 0.0
         n = self.num_microbatches
+        total: torch.Tensor | None = None
         for i, mb in enumerate(microbatches):
             ctx = no_sync() if (callable(no_sync) and i < n - 1) else contextlib.nullcontext()
             with ctx:
@@ -128,8 +144,10 @@ class Updater:
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise TypeError("loss_fn must return a scalar (one-element) tensor")
                 self.scaler.scale(loss.float() / n).backward()
-            total += float(loss.detach())
-        return total / n
+            # Summed in fp64 on the loss's device: one host sync per step, not one per microbatch.
+            term = loss.detach().reshape(()).double()
+            total = term if total is None else total + term
+        return float(total) / n if total is not None else 0.0
 
     @torch.no_grad()
     def _clip_and_decay(self) -> float:

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from mixprec._validate import check_positive_float, check_positive_int
+
 __all__ = ["RankFailedError", "run_distributed"]
 
 
@@ -107,10 +109,8 @@ def run_distributed(
         RankFailedError: a rank raised (its traceback is in the message), exited without a result,
             or was still running at the deadline.
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if timeout <= 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    check_positive_int("world_size", world_size)
+    timeout = check_positive_float("timeout", timeout)
     ctx = mp.get_context("fork")
     tmpdir = tempfile.mkdtemp(prefix="mixprec-dist-")
     init_file = os.path.join(tmpdir, "rendezvous")
