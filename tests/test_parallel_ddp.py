@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from dist_reference import fp32_rank_order_sum, neighbours
 from mixprec.parallel import (
     DistributedDataParallel,
     FP32AccumulateReducer,
@@ -450,3 +451,67 @@ def test_layout_pads_buckets_and_shards_cover_each_parameter_once() -> None:
     layout = build_layout(mixed, world_size=2, bucket_size=100, grad_dtype=torch.float32)
     assert layout.groups == [(torch.bfloat16, torch.float32), (torch.float32, torch.float32)]
     assert math.lcm(2, 128) == layout.buckets[0].numel
+
+
+def _stochastic_ddp_case(rank: int, world_size: int) -> dict[str, object]:
+    """fp32 model, bf16 wire, stochastic rounding of the fp32 mean; then the per-rank reducer state resumes
+    the stream exactly."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    reference_model = copy.deepcopy(model)
+    options = {"rounding": "stochastic", "seed": 77}
+    ddp = DistributedDataParallel(model, bucket_size=400, grad_dtype=torch.bfloat16, reduce_options=options)
+    x = torch.randn(6, 24, generator=torch.Generator().manual_seed(rank))
+
+    def backward(wrapper: DistributedDataParallel) -> list[torch.Tensor]:
+        wrapper.module.zero_grad(set_to_none=True)
+        wrapper(x).square().mean().backward()
+        return [p.grad.clone() for p in wrapper.module.parameters()]
+
+    first = backward(ddp)
+    saved = ddp.reducer_state_dict()
+    second = backward(ddp)
+    # A fresh wrapper on the same model: load this rank's state and draw the second step's bits again.
+    ddp.remove_hooks()
+    resumed = DistributedDataParallel(model, bucket_size=400, grad_dtype=torch.bfloat16, reduce_options=options)
+    resumed.load_reducer_state_dict(saved)
+    again = backward(resumed)
+    errors = []
+    other = dict(saved, rank=1 - rank)
+    for bad in ({"format": "x"}, other, dict(saved, world_size=world_size + 1)):
+        try:
+            resumed.load_reducer_state_dict(bad)
+        except ValueError as exc:
+            errors.append(str(exc))
+    per_rank = []
+    for r in range(world_size):
+        m = copy.deepcopy(reference_model)
+        m(torch.randn(6, 24, generator=torch.Generator().manual_seed(r))).square().mean().backward()
+        per_rank.append([p.grad.to(torch.bfloat16) for p in m.parameters()])
+    exact = [fp32_rank_order_sum([g[i] for g in per_rank], average=True) for i in range(len(per_rank[0]))]
+    return {"first": first, "second": second, "again": again, "exact": exact, "errors": errors, "saved": saved}
+
+
+def test_stochastic_reducer_through_ddp_and_its_per_rank_state(dist_run) -> None:
+    results = dist_run(_stochastic_ddp_case, 2, timeout=60)
+    for r in results:
+        assert r["saved"]["state"]["rounding"] == "stochastic" and "generator_state" in r["saved"]["state"]
+        for g1, g2, g3, exact in zip(r["first"], r["second"], r["again"], r["exact"], strict=True):
+            lo, hi = neighbours(exact, torch.bfloat16)
+            for g in (g1, g2):
+                # Each element is one of the two bf16 neighbours of the exact fp32 mean...
+                assert bool(((g == lo.float()) | (g == hi.float())).all())
+            assert torch.equal(g2, g3)  # ...and the loaded state replays the stream bit for bit
+        # Stochastic, not nearest in disguise: over ~1.1k elements some round away from the nearest value.
+        assert any(
+            not torch.equal(g, e.to(torch.bfloat16).float()) for g, e in zip(r["first"], r["exact"], strict=True)
+        )
+        assert any(not torch.equal(a, b) for a, b in zip(r["first"], r["second"], strict=True))
+        fragments = ["must come from DistributedDataParallel.reducer_state_dict()", "saved by rank", "world size 3"]
+        for message, fragment in zip(r["errors"], fragments, strict=True):
+            assert fragment in message, (fragment, message)
+    # Ranks hold identical reduced gradients (all-gathered), but their generator states differ.
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["first"], results[1]["first"], strict=True))
+    assert not torch.equal(
+        results[0]["saved"]["state"]["generator_state"], results[1]["saved"]["state"]["generator_state"]
+    )

@@ -72,7 +72,9 @@ from mixprec.comm._compat import require_initialized
 from mixprec.parallel.buckets import BucketLayout, build_layout
 from mixprec.parallel.reducers import GradReducer, ReductionHandle, make_reducer
 
-__all__ = ["DistributedDataParallel", "NonFiniteBucket", "NonFiniteGradientWarning"]
+__all__ = ["REDUCER_STATE_FORMAT", "DistributedDataParallel", "NonFiniteBucket", "NonFiniteGradientWarning"]
+
+REDUCER_STATE_FORMAT = "mixprec.ddp_reducer/1"
 
 _GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -453,6 +455,58 @@ class DistributedDataParallel(torch.nn.Module):
             if not self._direct[i]:
                 p.grad = None
         self._fresh = [True] * len(self._params)
+
+    # ------------------------------------------------------------------ reducer state (per rank)
+    def reducer_state_dict(self) -> dict[str, Any]:
+        """This rank's reducer state, for checkpoints: it differs from rank to rank, so save one per rank.
+
+        What it holds depends on the reducer: ``"fp32_accumulate"`` with stochastic rounding, the rank's
+        generator state; ``"uint8"`` with error feedback, the rank's per-bucket residuals (``4 x bucket
+        length`` bytes each). Returns ``{"format", "rank", "world_size", "reducer", "state"}``: plain
+        tensors and Python scalars, loadable with ``torch.load(..., weights_only=True)``. Tensors are the
+        reducer's own (not copied to the CPU). Local: no collective.
+
+        Typical use: ``torch.save(ddp.reducer_state_dict(), f"reducer_rank{rank}.pt")`` on every rank, or
+        ``dist.all_gather_object`` the dicts to one rank and save the list.
+        """
+        return {
+            "format": REDUCER_STATE_FORMAT,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "reducer": type(self.reducer).__name__,
+            "state": self.reducer.state_dict(),
+        }
+
+    def load_reducer_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`reducer_state_dict` returned on this same rank, at the same world size.
+
+        Refused (ValueError) when it was saved by another rank, at another world size (the residuals follow
+        the bucket layout, which depends on it; start such a run without reducer state), or by another
+        reducer type; RuntimeError while a backward's reductions are in flight. Local: no collective.
+        """
+        if not isinstance(state_dict, dict) or state_dict.get("format") != REDUCER_STATE_FORMAT:
+            raise ValueError(
+                f"state_dict must come from DistributedDataParallel.reducer_state_dict() (format "
+                f"{REDUCER_STATE_FORMAT!r})"
+            )
+        if self._callback_queued:
+            raise RuntimeError("load_reducer_state_dict() during a backward pass; call it between steps")
+        if state_dict.get("world_size") != self.world_size:
+            raise ValueError(
+                f"reducer state was saved at world size {state_dict.get('world_size')}, this run has "
+                f"{self.world_size}: per-rank reducer state does not carry over; start without it"
+            )
+        if state_dict.get("rank") != self.rank:
+            raise ValueError(
+                f"reducer state was saved by rank {state_dict.get('rank')}; this is rank {self.rank} "
+                "(load each rank's own state)"
+            )
+        if state_dict.get("reducer") != type(self.reducer).__name__:
+            raise ValueError(
+                f"reducer state was saved by a {state_dict.get('reducer')}; this wrapper uses a "
+                f"{type(self.reducer).__name__}"
+            )
+        self.reducer.load_state_dict(state_dict["state"])
 
     # ------------------------------------------------------------------ introspection
     @property
