@@ -257,3 +257,73 @@ def test_masters_and_state_are_one_shard_per_rank(dist_run) -> None:
         assert masters == padded_total // 4
         params = sum(p.numel() for p in _mlp().parameters())
         assert state <= 2 * math.ceil(params / 4) + 2 * 128  # exp_avg + exp_avg_sq of this rank's pieces only
+
+
+def _partial_groups(rank: int, world_size: int, sharded: bool) -> dict:
+    """Only the last layer is in a param group; the first two layers are in none (frozen by omission)."""
+    model = _mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    ddp = DistributedDataParallel(model, bucket_size=300, sharded_optimizer=sharded)
+    opt = ddp.make_optimizer(torch.optim.SGD, [{"params": list(model[4].parameters())}], lr=0.1)
+    _train(ddp, opt, rank, world_size, range(3), None)
+    out = {"before": before, "params": [p.detach().clone() for p in model.parameters()]}
+    if sharded:
+        out["checkpoint"] = opt.state_dict()
+    return out
+
+
+def test_parameters_in_no_group_keep_their_values(dist_run) -> None:
+    """C1: the all-gather after a step writes the whole master shard back into the parameters, so the
+    masters of parameters in no group must hold their values (they used to be zero)."""
+    world_size = 2
+    sharded = dist_run(_partial_groups, world_size, True, timeout=120)
+    unsharded = dist_run(_partial_groups, world_size, False, timeout=120)
+    frozen = 4  # Linear 0 and Linear 2: weight and bias each
+    for rank in range(world_size):
+        res = sharded[rank]
+        for a, b in zip(res["before"][:frozen], res["params"][:frozen], strict=True):
+            assert torch.equal(a, b)  # bit for bit: never touched
+        for a, b in zip(res["before"][frozen:], res["params"][frozen:], strict=True):
+            assert not torch.equal(a, b)  # the grouped layer did train
+        # fp32 model and fp32 sums in rank order both ways: the trained layer matches unsharded SGD exactly.
+        for a, b in zip(unsharded[rank]["params"], res["params"], strict=True):
+            assert torch.equal(a, b)
+    checkpoint = sharded[0]["checkpoint"]
+    names = [n for n, _ in _mlp().named_parameters()]
+    for name, value in zip(names, sharded[0]["params"], strict=True):
+        assert torch.equal(checkpoint["master"][name], value)
+
+
+def _stale_shards_after_skip(rank: int, world_size: int) -> list[str]:
+    from mixprec.scaling import DynamicLossScaler
+
+    model = _mlp()
+    ddp = DistributedDataParallel(model, bucket_size=300, sharded_optimizer=True, check_finite=False)
+    opt = ddp.make_optimizer(torch.optim.SGD, lr=0.1)
+    scaler = DynamicLossScaler(init_scale=2.0**10)
+    x, y = _batch(0)
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(ddp(x[_rows(rank, world_size)]), y[_rows(rank, world_size)])
+    # Rank 0's loss overflows: every rank must skip, and nobody may step on these shards later.
+    scaler.scale(loss * (math.inf if rank == 0 else 1.0)).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    skipped = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    messages = [f"skipped={skipped}"]
+    model.zero_grad()  # clears the grads another way than opt.zero_grad(): the shards still hold inf/NaN
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        messages.append(str(exc))
+    messages.append(f"finite={all(bool(torch.isfinite(p).all()) for p in model.parameters())}")
+    return messages
+
+
+def test_a_skipped_steps_shards_are_discarded_at_update(dist_run) -> None:
+    """C2: the scaler's update() calls mixprec_discard_grads_(): a step() without a new synced backward
+    is refused instead of applying the skipped step's inf/NaN gradient shards."""
+    for messages in dist_run(_stale_shards_after_skip, 2, timeout=60):
+        assert messages[0] == "skipped=True"
+        assert "no reduced gradients since the last step" in messages[1]
+        assert messages[2] == "finite=True"

@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from mixprec._validate import check_positive_float
+from mixprec._validate import check_norm_type, check_positive_float
 from mixprec.comm._compat import all_gather_flat
 from mixprec.parallel.buckets import ShardPiece
+from mixprec.scaling.master import clip_coefficient
 
 if TYPE_CHECKING:
     from mixprec.parallel.ddp import DistributedDataParallel
@@ -83,22 +84,26 @@ class ShardedOptimizer:
         self._group_names = [[ddp._names[i] for i in idx] for idx in members]
 
         self.master = torch.zeros_like(ddp.shard_grads)
+        # Every piece of this rank's shard, in buffer order. The masters of all of them hold the parameter's
+        # value, also for parameters in no group: the all-gather after each step writes the whole shard back
+        # into the parameters, so a piece left at zero would zero its parameter.
+        self._all_pieces: list[tuple[int, ShardPiece]] = [
+            (bucket.index, piece) for bucket in layout.buckets for piece in layout.pieces(bucket, rank)
+        ]
         self._pieces: list[tuple[int, ShardPiece]] = []  # (bucket, piece), in inner-optimizer order
         piece_params: list[list[torch.Tensor]] = [[] for _ in param_groups]
         unsorted: list[tuple[int, int, ShardPiece]] = []
-        for bucket in layout.buckets:
-            for piece in layout.pieces(bucket, rank):
-                g = group_of.get(piece.slot.index)
-                if g is not None:
-                    unsorted.append((g, bucket.index, piece))
+        for k, piece in self._all_pieces:
+            g = group_of.get(piece.slot.index)
+            if g is not None:
+                unsorted.append((g, k, piece))
         # Inner order: by group, then buffer order (stable sort keeps buffer order within a group).
         unsorted.sort(key=lambda t: t[0])
         with torch.no_grad():
+            self._refresh_masters_from_params()
             for g, k, piece in unsorted:
                 start = ddp._shard_base[k] + piece.shard_offset
                 master_view = self.master[start : start + piece.numel]
-                param = ddp._params[piece.slot.index]
-                master_view.copy_(param.detach().reshape(-1)[piece.param_start : piece.param_stop])
                 leaf = torch.nn.Parameter(master_view)  # shares memory with self.master
                 leaf.grad = ddp.shard_grads[start : start + piece.numel]
                 piece_params[g].append(leaf)
@@ -110,6 +115,15 @@ class ShardedOptimizer:
         ]
         self.optimizer = optimizer_cls(inner_groups, **optimizer_kwargs)
         self._grads_prepared = False
+
+    def _refresh_masters_from_params(self) -> None:
+        """Copy this rank's part of every parameter (exactly: fp32 holds fp16/bf16/fp32) into the masters."""
+        for k, piece in self._all_pieces:
+            start = self.ddp._shard_base[k] + piece.shard_offset
+            param = self.ddp._params[piece.slot.index]
+            self.master[start : start + piece.numel].copy_(
+                param.detach().reshape(-1)[piece.param_start : piece.param_stop]
+            )
 
     # ------------------------------------------------------------------ optimizer surface
     @property
@@ -136,6 +150,15 @@ class ShardedOptimizer:
             )
         self._grads_prepared = True
 
+    def mixprec_discard_grads_(self) -> None:
+        """Forget this iteration's reduced gradient shards: the next ``step``/``unscale_``/clip needs a new
+        synced backward first (else RuntimeError), so a skipped step's inf/NaN shards are never reused.
+
+        The loss scalers call it from ``update()``, whatever way the gradients are cleared afterwards.
+        """
+        self._grads_prepared = False
+        self.ddp._grads_reduced = False
+
     def _local_norm_term(self, norm_type: float) -> torch.Tensor:
         grads = [leaf.grad for leaf in self._leaves if leaf.grad is not None and leaf.numel() > 0]
         if not grads:
@@ -149,9 +172,7 @@ class ShardedOptimizer:
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Global gradient norm over all ranks' shards: local fp32 terms, one fp32 all-reduce (SUM, or MAX
         for the inf-norm). Each parameter element is counted once, tied parameters included."""
-        norm_type = float(norm_type)
-        if not (norm_type == math.inf or (math.isfinite(norm_type) and norm_type > 0)):
-            raise ValueError(f"norm_type must be a positive number or math.inf; got {norm_type!r}")
+        norm_type = check_norm_type("norm_type", norm_type)
         self.mixprec_prepare_grads_()
         term = self._local_norm_term(norm_type).reshape(1).clone()
         op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
@@ -169,9 +190,8 @@ class ShardedOptimizer:
         check_positive_float("max_norm", max_norm)
         total = self.grad_norm(norm_type)
         if torch.isfinite(total):
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             if self.ddp.shard_grads is not None:
-                self.ddp.shard_grads.mul_(coef)
+                self.ddp.shard_grads.mul_(clip_coefficient(total, max_norm))
         return total
 
     @torch.no_grad()
@@ -327,6 +347,12 @@ class ShardedOptimizer:
         self.optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
         for slot, param in zip(ddp.layout.slots, ddp._params, strict=True):
             param.copy_(master[slot.name])  # round to the model dtype, locally (every rank has the full tensor)
+        # Parameters in no group have no leaf: their masters follow the loaded parameters here.
+        for k, piece in self._all_pieces:
+            start = ddp._shard_base[k] + piece.shard_offset
+            self.master[start : start + piece.numel].copy_(
+                master[piece.slot.name].reshape(-1)[piece.param_start : piece.param_stop]
+            )
         self._grads_prepared = False
 
     def __repr__(self) -> str:
