@@ -189,9 +189,8 @@ class ShardedOptimizer:
         """
         check_positive_float("max_norm", max_norm)
         total = self.grad_norm(norm_type)
-        if torch.isfinite(total):
-            if self.ddp.shard_grads is not None:
-                self.ddp.shard_grads.mul_(clip_coefficient(total, max_norm))
+        if torch.isfinite(total) and self.ddp.shard_grads is not None:
+            self.ddp.shard_grads.mul_(clip_coefficient(total, max_norm))
         return total
 
     @torch.no_grad()
