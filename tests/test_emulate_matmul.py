@@ -55,6 +55,54 @@ def test_overflow_saturation_and_output_rounding():
     assert matmul(torch.tensor([[math.inf, 1.0]]), torch.ones(2, 1)).item() == math.inf
 
 
+def test_overflow_from_accumulator_rounding_growth_gives_inf():
+    # Regression (review H1). sum|a_k b_k| = 49152 + 600 * 16.015625 = 58761.4, below 65504 / 1.01, so the old
+    # cheap bound skipped the per-step overflow check. But with k_group=1 the fp16 accumulator (spacing 32 in
+    # [32768, 65536)) rounds every "+16.015625" up to "+32": the true model value reaches 65536 after 512 steps and
+    # overflows to inf. The old code returned the finite non-fp16 value 65536.0 on the 64x64 product (where the
+    # bound is worth computing) and inf on the 1x1 product (where it is not).
+    a = torch.ones(64, 601)
+    b = torch.full((601, 64), 16.015625)
+    b[0] = 49152.0
+    fp16 = get_format("fp16")
+    # the exact reference (it cannot continue past inf): 49152 + 32 * 511 = 65504 = max, the next step overflows
+    assert ref_matmul_element(a[0, :512].tolist(), b[:512, 0].tolist(), acc=fp16, k_group=1, promote_every=None) == (
+        65504.0
+    )
+    assert ref_matmul_element(a[0, :513].tolist(), b[:513, 0].tolist(), acc=fp16, k_group=1, promote_every=None) == (
+        math.inf
+    )
+    assert matmul(a[:1], b[:, :1], accumulator="fp16", k_group=1).item() == math.inf
+    got = matmul(a, b, accumulator="fp16", k_group=1)
+    assert bool((got == math.inf).all())
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        MatmulModel(inputs="fp16", accumulator="fp16", k_group=1),
+        MatmulModel(inputs="fp16", accumulator="fp16", k_group=4),
+        MatmulModel(inputs="fp32", accumulator="fp8_e5m2", k_group=2),
+        MatmulModel(inputs="fp16", accumulator="fp16", k_group=1, promote_every=64),
+    ],
+    ids=lambda m: m.name,
+)
+def test_large_products_near_the_accumulators_max_match_the_always_checked_path(model):
+    # A 16x16 output with K=601 computes the growth bound and may skip the per-step overflow check; one output
+    # row at a time (operands larger than the per-step checks) always checks. Inputs are scaled so that
+    # sum|a_k b_k| sits at 0.5-1.0 of the accumulator's max, where rounding growth decides overflow: both paths
+    # must agree bit for bit (inf included).
+    gen = torch.Generator().manual_seed(3)
+    acc_max = get_format(model.accumulator).max_finite
+    a = torch.rand(16, 601, generator=gen) + 0.5
+    b = torch.rand(601, 16, generator=gen) + 0.5
+    scale = torch.linspace(0.5, 1.0, 16) * acc_max / float((a @ b).max())
+    b = b * scale  # column j reaches scale_j of the max
+    whole = matmul(a, b, mode=model)
+    rows = torch.cat([matmul(a[i : i + 1], b, mode=model) for i in range(16)])
+    assert torch.equal(whole, rows)
+
+
 MODELS_FOR_REFERENCE = [
     MatmulModel(inputs="fp16", accumulator="fp16", k_group=1),
     MatmulModel(inputs="fp16", accumulator="fp16", k_group=16),

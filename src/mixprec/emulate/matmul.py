@@ -334,16 +334,18 @@ def _accumulate(a3: torch.Tensor, b3: torch.Tensor, model: MatmulModel) -> torch
     if groups * kg != k:  # zero products change no exact sum and no aligned maximum
         a3 = torch.nn.functional.pad(a3, (0, groups * kg - k))
         b3 = torch.nn.functional.pad(b3, (0, 0, 0, groups * kg - k))
-    # Overflow of the accumulator needs a per-step check (one min/max pass per group) only when |a| |b| could
-    # reach the format's max: |acc| <= sum|a_k b_k| (1 + tiny) <= min(max row-sum|a| max|b|, max|a| max col-sum|b|).
-    # That bound costs 4 passes over the operands, worth it only when they are smaller than the per-step checks.
+    # Overflow of the accumulator needs a per-step check (one min/max pass per group) only when it could reach the
+    # format's max. The bound costs 4 passes over the operands, worth it only when they are smaller than the
+    # per-step checks.
     check_overflow = True
     if 2 * (a3.numel() + b3.numel()) < groups * nb * m * n:
         row_sum = torch.linalg.vector_norm(a3, ord=1, dim=-1).amax().item()
         col_sum = torch.linalg.vector_norm(b3, ord=1, dim=-2).amax().item()
         a_max = torch.linalg.vector_norm(a3, ord=math.inf).item()
         b_max = torch.linalg.vector_norm(b3, ord=math.inf).item()
-        check_overflow = not (min(row_sum * b_max, a_max * col_sum) * 1.01 < model.accumulator.max_finite)
+        sum_abs = min(row_sum * b_max, a_max * col_sum)  # >= sum_k |a_k b_k| for every output
+        bound = _accumulator_growth_bound(model, groups, groups * kg, sum_abs)
+        check_overflow = not (bound < model.accumulator.max_finite)
     aligned = model.align_bits is not None
     rows, workers = _plan_tiles(nb, m, n, kg, aligned, dev)
     tiles = [(r0, min(m, r0 + rows)) for r0 in range(0, m, rows)]
@@ -357,6 +359,23 @@ def _accumulate(a3: torch.Tensor, b3: torch.Tensor, model: MatmulModel) -> torch
         for r0, r1 in tiles:
             _tile(a3, b3, r0, r1, model, groups, check_overflow, out)
     return out
+
+
+def _accumulator_growth_bound(model: MatmulModel, groups: int, k: int, sum_abs: float) -> float:
+    """An upper bound on every ``|acc|`` the low-precision chain can reach, given ``sum_abs >= sum_k |a_k b_k|``.
+
+    One step is an fp64 ``baddbmm`` of ``k_group + 1`` terms (relative error <= gamma_{k_group+1}(2**-53) of
+    ``|acc| + sum|p|``) then one rounding to the accumulator (relative error <= u, plus at most half a subnormal
+    spacing < min_normal absolute). So each step grows the running bound by a factor <= 1 + u' with
+    ``u' = u + (1 + u) gamma_{k_group+1}(2**-53)``, and after ``n`` steps (Higham, Lemma 3.1)
+    ``|acc_n| <= (1 + gamma_n(u')) (sum|p| + n min_normal)``. The chain is at most ``n = groups`` steps long
+    (fewer with promotion, which resets it). ``sum_abs`` itself comes from fp64 sums of ``k`` terms and one product:
+    relative error <= gamma_{k+3}(2**-53) with the final multiplication. ``inf`` when ``n u' >= 1``."""
+    acc = model.accumulator
+    u64 = 2.0**-53
+    n = groups if model.promote_every is None else min(groups, model.promote_every // model.k_group)
+    u_step = acc.unit_roundoff + (1 + acc.unit_roundoff) * _gamma(model.k_group + 1, u64)
+    return (1 + _gamma(n, u_step)) * (sum_abs * (1 + _gamma(k + 3, u64)) + n * acc.min_normal)
 
 
 def _tile(
