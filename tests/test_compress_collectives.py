@@ -26,6 +26,7 @@ from mixprec.compress import (
     compressed_all_reduce,
     compressed_reduce_scatter,
     start_compressed_all_reduce,
+    start_compressed_reduce_scatter,
 )
 
 CHUNK = 256
@@ -352,6 +353,57 @@ def test_device_mesh_topology_async_and_workspace_reuse(dist_run) -> None:
     np.testing.assert_array_equal(res[3]["again"].numpy(), ref[0])
 
 
+def _worker_concurrent(rank: int, world: int, topology: Topology | None) -> dict:
+    comp = MinMaxUInt8(chunk_size=CHUNK)
+    a, b, c = _input(rank, seed=20), _input(rank, seed=21), _input(rank, seed=22)
+    shard = torch.empty(N // world)
+    # Three collectives pending at once, none given a workspace: each must get its own buffers (the second
+    # quantizing into the first's send buffer while gloo still sends it would corrupt the first).
+    handles = [
+        start_compressed_all_reduce(a, compressor=comp, topology=topology),
+        start_compressed_reduce_scatter(shard, b, compressor=comp, topology=topology),
+        start_compressed_all_reduce(c, compressor=comp, topology=topology, average=False),
+    ]
+    for handle in handles:  # the same order on every rank (a requirement, see the module docstring)
+        handle.wait()
+    out: dict = {"a": a, "shard": shard, "c": c}
+    ws = CompressionWorkspace()
+    first = start_compressed_all_reduce(_input(rank), compressor=comp, workspace=ws)
+    try:
+        start_compressed_all_reduce(_input(rank), compressor=comp, workspace=ws)
+        out["busy"] = "no error"
+    except RuntimeError as exc:
+        out["busy"] = str(exc)
+    first.wait()
+    again = _input(rank)
+    start_compressed_all_reduce(again, compressor=comp, workspace=ws).wait()  # released by wait()
+    out["again"] = again
+    return out
+
+
+@pytest.mark.parametrize("world, topology", [(3, None), (4, Topology(2, 2))])
+def test_concurrent_started_collectives_do_not_share_buffers(dist_run, world, topology) -> None:
+    res = dist_run(_worker_concurrent, world, topology, timeout=120)
+    if topology is None:
+        ref_a, _ = ref_flat_all_reduce(_inputs(world, seed=20), CHUNK)
+        shards = ref_flat_reduce(_inputs(world, seed=21), CHUNK, divisor=world)
+        ref_c, _ = ref_flat_all_reduce(_inputs(world, seed=22), CHUNK, average=False)
+        ref_again, _ = ref_flat_all_reduce(_inputs(world), CHUNK)
+        ref_a, ref_c, ref_again = ref_a[0], ref_c[0], ref_again[0]
+    else:
+        ref_a = ref_hierarchical_all_reduce(_inputs(world, seed=20), CHUNK, 2, 2)[0]
+        shards = ref_hierarchical_reduce_scatter(_inputs(world, seed=21), CHUNK, 2, 2)
+        ref_c = ref_hierarchical_all_reduce(_inputs(world, seed=22), CHUNK, 2, 2, average=False)[0]
+        ref_again, _ = ref_flat_all_reduce(_inputs(world), CHUNK)
+        ref_again = ref_again[0]
+    for r in range(world):
+        np.testing.assert_array_equal(res[r]["a"].numpy(), ref_a)
+        np.testing.assert_array_equal(res[r]["shard"].numpy(), shards[r])
+        np.testing.assert_array_equal(res[r]["c"].numpy(), ref_c)
+        assert res[r]["busy"].startswith("workspace is still held by a started compressed collective")
+        np.testing.assert_array_equal(res[r]["again"].numpy(), ref_again)
+
+
 def _worker_bad_args(rank: int, world: int) -> list[str]:
     caught = []
     comp = MinMaxUInt8(chunk_size=CHUNK)
@@ -386,7 +438,7 @@ def _worker_bad_args(rank: int, world: int) -> list[str]:
 def test_bad_arguments(dist_run) -> None:
     caught = dist_run(_worker_bad_args, 2, timeout=60)[0]
     expected = [
-        "TypeError: tensor must be float32, float16 or bfloat16",
+        "TypeError: tensor must have dtype torch.float32 or torch.float16 or torch.bfloat16; got torch.int64",
         "TypeError: compressor must be a mixprec.compress.MinMaxUInt8",
         "TypeError: average must be a bool",
         "ValueError: topology has 3 nodes x 1 ranks = 3 ranks but the group has 2",

@@ -205,17 +205,20 @@ def test_bad_arguments() -> None:
     with pytest.raises(TypeError):
         MinMaxUInt8(256)  # keyword-only
     q = MinMaxUInt8(chunk_size=CHUNK)
-    with pytest.raises(TypeError, match="tensor must be float32, float16 or bfloat16"):
+    dtypes = r"torch\.float32 or torch\.float16 or torch\.bfloat16"
+    with pytest.raises(TypeError, match=rf"tensor must have dtype {dtypes}; got torch\.int64"):
         q.encode(torch.arange(10))
-    with pytest.raises(TypeError, match="tensor must be float32"):
+    with pytest.raises(TypeError, match=r"tensor must have dtype torch\.float32.*got torch\.float64"):
         q.encode(torch.randn(10, dtype=torch.float64))
     with pytest.raises(TypeError, match=r"tensor must be a torch\.Tensor"):
         q.encode([1.0, 2.0])
     buf = q.encode(torch.randn(300))
     with pytest.raises(ValueError, match=r"buffer must hold encoded_nbytes\(301\) = 317 bytes"):
         q.decode(buf, 301)
-    with pytest.raises(ValueError, match="1-D contiguous uint8"):
+    with pytest.raises(TypeError, match=r"buffer must have dtype torch\.uint8; got torch\.int8"):
         q.decode(buf.view(torch.int8), 300)
+    with pytest.raises(ValueError, match=r"buffer must be a 1-D uint8 tensor; got shape \(1, 317\)"):
+        q.decode(q.encode(torch.randn(301)).view(1, -1), 301)
     with pytest.raises(TypeError, match=r"dtype must be a torch\.dtype"):
         q.decode(buf, 300, "float32")
     with pytest.raises(ValueError, match="dtype must be one of"):

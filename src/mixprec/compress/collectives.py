@@ -43,10 +43,23 @@ exact sum within one call's error instead of drifting.
 
 Non-finite values: a chunk holding NaN/Inf is flagged in its header (see ``check_finite`` of the
 compressor); it reduces and decodes to NaN on every rank (never to a finite value), and every rank
-learns it: ``found_nonfinite`` in the returned stats is identical on all ranks. With the compressor's
-``check_finite="raise"`` (its default) every rank then raises :class:`NonFiniteError` after the collective
-completes (raising before it would leave the peers waiting); ``"flag"`` only reports. Error-feedback
-residuals are cleared in that case: the step is skipped, and they would carry part of its gradient.
+learns it: ``found_nonfinite`` in the returned stats is identical on all ranks. The same holds when every
+input is finite but the fp32 sum overflows (``|sum| > 3.4e38``): the re-quantization flags the chunk. With
+the compressor's ``check_finite="raise"`` (its default) every rank then raises :class:`NonFiniteError`
+after the collective completes (raising before it would leave the peers waiting), saying which of the two
+happened (one extra one-element all-reduce, on this failure path only); ``"flag"`` only reports.
+Error-feedback residuals are cleared in that case: the step is skipped, and they would carry part of its
+gradient.
+
+One rank: on a group of size 1 nothing is sent and nothing is quantized (it would only lose precision):
+the all-reduce leaves the tensor as it is (the mean of one tensor), the reduce-scatter copies it into the
+output; NaN/Inf are still detected and reported as above (they stay in place, they are not spread).
+
+Asynchronous use: :func:`start_compressed_all_reduce` / :func:`start_compressed_reduce_scatter` return a
+:class:`CompressedReduction`; its ``wait()`` runs the second half of the collective (more collectives). Every
+rank must call ``wait()`` on its pending reductions in the same order (and start them in the same order),
+like any sequence of collectives; a different order on two ranks deadlocks or, on gloo, mixes up their
+messages. Each pending reduction holds its own :class:`CompressionWorkspace` until ``wait()`` returns.
 """
 
 from __future__ import annotations
@@ -58,12 +71,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mixprec._validate import check_bool, check_tensor
 from mixprec.comm._compat import all_gather_flat, require_initialized
 from mixprec.comm.agree import agree_any
 from mixprec.comm.fp32_accumulate import reduce_scatter_fp32_accumulate
+from mixprec.comm.padding import pad_flat
 from mixprec.compress._scratch import Scratch
-from mixprec.compress.quantize import HEADER_BYTES_PER_CHUNK, MinMaxUInt8, NonFiniteError, _check_float_tensor
-from mixprec.compress.topology import HierarchicalGroups, resolve_topology
+from mixprec.compress.quantize import FLOAT_DTYPES, HEADER_BYTES_PER_CHUNK, MinMaxUInt8, NonFiniteError
+from mixprec.compress.topology import HierarchicalGroups, check_topology, resolve_topology
 
 __all__ = [
     "CompressedReduction",
@@ -163,6 +178,10 @@ class ErrorFeedback:
         return {side: res.detach().clone() for side, res in self._residuals.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the residuals with copies of ``state``'s (a :meth:`state_dict`: keys among "worker" and
+        "server", each a 1-D fp32 tensor); sides missing from ``state`` start again from zero on first use.
+        Sizes are checked at the next call (they depend on the tensor, group and topology it is used with).
+        """
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict; got {type(state).__name__}")
         unknown = set(state) - set(self._SIDES)
@@ -182,39 +201,71 @@ class CompressionWorkspace:
     """Communication and fp32 buffers of compressed collectives, reused across calls.
 
     Pass the same workspace to repeated calls on same-sized tensors to avoid reallocating (a fresh large
-    buffer costs page faults on first touch). Not thread-safe; one workspace per concurrently pending
-    collective. Holds about ``3 N`` bytes of uint8 buffers plus ``4 N / W`` of fp32 for an N-element tensor
-    (more with error feedback, hierarchical mode or padding).
+    buffer costs page faults on first touch). One workspace per concurrently pending collective: a started
+    collective holds its workspace until its ``wait()`` returns, and starting another one with the same
+    workspace meanwhile raises RuntimeError (the second would overwrite buffers the first is still sending).
+    Not thread-safe. Holds about ``3 N`` bytes of uint8 buffers plus ``4 N / W`` of fp32 for an N-element
+    tensor (more with error feedback, hierarchical mode or padding).
     """
 
     def __init__(self) -> None:
         self.scratch = Scratch()
+        self._busy = False
 
     def nbytes(self) -> int:
+        """Bytes of all buffers this workspace holds now (they grow to the largest call and are kept)."""
         return self.scratch.nbytes()
+
+    def _claim(self, name: str) -> Scratch:
+        if self._busy:
+            raise RuntimeError(
+                f"{name} is still held by a started compressed collective whose wait() has not returned: give "
+                "each pending collective its own CompressionWorkspace (start_* with workspace=None makes one)"
+            )
+        self._busy = True
+        return self.scratch
+
+    def _release(self) -> None:
+        self._busy = False
 
 
 class CompressedReduction:
     """A started compressed collective: ``wait()`` finishes it (blocking) and returns its stats.
 
-    Until ``wait()`` returns, do not touch the tensor(s). ``wait()`` may be called again; it returns the
-    same stats.
+    Until ``wait()`` returns, do not touch the tensor(s). ``wait()`` runs collectives: every rank must call
+    it, for its pending reductions in the same order as the other ranks (see the module docstring).
+    ``wait()`` may be called again; it returns the same stats. The workspace the collective was started
+    with is released when ``wait()`` returns or raises.
     """
 
-    def __init__(self, finish: Callable[[], CompressionStats]) -> None:
+    def __init__(self, finish: Callable[[], CompressionStats], release: Callable[[], None] | None = None) -> None:
         self._finish: Callable[[], CompressionStats] | None = finish
+        self._release = release
         self._stats: CompressionStats | None = None
 
     def wait(self) -> CompressionStats:
+        """Finish the collective (blocking) and return this rank's :class:`CompressionStats`.
+
+        Raises:
+            NonFiniteError: as the blocking function (the compressor's ``check_finite="raise"``).
+            RuntimeError: an earlier ``wait()`` of this handle raised (its result is undefined).
+        """
         finish, self._finish = self._finish, None
         if finish is not None:
-            self._stats = finish()
+            try:
+                self._stats = finish()
+            finally:
+                release, self._release = self._release, None
+                if release is not None:
+                    release()
         if self._stats is None:
             raise RuntimeError("this compressed collective failed in an earlier wait(); its result is undefined")
         return self._stats
 
 
 _default_compressor: MinMaxUInt8 | None = None
+# The blocking functions' buffers when they get no workspace: reused call after call (held only inside one
+# call, so never by two pending collectives). start_* with workspace=None get a fresh workspace instead.
 _default_workspace = CompressionWorkspace()
 
 
@@ -403,7 +454,7 @@ class _IntraReduceScatter:
         numel = layout.numel()
         dtype, device = layout.dtype, layout.device
         self.segments = segment_bounds(part, nodes, comp.chunk_size)  # the inter-node phase's segments
-        send = inflight.get("intra.send", numel, dtype, device)
+        self.send = send = inflight.get("intra.send", numel, dtype, device)  # this rank's input, re-laid out
         recv = inflight.get("intra.recv", numel, dtype, device)
         # Written only inside wait(), so concurrently pending collectives may share it.
         self._sums = shared.get("intra.sum", nodes * part, torch.float32, device)
@@ -431,42 +482,69 @@ class _IntraReduceScatter:
         return self._outs[s]
 
 
-def _check_common(
-    compressor: MinMaxUInt8 | None,
-    average: bool,
-    error_feedback: ErrorFeedback | None,
-    workspace: CompressionWorkspace | None,
-) -> tuple[MinMaxUInt8, Scratch]:
+def _check_common(compressor: MinMaxUInt8 | None, average: bool, error_feedback: ErrorFeedback | None) -> MinMaxUInt8:
     comp = _compressor(compressor)
-    if not isinstance(average, bool):
-        raise TypeError(f"average must be a bool; got {type(average).__name__}")
+    check_bool("average", average)
     if error_feedback is not None and not isinstance(error_feedback, ErrorFeedback):
         raise TypeError(
             f"error_feedback must be a mixprec.compress.ErrorFeedback or None; got {type(error_feedback).__name__}"
         )
-    return comp, _scratch_of("workspace", workspace)
+    return comp
 
 
-def _scratch_of(name: str, workspace: CompressionWorkspace | None) -> Scratch:
+def _workspace(name: str, workspace: CompressionWorkspace | None) -> CompressionWorkspace:
+    """``workspace``, or a fresh one for None: a started collective never shares its buffers by default."""
     if workspace is None:
-        return _default_workspace.scratch
+        return CompressionWorkspace()
     if not isinstance(workspace, CompressionWorkspace):
         raise TypeError(f"{name} must be a CompressionWorkspace or None; got {type(workspace).__name__}")
-    return workspace.scratch
+    return workspace
 
 
 def _conclude(
-    found: bool, comp: MinMaxUInt8, ef: ErrorFeedback | None, stats: CompressionStats, what: str
+    found: bool,
+    local_input_bad: Callable[[], bool],
+    group: dist.ProcessGroup | None,
+    comp: MinMaxUInt8,
+    ef: ErrorFeedback | None,
+    stats: CompressionStats,
+    what: str,
 ) -> CompressionStats:
-    if found:
-        if ef is not None:
-            ef.reset()
-        if comp.check_finite == "raise":
-            raise NonFiniteError(
-                f"{what}: some rank's input holds NaN or Inf (the affected chunks reduced to NaN on every rank); "
-                "use a compressor with check_finite='flag' to get stats.found_nonfinite for the loss scaler instead"
-            )
+    """Clear the residuals and raise (``check_finite="raise"``) when the result holds flagged chunks.
+
+    ``found`` is identical on every rank, so the agreement on ``local_input_bad()`` (did this rank's own input
+    hold NaN/Inf?) that tells an input problem from an overflow of the fp32 sum is entered by all ranks.
+    """
+    if not found:
+        return stats
+    if ef is not None:
+        ef.reset()
+    input_bad = agree_any(local_input_bad(), group) if dist.get_world_size(group) > 1 else local_input_bad()
+    if comp.check_finite == "raise":
+        if input_bad:
+            cause = "some rank's input holds NaN or Inf"
+        else:
+            cause = "every rank's input is finite but their fp32 sum overflowed (|sum| > 3.4e38)"
+        raise NonFiniteError(
+            f"{what}: {cause} (the affected chunks reduced to NaN on every rank); use a compressor with "
+            "check_finite='flag' to get stats.found_nonfinite for the loss scaler instead"
+        )
     return stats
+
+
+def _single_rank(
+    tensor: torch.Tensor, output: torch.Tensor | None, comp: MinMaxUInt8, ef: ErrorFeedback | None, what: str
+) -> CompressedReduction:
+    """A group of one: nothing to send or quantize; ``output`` (reduce-scatter) gets a copy of ``tensor``."""
+
+    def finish() -> CompressionStats:
+        if output is not None:
+            output.view(-1).copy_(tensor.reshape(-1))
+        found = not bool(torch.isfinite(tensor).all())
+        stats = CompressionStats(tensor.numel(), 1, 0, 0, 0, 0, 0, 0, found)
+        return _conclude(found, lambda: found, None, comp, ef, stats, what)
+
+    return CompressedReduction(finish)
 
 
 def start_compressed_all_reduce(
@@ -482,28 +560,58 @@ def start_compressed_all_reduce(
 ) -> CompressedReduction:
     """:func:`compressed_all_reduce`, split: quantizes and starts the first exchange, returns a handle.
 
-    ``workspace`` holds the buffers in flight until ``wait()``; ``shared_workspace`` (default: the same)
-    the ones used only inside this call or ``wait()``, which concurrently pending collectives may share.
+    ``workspace`` holds the buffers in flight until ``wait()`` returns (None: a fresh workspace for this
+    call; a workspace already held by another pending collective raises RuntimeError);
+    ``shared_workspace`` (default: the same) the ones used only inside this call or ``wait()``, which
+    concurrently pending collectives may share. Every rank must start its collectives, and ``wait()`` for
+    them, in the same order.
+
+    Raises:
+        ValueError, TypeError: bad arguments (before anything is sent).
+        RuntimeError: no initialised process group, or ``workspace`` is held by a pending collective.
     """
     require_initialized("compressed_all_reduce")
-    _check_float_tensor("tensor", tensor)
-    comp, inflight = _check_common(compressor, average, error_feedback, workspace)
-    shared = inflight if shared_workspace is None else _scratch_of("shared_workspace", shared_workspace)
+    check_tensor("tensor", tensor, FLOAT_DTYPES)
+    comp = _check_common(compressor, average, error_feedback)
+    comp._check_generator_device(tensor.device)
+    own = _workspace("workspace", workspace)
+    shared_ws = own if shared_workspace is None else _workspace("shared_workspace", shared_workspace)
     world = dist.get_world_size(group)
+    if world == 1:
+        if topology is not None:
+            check_topology(topology, group)
+        return _single_rank(tensor, None, comp, error_feedback, "compressed_all_reduce")
     hier = resolve_topology(topology, group) if topology is not None else None
-    numel = tensor.numel()
-    padded = -(-numel // world) * world
-    if tensor.is_contiguous() and padded == numel:
-        flat = tensor.view(-1)
-    else:  # pad with zeros to W equal parts (the zeros join the last part's range)
-        flat = inflight.get("padded", padded, tensor.dtype, tensor.device)
-        flat[:numel].copy_(tensor.reshape(-1))
-        flat[numel:].zero_()
-    fp32_baseline = 2 * (world - 1) * 4 * numel // world
+    inflight = own._claim("workspace")
+    try:
+        reduction = _start_all_reduce(
+            tensor, group, comp, average, hier, error_feedback, inflight, shared_ws.scratch, world
+        )
+    except BaseException:
+        own._release()
+        raise
+    reduction._release = own._release
+    return reduction
 
-    def copy_back() -> None:
-        if flat.data_ptr() != tensor.data_ptr() or flat.numel() != numel:
-            tensor.copy_(flat[:numel].view(tensor.shape))
+
+def _start_all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    comp: MinMaxUInt8,
+    average: bool,
+    hier: HierarchicalGroups | None,
+    error_feedback: ErrorFeedback | None,
+    inflight: Scratch,
+    shared: Scratch,
+    world: int,
+) -> CompressedReduction:
+    numel = tensor.numel()
+    # Zero padding to W equal parts (the zeros join the last part's range).
+    padded = -(-numel // world) * world
+    flat, copy_back = pad_flat(
+        tensor, world, buffer=lambda length: inflight.get("padded", length, tensor.dtype, tensor.device)
+    )
+    fp32_baseline = 2 * (world - 1) * 4 * numel // world
 
     if hier is None:
         phase = _FlatPhase.of(flat, group, comp, error_feedback, inflight, shared, "")
@@ -514,7 +622,9 @@ def start_compressed_all_reduce(
             copy_back()
             sent, header = phase.bytes_per_phase()
             stats = CompressionStats(numel, world, 2 * sent, 2 * sent, 0, 0, 2 * header, fp32_baseline, n_bad > 0)
-            return _conclude(n_bad > 0, comp, error_feedback, stats, "compressed_all_reduce")
+            return _conclude(
+                n_bad > 0, lambda: phase.local_bad > 0, group, comp, error_feedback, stats, "compressed_all_reduce"
+            )
 
         return CompressedReduction(finish_flat)
 
@@ -556,7 +666,16 @@ def start_compressed_all_reduce(
             fp32_baseline_bytes=fp32_baseline,
             found_nonfinite=n_bad > 0,
         )
-        return _conclude(n_bad > 0, comp, error_feedback, stats, "compressed_all_reduce")
+        # The send buffer of step 1 still holds this rank's (padded) input: its own NaN/Inf, not a node sum's.
+        return _conclude(
+            n_bad > 0,
+            lambda: not bool(torch.isfinite(intra.send).all()),
+            group,
+            comp,
+            error_feedback,
+            stats,
+            "compressed_all_reduce",
+        )
 
     return CompressedReduction(finish_hierarchical)
 
@@ -577,6 +696,7 @@ def compressed_all_reduce(
     flat, each rank sends ``2 (W-1)/W`` of the encoded tensor (``N + 8 N / chunk_size`` bytes); hierarchical,
     the same over the inter-node group of m ranks on ``N / n`` elements, plus, intra-node, ``(n-1)/n N``
     elements in the tensor dtype (reduce-scatter) and ``(n-1)/n`` of the encoded tensor (relay).
+    Nothing on a group of one rank.
     Accumulation: fp32, in rank order (hierarchical: local-rank order inside the node, then node order).
     Extra memory: about ``3 N`` bytes of uint8 buffers and ``4 N / W`` bytes of fp32 (the owned part's
     sum), kept in ``workspace``; ``+ 4 N`` with error feedback (worker residual and its staging copy) and,
@@ -589,19 +709,24 @@ def compressed_all_reduce(
             zero-padded buffer (and back).
         group: process group; None = the default group.
         compressor: the :class:`MinMaxUInt8` (chunk size, rounding, generator, check_finite); None = a
-            shared default instance (chunk_size=2048, nearest, check_finite="raise").
+            shared default instance (chunk_size=2048, nearest, check_finite="raise"). Its generator must be on
+            the tensor's device.
         average: divide the fp32 sum by the group size before re-quantizing (else return the sum).
         topology: None (flat), a :class:`Topology` or a 2-D DeviceMesh with dims ("node", "local")
             (hierarchical; needs group=None).
         error_feedback: an :class:`ErrorFeedback` kept for this tensor across calls, or None.
-        workspace: a :class:`CompressionWorkspace` to reuse buffers across calls; None = a module default.
+        workspace: a :class:`CompressionWorkspace` to reuse buffers across calls; None = a module default
+            (reused by every blocking call that passes None).
 
     Returns:
         :class:`CompressionStats` of this call (bytes sent by this rank, non-finite flag).
 
     Raises:
-        NonFiniteError: some rank's input held NaN/Inf and the compressor has ``check_finite="raise"``
-            (raised on every rank, after the collective completed; affected chunks are NaN).
+        NonFiniteError: some rank's input held NaN/Inf, or the fp32 sum overflowed, and the compressor has
+            ``check_finite="raise"`` (raised on every rank, after the collective completed; affected chunks
+            are NaN; the message says which of the two happened).
+        ValueError, TypeError: bad arguments, before anything is sent.
+        RuntimeError: no initialised process group, or ``workspace`` is held by a pending collective.
     """
     return start_compressed_all_reduce(
         tensor,
@@ -610,7 +735,7 @@ def compressed_all_reduce(
         average=average,
         topology=topology,
         error_feedback=error_feedback,
-        workspace=workspace,
+        workspace=_default_workspace if workspace is None else workspace,
     ).wait()
 
 
@@ -626,12 +751,16 @@ def start_compressed_reduce_scatter(
     workspace: CompressionWorkspace | None = None,
     shared_workspace: CompressionWorkspace | None = None,
 ) -> CompressedReduction:
-    """:func:`compressed_reduce_scatter`, split like :func:`start_compressed_all_reduce`."""
+    """:func:`compressed_reduce_scatter`, split like :func:`start_compressed_all_reduce` (same workspace rules,
+    same requirement that every rank starts and waits in the same order).
+    """
     require_initialized("compressed_reduce_scatter")
-    _check_float_tensor("tensor", tensor)
-    _check_float_tensor("output", output)
-    comp, inflight = _check_common(compressor, average, error_feedback, workspace)
-    shared = inflight if shared_workspace is None else _scratch_of("shared_workspace", shared_workspace)
+    check_tensor("tensor", tensor, FLOAT_DTYPES)
+    check_tensor("output", output, FLOAT_DTYPES)
+    comp = _check_common(compressor, average, error_feedback)
+    comp._check_generator_device(tensor.device)
+    own = _workspace("workspace", workspace)
+    shared_ws = own if shared_workspace is None else _workspace("shared_workspace", shared_workspace)
     world = dist.get_world_size(group)
     numel = tensor.numel()
     if numel % world:
@@ -641,7 +770,37 @@ def start_compressed_reduce_scatter(
     shard = numel // world
     if output.numel() != shard or not output.is_contiguous():
         raise ValueError(f"output must be contiguous with tensor.numel() / group size = {shard} elements")
+    if world == 1:
+        if topology is not None:
+            check_topology(topology, group)
+        return _single_rank(tensor, output, comp, error_feedback, "compressed_reduce_scatter")
     hier = resolve_topology(topology, group) if topology is not None else None
+    inflight = own._claim("workspace")
+    try:
+        reduction = _start_reduce_scatter(
+            output, tensor, group, comp, average, hier, error_feedback, inflight, shared_ws.scratch, world
+        )
+    except BaseException:
+        own._release()
+        raise
+    reduction._release = own._release
+    return reduction
+
+
+def _start_reduce_scatter(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    comp: MinMaxUInt8,
+    average: bool,
+    hier: HierarchicalGroups | None,
+    error_feedback: ErrorFeedback | None,
+    inflight: Scratch,
+    shared: Scratch,
+    world: int,
+) -> CompressedReduction:
+    numel = tensor.numel()
+    shard = numel // world
     flat = tensor.reshape(-1)
     fp32_baseline = (world - 1) * 4 * numel // world
 
@@ -654,7 +813,9 @@ def start_compressed_reduce_scatter(
             found = agree_any(phase.recv_bad > 0 or phase.local_bad > 0, group)
             sent, header = phase.bytes_per_phase()
             stats = CompressionStats(numel, world, sent, sent, 0, 0, header, fp32_baseline, found)
-            return _conclude(found, comp, error_feedback, stats, "compressed_reduce_scatter")
+            return _conclude(
+                found, lambda: phase.local_bad > 0, group, comp, error_feedback, stats, "compressed_reduce_scatter"
+            )
 
         return CompressedReduction(finish_flat)
 
@@ -672,7 +833,15 @@ def start_compressed_reduce_scatter(
         sent, header = phase.bytes_per_phase()
         full = (per_node - 1) * nodes * shard * flat.element_size()
         stats = CompressionStats(numel, world, sent + full, sent, full, full, header, fp32_baseline, found)
-        return _conclude(found, comp, error_feedback, stats, "compressed_reduce_scatter")
+        return _conclude(
+            found,
+            lambda: not bool(torch.isfinite(tensor).all()),  # the input is not modified
+            group,
+            comp,
+            error_feedback,
+            stats,
+            "compressed_reduce_scatter",
+        )
 
     return CompressedReduction(finish_hierarchical)
 
@@ -705,6 +874,16 @@ def compressed_reduce_scatter(
         tensor: fp32/fp16/bf16, ``numel`` divisible by the group size; not modified.
         group, compressor, average, topology, error_feedback, workspace: as in :func:`compressed_all_reduce`.
             The non-finite flag costs one one-element all-reduce here (two in hierarchical mode).
+
+    Returns:
+        :class:`CompressionStats` of this call (bytes sent by this rank, non-finite flag).
+
+    Raises:
+        NonFiniteError: some rank's input held NaN/Inf, or the fp32 sum overflowed, and the compressor has
+            ``check_finite="raise"`` (raised on every rank, after the collective completed).
+        ValueError: ``tensor.numel()`` not divisible by the group size, ``output`` of the wrong size or not
+            contiguous, or another bad argument (TypeError for a wrong type), before anything is sent.
+        RuntimeError: no initialised process group, or ``workspace`` is held by a pending collective.
     """
     return start_compressed_reduce_scatter(
         output,
@@ -714,5 +893,5 @@ def compressed_reduce_scatter(
         average=average,
         topology=topology,
         error_feedback=error_feedback,
-        workspace=workspace,
+        workspace=_default_workspace if workspace is None else workspace,
     ).wait()

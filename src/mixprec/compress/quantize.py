@@ -59,7 +59,7 @@ from typing import Literal
 
 import torch
 
-from mixprec._validate import check_choice, check_dtype, check_positive_int
+from mixprec._validate import check_choice, check_dtype, check_positive_int, check_tensor
 from mixprec.comm.rounding import Rounding
 from mixprec.compress._scratch import Scratch
 
@@ -68,7 +68,7 @@ __all__ = ["HEADER_BYTES_PER_CHUNK", "MinMaxUInt8", "NonFiniteError"]
 CheckFinite = Literal["raise", "flag"]
 
 HEADER_BYTES_PER_CHUNK = 8  # fp32 min + fp32 max
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FP32_MAX = torch.finfo(torch.float32).max
 # Below this range the fp32 step R/255 would be subnormal (losing relative precision) and 255/R may overflow.
 _WIDE_BELOW = 255.0 * torch.finfo(torch.float32).tiny
@@ -96,8 +96,9 @@ class MinMaxUInt8:
         rounding: ``"nearest"`` (round half to even; biased for a fixed input, error <= step / 2) or
             ``"stochastic"`` (unbiased, error < 1 step; draws ``numel`` uniforms from ``generator`` per
             encode, in element order, with one ``torch.rand`` call).
-        generator: torch.Generator for stochastic rounding; None = torch's default generator. In a
-            multi-process run, seed each rank differently (the collectives' reducers do this).
+        generator: torch.Generator for stochastic rounding, on the device of the tensors it will encode
+            (``encode`` raises ValueError otherwise); None = torch's default generator. In a multi-process
+            run, seed each rank differently: :func:`mixprec.comm.rank_generator` (the reducers use it).
         check_finite: what ``encode`` does when the input holds NaN/+-Inf: ``"raise"`` a
             :class:`NonFiniteError`, or ``"flag"``: encode each such chunk as ``min = max = NaN`` (it decodes
             to NaN, so the overflow reaches the loss scaler) and let the caller ask
@@ -153,8 +154,10 @@ class MinMaxUInt8:
         Raises:
             NonFiniteError: the tensor holds NaN/Inf and ``check_finite="raise"`` (``out`` is then filled
                 as in ``"flag"`` mode).
+            ValueError: stochastic rounding with a ``generator`` on another device than the tensor.
         """
-        x = _check_float_tensor("tensor", tensor).reshape(1, -1)
+        x = check_tensor("tensor", tensor, FLOAT_DTYPES).reshape(1, -1)
+        self._check_generator_device(x.device)
         numel = x.shape[1]
         out = self._check_buffer("out", out, numel, x.device, allocate=True)
         bad = self._encode_rows(x, out.view(1, -1))
@@ -181,11 +184,11 @@ class MinMaxUInt8:
         """
         numel = check_positive_int("numel", numel, minimum=0)
         buffer = self._check_buffer("buffer", buffer, numel, None, allocate=False)
-        dtype = check_dtype("dtype", dtype, _FLOAT_DTYPES)
+        dtype = check_dtype("dtype", dtype, FLOAT_DTYPES)
         if out is None:
             out = torch.empty(numel, dtype=dtype, device=buffer.device)
         else:
-            _check_float_tensor("out", out)
+            check_tensor("out", out, FLOAT_DTYPES)
             if out.dtype != dtype or out.numel() != numel or not out.is_contiguous() or out.device != buffer.device:
                 raise ValueError(
                     f"out must be a contiguous {dtype} tensor of {numel} elements on {buffer.device}; "
@@ -209,18 +212,32 @@ class MinMaxUInt8:
         return bool(mins.isnan().any() or maxs.isnan().any())
 
     # ------------------------------------------------------------------ internals
+    def _check_generator_device(self, device: torch.device) -> None:
+        """Stochastic rounding draws its uniforms on ``device`` with ``self.generator``: they must match
+        (torch raises an obscure error for a CPU generator and CUDA output, and a CUDA generator cannot
+        draw CPU numbers).
+        """
+        gen = self.generator
+        if gen is None or self.rounding != "stochastic":
+            return
+        same = gen.device.type == device.type and (
+            gen.device.index is None or device.index is None or gen.device.index == device.index
+        )
+        if not same:
+            raise ValueError(
+                f"generator is on {gen.device} but the tensor is on {device}: stochastic rounding draws on the "
+                "tensor's device; pass a generator created there (e.g. mixprec.comm.rank_generator(seed, device))"
+            )
+
     def _check_buffer(
         self, name: str, buffer: torch.Tensor | None, numel: int, device: torch.device | None, *, allocate: bool
     ) -> torch.Tensor:
         nbytes = self.encoded_nbytes(numel)
         if buffer is None and allocate:
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
-        if not isinstance(buffer, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor; got {type(buffer).__name__}")
-        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
-            raise ValueError(
-                f"{name} must be a 1-D contiguous uint8 tensor; got {buffer.dtype} of shape {tuple(buffer.shape)}"
-            )
+        check_tensor(name, buffer, (torch.uint8,), contiguous=True)
+        if buffer.dim() != 1:
+            raise ValueError(f"{name} must be a 1-D uint8 tensor; got shape {tuple(buffer.shape)}")
         if buffer.numel() != nbytes:
             raise ValueError(
                 f"{name} must hold encoded_nbytes({numel}) = {nbytes} bytes (8 header bytes per chunk of "
@@ -404,11 +421,3 @@ class MinMaxUInt8:
     def _decode_chunk_wide(codes: torch.Tensor, chunk_min: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:
         """One chunk decoded in float64 and rounded once to fp32."""
         return (chunk_min.double() + codes.double() * (rng / 255.0)).float()
-
-
-def _check_float_tensor(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16; got {t.dtype}")
-    return t

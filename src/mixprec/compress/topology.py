@@ -89,29 +89,63 @@ def _is_device_mesh(obj: object) -> bool:
     return isinstance(obj, DeviceMesh)
 
 
+def check_topology(topology: object, group: dist.ProcessGroup | None = None) -> Topology | Any:
+    """Validate ``topology`` without creating any process group: a :class:`Topology` or a 2-D DeviceMesh
+    with dims ("node", "local") numbering its ranks node-major. When torch.distributed is initialised, its
+    size must also match the default group and ``group`` must span the default group.
+
+    Raises:
+        TypeError: not a Topology nor a DeviceMesh.
+        ValueError: a mesh of the wrong shape or names, or sizes that do not match the group.
+    """
+    if _is_device_mesh(topology):
+        mesh: Any = topology
+        if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != ("node", "local"):
+            raise ValueError(
+                f"a DeviceMesh topology must be 2-D with mesh_dim_names ('node', 'local'); got {mesh.ndim}-D "
+                f"with names {mesh.mesh_dim_names}"
+            )
+        # Node-major numbering is what makes local rank l of every node hold the same slice.
+        if mesh.mesh.flatten().tolist() != list(range(mesh.mesh.numel())):
+            raise ValueError(
+                "the DeviceMesh must number ranks node-major over the whole group (mesh == arange(world).view("
+                f"nodes, ranks_per_node)); got {mesh.mesh.tolist()}"
+            )
+        size = mesh.mesh.numel()
+    elif isinstance(topology, Topology):
+        size = topology.world_size
+    else:
+        raise TypeError(
+            "topology must be a mixprec.compress.Topology, a 2-D DeviceMesh with dims ('node', 'local'), or "
+            f"None; got {type(topology).__name__}"
+        )
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        if group is not None and dist.get_world_size(group) != world:
+            raise ValueError(
+                "a hierarchical topology needs group=None (the default group); for a sub-group, build a 2-D "
+                "DeviceMesh over its ranks with dims ('node', 'local') and pass it as topology"
+            )
+        if size != world:
+            shape = (
+                f"{topology.nodes} nodes x {topology.ranks_per_node} ranks"
+                if isinstance(topology, Topology)
+                else f"a DeviceMesh of shape {tuple(topology.mesh.shape)}"  # type: ignore[attr-defined]
+            )
+            raise ValueError(f"topology has {shape} = {size} ranks but the group has {world}")
+    return topology
+
+
 def resolve_topology(topology: object, group: dist.ProcessGroup | None) -> HierarchicalGroups:
     """Subgroups for ``topology`` (a :class:`Topology` or a 2-D DeviceMesh) over ``group``.
 
     ``group`` must be the default (world) group: the subgroups are created by every rank of it.
     """
-    world = dist.get_world_size()
-    if group is not None and dist.get_world_size(group) != world:
-        raise ValueError(
-            "a hierarchical topology needs group=None (the default group); for a sub-group, build a 2-D "
-            "DeviceMesh over its ranks with dims ('node', 'local') and pass it as topology"
-        )
+    check_topology(topology, group)
     if _is_device_mesh(topology):
-        return _from_mesh(topology, world)
-    if not isinstance(topology, Topology):
-        raise TypeError(
-            "topology must be a mixprec.compress.Topology, a 2-D DeviceMesh with dims ('node', 'local'), or "
-            f"None; got {type(topology).__name__}"
-        )
-    if topology.world_size != world:
-        raise ValueError(
-            f"topology has {topology.nodes} nodes x {topology.ranks_per_node} ranks = {topology.world_size} ranks "
-            f"but the group has {world}"
-        )
+        return _from_mesh(topology)
+    if not isinstance(topology, Topology):  # check_topology raised already; for the type checker
+        raise TypeError(f"topology must be a mixprec.compress.Topology; got {type(topology).__name__}")
     parent = dist.distributed_c10d._get_default_group()
     key = (id(parent), topology.nodes, topology.ranks_per_node)
     cached = _CACHE.get(key)
@@ -130,19 +164,8 @@ def resolve_topology(topology: object, group: dist.ProcessGroup | None) -> Hiera
     return groups
 
 
-def _from_mesh(mesh: Any, world: int) -> HierarchicalGroups:
-    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != ("node", "local"):
-        raise ValueError(
-            f"a DeviceMesh topology must be 2-D with mesh_dim_names ('node', 'local'); got {mesh.ndim}-D "
-            f"with names {mesh.mesh_dim_names}"
-        )
+def _from_mesh(mesh: Any) -> HierarchicalGroups:
     nodes, per_node = mesh.mesh.shape
-    # Node-major numbering is what makes local rank l of every node hold the same slice.
-    if mesh.mesh.flatten().tolist() != list(range(world)):
-        raise ValueError(
-            "the DeviceMesh must number ranks node-major over the whole group (mesh == arange(world).view(nodes, "
-            f"ranks_per_node)); got {mesh.mesh.tolist()}"
-        )
     rank = dist.get_rank()
     return HierarchicalGroups(
         mesh.get_group("local"), mesh.get_group("node"), int(nodes), int(per_node), rank // per_node, rank % per_node
