@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from mixprec.emulate import EmulatedLinear, bounds, emulate_linear_layers, get_matmul_model, round_to
+from emulate_reference import ref_matmul_element, ref_round
+from mixprec.emulate import EmulatedLinear, MatmulModel, bounds, emulate_linear_layers, get_matmul_model, round_to
 
 U32 = 2.0**-24
 
@@ -58,7 +60,54 @@ def test_forward_and_gradients_within_the_models_bound(mode):
         c2.abs().t() @ x2.abs()
     )
     assert bool(((layer.weight.grad.double() - w_r.grad).abs() <= tol_w + U32 * w_r.grad.abs()).all())
-    assert torch.allclose(layer.bias.grad.double(), c2.sum(0), rtol=24 * U32, atol=0)  # fp32 sum of 24 terms
+    # grad_b: an fp32 sum of the 24 rows of c, in whatever order torch sums: 23 additions, each within u32
+    # relative, so |error| <= gamma_23(u32) * sum|c| (Higham, eq. 4.4), for any summation order
+    gamma_23 = 23 * U32 / (1 - 23 * U32)
+    assert bool(((layer.bias.grad.double() - c2.sum(0)).abs() <= gamma_23 * c2.abs().sum(0)).all())
+
+
+def test_output_format_with_bias_rounds_once():
+    # Review M7. fp32 accumulator value 1 + 2**-11 (exact), bias 2**-12, fp16 output (spacing 2**-10 at 1):
+    # one rounding of 1 + 3 * 2**-12 gives 1 + 2**-10; rounding the product first (1 + 2**-11 is a tie -> 1,
+    # even) and then 1 + 2**-12 (-> 1) would give 1.
+    layer = EmulatedLinear(2, 1, mode=MatmulModel(inputs="fp16", accumulator="fp32", output="fp16"))
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[1.0, 1.0]]))
+        layer.bias.fill_(2.0**-12)
+    assert layer(torch.tensor([[1.0, 2.0**-11]])).item() == 1 + 2.0**-10
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        MatmulModel(inputs="fp16", accumulator="fp16", k_group=4, output="bf16"),
+        MatmulModel(inputs="bf16", accumulator="fp32", k_group=8, promote_every=16, output="fp16"),
+    ],
+    ids=lambda m: m.name,
+)
+def test_output_format_with_bias_matches_an_independent_reference(model):
+    # reference: exact rational model of the accumulator (emulate_reference), + bias in numpy fp32 (the epilogue's
+    # add), one exact rounding to the output format
+    gen = torch.Generator().manual_seed(7)
+    layer = EmulatedLinear(40, 6, mode=model)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(6, 40, generator=gen))
+        layer.bias.copy_(torch.randn(6, generator=gen) * 3)
+    x = torch.randn(5, 40, generator=gen)
+    y = layer(x)
+    xr, wr = round_to(x, model.inputs), round_to(layer.weight.detach(), model.inputs)
+    out_fmt = get_matmul_model(model).output
+    for i in range(5):
+        for j in range(6):
+            acc = ref_matmul_element(
+                xr[i].tolist(),
+                wr[j].tolist(),
+                acc=model.accumulator,
+                k_group=model.k_group,
+                promote_every=model.promote_every,
+            )
+            with_bias = np.float32(acc) + np.float32(layer.bias[j].item())
+            assert y[i, j].item() == ref_round(float(with_bias), out_fmt), (i, j)
 
 
 def test_low_precision_parameters_and_inputs_keep_their_dtypes():

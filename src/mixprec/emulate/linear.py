@@ -4,9 +4,11 @@
 Forward ``y = x W^T + b`` and both backward products, ``grad_x = grad_y W`` (K = out_features) and
 ``grad_W = grad_y^T x`` (K = the number of rows in the batch), use :func:`mixprec.emulate.matmul` with the layer's
 :class:`MatmulModel`: operands rounded to ``inputs``, accumulation modelled, result held in fp32. The bias is
-added in fp32 after the product (then rounded to the model's ``output`` format, if it has one, as a GEMM
-epilogue would); ``grad_b`` is an fp32 sum over the batch. Outputs and input gradients come back in the input's
-dtype, parameter gradients in the parameter's dtype, so fp16/bf16 parameters and inputs work too.
+added in fp32 to the accumulator's value and, if the model has an ``output`` format, that sum is rounded to it
+once, as a GEMM epilogue does (the product is not rounded to ``output`` before the bias); ``grad_b`` is an fp32
+sum over the batch. Outputs and input gradients come back in the input's dtype, parameter gradients in the
+parameter's dtype, so fp16/bf16 parameters and inputs work too. The backward is not itself differentiable
+(``once_differentiable``: no double backward).
 
 Parameters and ``state_dict`` keys are those of ``nn.Linear`` (``weight``, ``bias``); :meth:`EmulatedLinear.from_linear`
 shares the original layer's Parameter objects, so optimizers and tied weights keep working after a swap.
@@ -14,10 +16,12 @@ shares the original layer's Parameter objects, so optimizers and tied weights ke
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from mixprec.emulate.matmul import MatmulModel, _matmul_model, get_matmul_model
 from mixprec.emulate.rounding import round_to, round_to_
@@ -33,11 +37,16 @@ class _EmulatedLinearFunction(torch.autograd.Function):
         # the operands are rounded once here and saved rounded (fp32), so the backward products reuse them
         x_r = round_to(x.reshape(-1, x.shape[-1]), model.inputs)
         w_r = round_to(weight, model.inputs)
-        y = _matmul_model(x_r, w_r.t(), model, rounded=True)
-        if bias is not None:
+        if bias is None or model.output is None:
+            y = _matmul_model(x_r, w_r.t(), model, rounded=True)
+            if bias is not None:
+                y.add_(bias.float())
+        else:
+            # GEMM epilogue: fp32 accumulator + bias in fp32, then ONE rounding to the output format (rounding the
+            # product to ``output`` before the bias would round twice)
+            y = _matmul_model(x_r, w_r.t(), dataclasses.replace(model, output=None), rounded=True)
             y.add_(bias.float())
-            if model.output is not None:
-                round_to_(y, model.output)
+            round_to_(y, model.output)
         ctx.save_for_backward(x_r, w_r)
         ctx.x_dtype = x.dtype
         ctx.w_dtype = weight.dtype
@@ -48,6 +57,7 @@ class _EmulatedLinearFunction(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 
     @staticmethod
+    @once_differentiable  # the emulated products are not differentiable: no double backward
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x_r, w_r = ctx.saved_tensors
         model: MatmulModel = ctx.model
