@@ -25,13 +25,13 @@ rounding to fp16 overflows to inf above 65504, as the backend's sum would).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from mixprec._validate import check_choice
 from mixprec.comm._compat import all_gather_flat, overlaps, require_initialized
+from mixprec.comm.handles import PendingReduction
 from mixprec.comm.random import rank_generator
 from mixprec.comm.rounding import Rounding, round_into_
 
@@ -49,26 +49,6 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 DEFAULT_STOCHASTIC_SEED = 0x6D697870
 # Elements per block of the fp32 sum (256 KiB of fp32: the accumulator and the widened addend fit in L2).
 _SUM_BLOCK = 1 << 16
-
-
-class PendingReduction:
-    """Handle of an asynchronous fp32-accumulating collective; ``wait()`` finishes it.
-
-    ``wait()`` blocks until the communication is done, then runs the local fp32 sum and the rounding (and,
-    for an all-reduce, the all-gather) on the calling thread. Calling it again does nothing.
-    """
-
-    def __init__(self, finish: Callable[[], None]) -> None:
-        self._finish: Callable[[], None] | None = finish
-
-    def wait(self) -> None:
-        finish, self._finish = self._finish, None
-        if finish is not None:
-            finish()
-
-    def is_completed(self) -> bool:
-        """True once ``wait()`` has run (the local sum is only done inside ``wait()``)."""
-        return self._finish is None
 
 
 def _check_contiguous(name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:

@@ -30,8 +30,9 @@ reducer. With ``sharded_optimizer=False`` each ``param.grad`` holds the reduced 
 parameter's dtype; a view of the buffer when ``grad_dtype`` is the parameter's dtype). With
 ``sharded_optimizer=True`` buckets are reduce-scattered straight into this rank's fp32 gradient shard
 (no rounding to the wire dtype at all with ``"fp32_accumulate"``) and ``param.grad`` keeps the local,
-unreduced gradient; the optimizer from :meth:`make_optimizer` steps fp32 master weights of the shard and
-all-gathers the parameters.
+unreduced gradient (with the built-in ``"native"`` and ``"fp32_accumulate"`` reducers; the reducer contract
+lets another reducer's ``reduce_scatter`` use the bucket as scratch); the optimizer from
+:meth:`make_optimizer` steps fp32 master weights of the shard and all-gathers the parameters.
 
 Memory: the gradient buffers (one element of ``grad_dtype`` per parameter element, plus bucket padding);
 the reducer's receive buffers ("fp32_accumulate": at most ``max_in_flight``, default 2, buffers of one
@@ -40,9 +41,11 @@ from the parameter dtype, ``param.grad`` is a separate tensor in the parameter d
 parameters become views of flat buffers (do not call ``.to()``/``.half()`` on the module afterwards) and
 the fp32 gradient shard holds ``1/world_size`` of the elements.
 
-With ``grad_dtype`` different from the parameter dtype, gradients accumulated under ``no_sync()`` live in
-the wrapper's buffer, not in ``param.grad``: ``optimizer.zero_grad()`` does not discard them before the
-window's synced backward; ``ddp.zero_grad_buffers()`` does (the sharded optimizer's ``zero_grad`` calls it).
+With ``grad_dtype`` different from the parameter dtype, microbatches under ``no_sync()`` accumulate in
+``param.grad``, in the parameter's dtype, as without the wrapper; the synced backward rounds the window's
+total into the bucket once (one rounding to the wire dtype per step, not one per microbatch). Without
+sharding, ``param.grad`` then receives the reduced gradient in place (the same tensor, no allocation per
+step once it exists).
 
 Not supported: reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``; a
 clear error says so), sparse gradients, parameters on several devices.
@@ -69,6 +72,7 @@ import torch.distributed as dist
 
 from mixprec._validate import check_dtype, check_positive_int
 from mixprec.comm._compat import require_initialized
+from mixprec.comm.handles import wait_all
 from mixprec.parallel.buckets import BucketLayout, build_layout
 from mixprec.parallel.reducers import GradReducer, ReductionHandle, make_reducer
 
@@ -207,9 +211,9 @@ class DistributedDataParallel(torch.nn.Module):
 
         with torch.no_grad():
             for i, p in enumerate(self._params):
-                if p.grad is not None:
+                if p.grad is not None and self._direct[i]:
                     self._grad_views[i].copy_(p.grad)
-                    p.grad = self._grad_views[i] if self._direct[i] else None
+                    p.grad = self._grad_views[i]
 
         n_params, n_buckets = len(self._params), len(self.layout.buckets)
         self._fresh = [True] * n_params  # slot does not hold this accumulation window's gradient yet
@@ -262,9 +266,7 @@ class DistributedDataParallel(torch.nn.Module):
         """A backward raised before its end: finish what it launched (every rank launched the same
         buckets, in order) and start clean, rather than never reducing again."""
         try:
-            for handle in self._handles:
-                if handle is not None:
-                    handle.wait()
+            wait_all(self._handles)
         finally:
             self._reset_backward_state()
 
@@ -289,12 +291,10 @@ class DistributedDataParallel(torch.nn.Module):
                 if not _same_memory(grad, view):
                     view.copy_(grad)
                     param.grad = view
-            else:
-                if self._fresh[i]:
-                    view.copy_(grad)
-                else:
-                    view.add_(grad)  # microbatch accumulation in the buffer's dtype
-                param.grad = None
+            elif self._require_sync:
+                # param.grad holds the whole accumulation window in the parameter's dtype (autograd added the
+                # microbatches there): one rounding to the wire dtype per step, not one per microbatch.
+                view.copy_(grad)
         self._fresh[i] = False
         if not self._require_sync:
             return
@@ -363,6 +363,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     @torch.no_grad()
     def _finalize_backward(self) -> None:
+        finished = False
         try:
             for i, param in enumerate(self._params):
                 if self._ready[i]:
@@ -373,20 +374,28 @@ class DistributedDataParallel(torch.nn.Module):
             for k in range(self._next_bucket, len(self._missing)):
                 self._launch(k)
             self._next_bucket = len(self._missing)
-            for handle in self._handles:
-                if handle is not None:
-                    handle.wait()
+            wait_all(self._handles)
             if not self.sharded:
                 for i, param in enumerate(self._params):
                     view = self._grad_views[i]
+                    grad = param.grad
                     if self._direct[i]:
-                        if param.grad is None or not _same_memory(param.grad, view):
+                        if grad is None or not _same_memory(grad, view):
                             param.grad = view
+                    elif grad is not None and grad.shape == view.shape and grad.is_contiguous():
+                        grad.copy_(view)  # the reduced gradient, in the parameter's dtype, in the same tensor
                     else:
                         param.grad = view.to(param.dtype)
             self._grads_reduced = True
             self._fresh = [True] * len(self._params)
+            finished = True
         finally:
+            if not finished:
+                # A launch or a wait raised: still finish every reduction this rank started (the other
+                # ranks started the same ones), so none is left to complete later at a point where the
+                # other ranks issue different collectives. The first error is already propagating.
+                with contextlib.suppress(Exception):
+                    wait_all(self._handles)
             self._reset_backward_state()
 
     def _reset_backward_state(self) -> None:
@@ -406,14 +415,12 @@ class DistributedDataParallel(torch.nn.Module):
             elif not _same_memory(grad, view):
                 view.copy_(grad)
                 param.grad = view
-        elif self._fresh[i]:
-            # Nothing accumulated in this window: the slot takes what param.grad holds (torch semantics:
-            # an un-zeroed gradient is reduced again), or zero.
-            if grad is None:
-                view.zero_()
-            else:
-                view.copy_(grad)
-            param.grad = None
+        elif grad is None:
+            view.zero_()
+        else:
+            # What param.grad holds: microbatches of this window accumulated under no_sync(), or an un-zeroed
+            # gradient (torch semantics: it is reduced again).
+            view.copy_(grad)
 
     # ------------------------------------------------------------------ optimizer support
     def make_optimizer(

@@ -20,7 +20,8 @@ The contract every reducer keeps (the data-parallel wrapper relies on it):
   multiple of ``lcm(world_size, 128)``; every rank passes a bucket of the same length and dtype, and all
   ranks call the reducer for the same buckets in the same order.
 * The call starts the reduction and returns a handle; ``handle.wait()`` finishes it (blocking). Until
-  then the caller touches neither ``bucket`` nor ``shard_out``. ``wait()`` is idempotent.
+  then the caller touches neither ``bucket`` nor ``shard_out``. ``wait()`` may be called again: after
+  a success it returns at once, after a failure it raises again (:class:`mixprec.comm.PendingReduction`).
 * ``all_reduce`` writes the reduced bucket in place, with identical bits on every rank (replicas must
   not drift apart). ``reduce_scatter`` writes elements ``[r*S, (r+1)*S)`` of the reduced bucket into rank
   r's ``shard_out`` (``S = len(bucket) // world_size``, dtype ``bucket.dtype`` or torch.float32) and may
@@ -51,10 +52,10 @@ from mixprec._validate import check_choice, check_positive_int
 from mixprec.comm._compat import reduce_scatter_flat
 from mixprec.comm.fp32_accumulate import (
     DEFAULT_STOCHASTIC_SEED,
-    PendingReduction,
     all_reduce_fp32_accumulate,
     reduce_scatter_fp32_accumulate,
 )
+from mixprec.comm.handles import PendingReduction
 from mixprec.comm.random import rank_generator
 
 __all__ = [
@@ -64,6 +65,8 @@ __all__ = [
     "NativeReducer",
     "ReductionHandle",
     "bucket_multiple",
+    "check_bucket",
+    "check_shard_out",
     "make_reducer",
     "register_reducer",
     "registered_reducers",
@@ -105,32 +108,22 @@ class GradReducer(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-class _Done:
-    """Handle of a reduction that already finished."""
+def _after_work(work: Any, then: Callable[[], None] | None = None, *, keep: Any = None) -> PendingReduction:
+    """A handle that waits for a torch ``Work``, then runs ``then``; ``keep`` stays referenced until then
+    (a tensor the communication reads)."""
 
-    def wait(self) -> None:
-        return None
+    def finish() -> None:
+        if work is not None:
+            work.wait()
+        if then is not None:
+            then()
+        del keep_alive[:]
 
-
-class _WorkThen:
-    """Wait for a torch ``Work``, then run a continuation once."""
-
-    def __init__(self, work: Any, then: Callable[[], None] | None = None) -> None:
-        self._work = work
-        self._then = then
-        self._done = False
-
-    def wait(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        if self._work is not None:
-            self._work.wait()
-        if self._then is not None:
-            self._then()
+    keep_alive = [keep]
+    return PendingReduction(finish)
 
 
-def _check_bucket(bucket: torch.Tensor, group: ProcessGroup | None) -> int:
+def check_bucket(bucket: torch.Tensor, group: ProcessGroup | None) -> int:
     if not isinstance(bucket, torch.Tensor):
         raise TypeError(f"bucket must be a torch.Tensor; got {type(bucket).__name__}")
     if bucket.dim() != 1 or not bucket.is_contiguous():
@@ -147,7 +140,7 @@ def _check_bucket(bucket: torch.Tensor, group: ProcessGroup | None) -> int:
     return world_size
 
 
-def _check_shard_out(shard_out: torch.Tensor, bucket: torch.Tensor, world_size: int) -> None:
+def check_shard_out(shard_out: torch.Tensor, bucket: torch.Tensor, world_size: int) -> None:
     if not isinstance(shard_out, torch.Tensor):
         raise TypeError(f"shard_out must be a torch.Tensor; got {type(shard_out).__name__}")
     if shard_out.dtype not in (bucket.dtype, torch.float32):
@@ -159,34 +152,42 @@ def _check_shard_out(shard_out: torch.Tensor, bucket: torch.Tensor, world_size: 
         )
 
 
+# Old private names, still imported by mixprec.compress.reducers.
+_check_bucket = check_bucket
+_check_shard_out = check_shard_out
+
+
 class NativeReducer:
     """The backend's own collective in the bucket dtype (torch DDP's behaviour); stateless.
 
     Wire and accumulation dtype: the bucket's (gloo and NCCL round the running sum at every step).
     ``average``: the bucket is divided by the group size in its own dtype before the SUM, as torch
-    DDP's default hook does. Extra memory: none, except a bucket-dtype shard when ``shard_out`` is fp32.
+    DDP's default hook does. Extra memory: ``all_reduce`` none (it divides the bucket in place);
+    ``reduce_scatter`` with ``average`` a pre-divided copy of the bucket (the bucket itself is left as it
+    is), plus a bucket-dtype shard when ``shard_out`` is fp32.
     """
 
     def all_reduce(
         self, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
     ) -> ReductionHandle:
-        world_size = _check_bucket(bucket, group)
+        world_size = check_bucket(bucket, group)
         if average:
             bucket.div_(world_size)
-        return _WorkThen(dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=group, async_op=True))
+        return _after_work(dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=group, async_op=True))
 
     def reduce_scatter(
         self, shard_out: torch.Tensor, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
     ) -> ReductionHandle:
-        world_size = _check_bucket(bucket, group)
-        _check_shard_out(shard_out, bucket, world_size)
-        if average:
-            bucket.div_(world_size)
+        world_size = check_bucket(bucket, group)
+        check_shard_out(shard_out, bucket, world_size)
+        # The pre-divided input is a copy: in sharded mode param.grad views the bucket and keeps the local,
+        # unreduced gradient.
+        source = torch.div(bucket, world_size) if average else bucket
         if shard_out.dtype == bucket.dtype:
-            return _WorkThen(reduce_scatter_flat(shard_out, bucket, group, async_op=True))
+            return _after_work(reduce_scatter_flat(shard_out, source, group, async_op=True), keep=source)
         staging = torch.empty(shard_out.numel(), dtype=bucket.dtype, device=bucket.device)
-        work = reduce_scatter_flat(staging, bucket, group, async_op=True)
-        return _WorkThen(work, lambda: shard_out.copy_(staging))
+        work = reduce_scatter_flat(staging, source, group, async_op=True)
+        return _after_work(work, lambda: shard_out.copy_(staging), keep=source)
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -224,7 +225,7 @@ class FP32AccumulateReducer:
         self.seed = seed
         self.max_in_flight = check_positive_int("max_in_flight", max_in_flight)
         self._free: list[torch.Tensor] = []
-        self._pending: deque[_PooledReduction] = deque()
+        self._pending: deque[PendingReduction] = deque()
         self._largest: dict[tuple[torch.dtype, torch.device], int] = {}
         self._generator: torch.Generator | None = None
         self._generator_state: torch.Tensor | None = None
@@ -232,7 +233,7 @@ class FP32AccumulateReducer:
     # ------------------------------------------------------------------ buffers
     def _take_scratch(self, bucket: torch.Tensor) -> torch.Tensor:
         while len(self._pending) >= self.max_in_flight:
-            self._pending[0].wait()  # returns its buffer to the free list
+            self._pending[0].wait()  # leaves the queue; its buffer goes back to the free list if it succeeded
         for i, buf in enumerate(self._free):
             if buf.dtype == bucket.dtype and buf.device == bucket.device and buf.numel() >= bucket.numel():
                 return self._free.pop(i)
@@ -247,13 +248,20 @@ class FP32AccumulateReducer:
     def _track(self, pending: PendingReduction | None, scratch: torch.Tensor) -> ReductionHandle:
         if pending is None:  # the async collectives always return a handle; None would skip the reduction
             raise RuntimeError("internal error: an async_op=True collective returned no handle")
-        handle = _PooledReduction(pending, scratch, self)
+
+        def finish() -> None:
+            try:
+                pending.wait()
+            except BaseException:
+                # The communication may still be writing into scratch: drop the buffer, never reuse it.
+                self._pending.remove(handle)
+                raise
+            self._pending.remove(handle)
+            self._free.append(scratch)
+
+        handle = PendingReduction(finish)
         self._pending.append(handle)
         return handle
-
-    def _release(self, handle: _PooledReduction) -> None:
-        self._pending.remove(handle)
-        self._free.append(handle.scratch)
 
     def _rng(self, device: torch.device) -> torch.Generator | None:
         if self.rounding != "stochastic":
@@ -268,7 +276,7 @@ class FP32AccumulateReducer:
     def all_reduce(
         self, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
     ) -> ReductionHandle:
-        _check_bucket(bucket, group)
+        check_bucket(bucket, group)
         scratch = self._take_scratch(bucket)
         pending = all_reduce_fp32_accumulate(
             bucket,
@@ -284,8 +292,8 @@ class FP32AccumulateReducer:
     def reduce_scatter(
         self, shard_out: torch.Tensor, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
     ) -> ReductionHandle:
-        world_size = _check_bucket(bucket, group)
-        _check_shard_out(shard_out, bucket, world_size)
+        world_size = check_bucket(bucket, group)
+        check_shard_out(shard_out, bucket, world_size)
         scratch = self._take_scratch(bucket)
         pending = reduce_scatter_fp32_accumulate(
             shard_out,
@@ -323,24 +331,6 @@ class FP32AccumulateReducer:
 
     def __repr__(self) -> str:
         return f"FP32AccumulateReducer(rounding={self.rounding!r}, max_in_flight={self.max_in_flight})"
-
-
-class _PooledReduction:
-    """A reduction holding one of :class:`FP32AccumulateReducer`'s receive buffers until it finishes."""
-
-    def __init__(self, pending: PendingReduction, scratch: torch.Tensor, pool: FP32AccumulateReducer) -> None:
-        self._pending: PendingReduction | None = pending
-        self.scratch = scratch
-        self._pool = pool
-
-    def wait(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        try:
-            pending.wait()
-        finally:
-            self._pool._release(self)
 
 
 # ---------------------------------------------------------------------- registry
