@@ -206,11 +206,10 @@ def test_measured_error_respects_bounds(mode):
     bd = bounds(k, mode)
     assert float(err.max()) <= bd.deterministic
     if bd.probabilistic is not None:
-        # union bound over the m*n outputs: lam with 2 n_roundings exp(-lam^2/2) * m * n <= 1e-3
-        n_round = bd.n_accumulator_roundings + bd.n_fp32_roundings
-        lam = math.sqrt(2 * math.log(2 * n_round * m * n / 1e-3)) / (1 - bd.accumulator_unit_roundoff)
-        assert float(err.max()) <= bounds(k, mode, lam=lam).probabilistic
-        assert bounds(k, mode, lam=lam).probability >= 1 - 1e-3 / (m * n)
+        # all m*n outputs at once with probability >= 1 - 1e-3: per-output confidence 1 - 1e-3 / (m n) (union)
+        prob = bounds(k, mode, confidence=1 - 1e-3 / (m * n))
+        assert float(err.max()) <= prob.probabilistic
+        assert prob.probability == pytest.approx(1 - 1e-3 / (m * n), abs=1e-12)
 
 
 def test_error_ordering_of_presets():
@@ -237,7 +236,15 @@ def test_bounds_values():
     assert b16.n_accumulator_roundings == 64 and b16.n_fp32_roundings == 0
     u = 2.0**-11
     assert b16.deterministic == pytest.approx(64 * u / (1 - 64 * u))
-    assert b16.probabilistic == pytest.approx(math.expm1(8 * u + 64 * u * u / (1 - u)))
+    at_1 = bounds(1024, "fp16/16", lam=1.0)
+    assert at_1.probabilistic == pytest.approx(math.expm1(8 * u + 64 * u * u / (1 - u)))
+    assert at_1.probability == 0.0  # 2 * 64 * exp(-1/2) > 1: lam = 1 guarantees nothing (review M2)
+    # the default solves lam for 99% per output: 2 * 64 * exp(-lam^2 (1 - u)^2 / 2) = 0.01
+    lam = math.sqrt(2 * math.log(2 * 64 / 0.01)) / (1 - u)
+    assert b16.lam == pytest.approx(lam) and b16.probability == pytest.approx(0.99)
+    assert b16.probabilistic == pytest.approx(math.expm1(lam * 8 * u + 64 * u * u / (1 - u)))
+    assert b16.probabilistic < b16.deterministic
+    assert bounds(1024, "fp16/16", confidence=0.999).probabilistic > b16.probabilistic
     two = bounds(1024, "two_stage")
     assert two.n_accumulator_roundings == 1 and two.n_fp32_roundings == 64
     assert two.deterministic < b16.deterministic / 30
@@ -273,6 +280,11 @@ def test_mode_overrides_and_presets():
         (lambda: MatmulModel(inputs=5), TypeError, "inputs"),
         (lambda: bounds(0, "fp16/16"), ValueError, "k"),
         (lambda: bounds(16, "fp16/16", lam=0), ValueError, "lam"),
+        (lambda: bounds(16, "fp16/16", lam="1"), TypeError, "lam"),
+        (lambda: bounds(16, "fp16/16", confidence=1.0), ValueError, "confidence"),
+        (lambda: bounds(16, "fp16/16", confidence="0.9"), TypeError, "confidence"),
+        (lambda: bounds(16, "fp16/16", confidence=0.9, lam=2.0), ValueError, "not both"),
+        (lambda: bounds(16.0, "fp16/16"), TypeError, "k"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(call, error, match):

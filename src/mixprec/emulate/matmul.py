@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from mixprec._validate import check_choice
+from mixprec._validate import check_choice, check_fraction, check_positive_float, check_positive_int
 from mixprec.emulate.formats import FORMAT_PRESETS, FloatFormat, get_format
 from mixprec.emulate.rounding import (
     _fix_overflow_,
@@ -112,16 +112,16 @@ class MatmulModel:
         object.__setattr__(self, "accumulator", get_format(self.accumulator, arg="accumulator"))
         if self.output is not None:
             object.__setattr__(self, "output", get_format(self.output, arg="output"))
-        _check_int("k_group", self.k_group, 1)
+        check_positive_int("k_group", self.k_group)
         if self.promote_every is not None:
-            _check_int("promote_every", self.promote_every, 1)
+            check_positive_int("promote_every", self.promote_every)
             if self.promote_every % self.k_group:
                 raise ValueError(
                     f"promote_every must be a multiple of k_group={self.k_group} (promotion happens between MMA "
                     f"instructions); got {self.promote_every}"
                 )
         if self.align_bits is not None:
-            _check_int("align_bits", self.align_bits, 1)
+            check_positive_int("align_bits", self.align_bits)
             if self.align_bits > 40:
                 raise ValueError(f"align_bits must be in 1..40 (fraction bits kept); got {self.align_bits}")
         check_choice("align_rounding", self.align_rounding, _ALIGN_ROUNDINGS)
@@ -137,13 +137,6 @@ class MatmulModel:
         if self.output is not None:
             text += f" out:{self.output.name}"
         return text
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {minimum}; got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; got {value}")
 
 
 MATMUL_PRESETS: dict[str, MatmulModel] = {
@@ -508,7 +501,9 @@ def _gamma_prob(n: int, u: float, lam: float) -> float:
     return math.expm1(lam * math.sqrt(n) * u + n * u * u / (1 - u)) if n else 0.0
 
 
-def bounds(k: int, mode: MatmulModel | str, *, lam: float = 1.0) -> ErrorBounds:
+def bounds(
+    k: int, mode: MatmulModel | str, *, confidence: float | None = None, lam: float | None = None
+) -> ErrorBounds:
     """Error bounds of ``matmul`` with ``mode`` on dot products of length ``k``, as multiples of ``sum|a_i b_i|``
     over the rounded operands (input rounding is not included: it is the same for every accumulator).
 
@@ -517,10 +512,29 @@ def bounds(k: int, mode: MatmulModel | str, *, lam: float = 1.0) -> ErrorBounds:
     than ``2**-F`` of the largest, so ``u1 = u_acc + (k_group + 1) 2**-F``, with ``u_acc = 2**-man_bits`` for
     toward_zero. Promotion adds ``n2 = ceil(k / P)`` fp32 roundings (``u = 2**-24``); ``output`` one more.
     Deterministic: ``(1 + gamma_n1(u1)) (1 + gamma_n2(u32)) (1 + u_out) - 1``.
+
+    Probabilistic (one output element): the same product with ``gamma~_n(lam)``; it holds with probability at least
+    ``1 - 2 (n1 + n2) exp(-lam^2 (1 - u1)^2 / 2)`` (Higham & Mary's ``Q(lam, n)``, a union over both chains).
+
+    Args:
+        k: dot-product length, int >= 1.
+        mode: a preset name or MatmulModel.
+        confidence: probability in (0, 1) that the probabilistic bound holds for one output element; ``lam`` is
+            solved from it: ``lam = sqrt(2 ln(2 (n1 + n2) / (1 - confidence))) / (1 - u1)``. For all of ``m``
+            outputs at once, pass ``1 - (1 - c) / m`` (union bound). Default 0.99 when ``lam`` is not given.
+        lam: the bound's ``lambda`` directly (> 0); ``probability`` then says how likely the bound holds (0 when
+            lam is too small for any guarantee). Give ``confidence`` or ``lam``, not both.
+
+    Raises:
+        TypeError: ``k``, ``confidence`` or ``lam`` of the wrong type; ValueError: out of range, or both given.
     """
-    _check_int("k", k, 1)
-    if isinstance(lam, bool) or not isinstance(lam, int | float) or not lam > 0:
-        raise ValueError(f"lam must be a number > 0; got {lam!r}")
+    check_positive_int("k", k)
+    if confidence is not None and lam is not None:
+        raise ValueError(f"give confidence or lam, not both; got confidence={confidence!r}, lam={lam!r}")
+    if lam is not None:
+        lam = check_positive_float("lam", lam)
+    else:
+        confidence = 0.99 if confidence is None else check_fraction("confidence", confidence)
     model = get_matmul_model(mode)
     acc = model.accumulator
     chain = k if model.promote_every is None else min(k, model.promote_every)
@@ -533,6 +547,9 @@ def bounds(k: int, mode: MatmulModel | str, *, lam: float = 1.0) -> ErrorBounds:
     u32 = FORMAT_PRESETS["fp32"].unit_roundoff
     u_out = 0.0 if model.output is None else model.output.unit_roundoff
     det = (1 + _gamma(n1, u1)) * (1 + _gamma(n2, u32)) * (1 + u_out) - 1
+    if lam is None:
+        assumed = 1.0 - float(confidence)  # failure probability 2 (n1 + n2) exp(-lam^2 (1 - u1)^2 / 2) = 1 - conf
+        lam = math.sqrt(2 * math.log(2 * (n1 + n2) / assumed)) / (1 - u1)
     prob: float | None = None
     probability: float | None = None
     if not biased:
