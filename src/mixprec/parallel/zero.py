@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from mixprec._validate import check_norm_type, check_positive_float
 from mixprec.comm._compat import all_gather_flat
+from mixprec.comm.objects import gather_objects
 from mixprec.parallel.buckets import ShardPiece
 from mixprec.scaling.master import clip_coefficient
 
@@ -45,7 +46,8 @@ class ShardedOptimizer:
 
     Surface: ``param_groups`` / ``state`` (the inner optimizer's, over fp32 pieces), ``zero_grad``,
     ``step``, ``clip_grad_norm_``, ``grad_norm``, ``state_dict``/``load_state_dict`` (a full, world-size
-    independent checkpoint) and ``mixprec_prepare_grads_`` (called by mixprec's loss scalers). LR
+    independent checkpoint, gathered onto rank 0) and ``mixprec_prepare_grads_`` /
+    ``mixprec_discard_grads_`` (called by mixprec's loss scalers). LR
     schedulers take ``opt.optimizer``, the inner torch optimizer.
 
     With a loss scaler: ``scaler.unscale_(opt)`` unscales this rank's fp32 gradient shard and records
@@ -219,17 +221,25 @@ class ShardedOptimizer:
             w.wait()
 
     # ------------------------------------------------------------------ checkpoints
-    def _gather_flat(self, shard: torch.Tensor) -> dict[int, torch.Tensor]:
-        """All-gather a tensor laid out like ``self.master`` into one full tensor per bucket."""
+    def _root(self) -> int:
+        """Global rank of the group's rank 0, where checkpoints are gathered."""
+        return dist.get_global_rank(self.ddp.group, 0) if self.ddp.group is not None else 0
+
+    def _gather_flat(self, shard: torch.Tensor) -> dict[int, torch.Tensor] | None:
+        """Gather a tensor laid out like ``self.master`` onto the group's rank 0: one full tensor per bucket
+        there, None elsewhere. Extra memory: on rank 0 the full tensors; elsewhere nothing."""
         ddp = self.ddp
+        is_root = ddp.rank == 0
         out: dict[int, torch.Tensor] = {}
         for b in ddp.layout.buckets:
             size = b.numel // ddp.world_size
-            full = torch.empty(b.numel, dtype=shard.dtype, device=shard.device)
             base = ddp._shard_base[b.index]
-            all_gather_flat(full, shard[base : base + size].contiguous(), ddp.group)
-            out[b.index] = full
-        return out
+            full = torch.empty(b.numel, dtype=shard.dtype, device=shard.device) if is_root else None
+            parts = list(full.chunk(ddp.world_size)) if full is not None else None
+            dist.gather(shard[base : base + size].contiguous(), parts, dst=self._root(), group=ddp.group)
+            if full is not None:
+                out[b.index] = full
+        return out if is_root else None
 
     def _per_param(self, full: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
         result = {}
@@ -239,15 +249,23 @@ class ShardedOptimizer:
         return result
 
     @torch.no_grad()
-    def state_dict(self) -> dict[str, Any]:
-        """A full checkpoint, identical on every rank and independent of the world size (collective).
+    def state_dict(self) -> dict[str, Any] | None:
+        """A full checkpoint, gathered onto the group's rank 0 (None on the other ranks); collective: every
+        rank of the group must call it. Independent of the world size: it loads at any other.
 
         Keys: ``format``; ``master`` (name -> full fp32 master weight); ``state`` (name -> {key: full
         tensor or scalar}); ``elementwise_keys`` (state keys stored as full tensors); ``param_groups``
         (options and parameter names per group); ``world_size`` (informational). Names are the module's
-        parameter names (the first name of a tied parameter). Save it from one rank with ``torch.save``.
+        parameter names (the first name of a tied parameter). Save it from rank 0 with ``torch.save``.
+
+        Memory: rank 0 ends holding the whole checkpoint, ``4 N (1 + K)`` bytes for N parameter elements
+        and K elementwise fp32 state keys (Adam: K = 2), and while one key is gathered another ``N`` bytes
+        of presence mask. The other ranks send their shards (``dist.gather``, one bucket at a time) and hold
+        at most one key of their own shard extra, ``5 N / world_size`` bytes; they never hold the world's
+        state. Wire: the state dtypes (fp32) and uint8 masks; small metadata (key names) is all-gathered.
         """
         ddp = self.ddp
+        is_root = ddp.rank == 0
         local_keys: dict[str, str] = {}
         scalars: dict[str, dict[str, Any]] = {}
         for leaf, (_, piece) in zip(self._leaves, self._pieces, strict=True):
@@ -258,17 +276,20 @@ class ShardedOptimizer:
                 else:
                     value = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
                     scalars.setdefault(piece.slot.name, {}).setdefault(key, value)
-        gathered: list[Any] = [None] * ddp.world_size
-        dist.all_gather_object(gathered, (local_keys, scalars), group=ddp.group)
+        # Every rank must take part in the gathers of every key: the key names go to all ranks (tiny).
+        all_keys: list[Any] = [None] * ddp.world_size
+        dist.all_gather_object(all_keys, local_keys, group=ddp.group)
         elementwise: dict[str, str] = {}
-        merged_scalars: dict[str, dict[str, Any]] = {}
-        for keys, sc in gathered:
+        for keys in all_keys:
             elementwise.update(keys)
+        gathered_scalars = gather_objects(scalars, dst=self._root(), group=ddp.group)
+        merged_scalars: dict[str, dict[str, Any]] = {}
+        for sc in gathered_scalars or []:
             for name, entries in sc.items():
                 for key, value in entries.items():
                     merged_scalars.setdefault(name, {}).setdefault(key, value)
 
-        master = self._per_param(self._gather_flat(self.master))
+        gathered_master = self._gather_flat(self.master)
         state: dict[str, dict[str, Any]] = {name: dict(entries) for name, entries in merged_scalars.items()}
         for key in sorted(elementwise):
             dtype = getattr(torch, elementwise[key])
@@ -280,17 +301,25 @@ class ShardedOptimizer:
                     start = ddp._shard_base[k] + piece.shard_offset
                     flat[start : start + piece.numel] = value
                     has[start : start + piece.numel] = 1
-            full = self._per_param(self._gather_flat(flat))
-            present = self._per_param(self._gather_flat(has))
-            for name, tensor in full.items():
-                if bool(present[name].all()):
+            full = self._gather_flat(flat)
+            del flat
+            present = self._gather_flat(has)
+            del has
+            if full is None or present is None:
+                continue
+            full_by_name, present_by_name = self._per_param(full), self._per_param(present)
+            del full, present
+            for name, tensor in full_by_name.items():
+                if bool(present_by_name[name].all()):
                     state.setdefault(name, {})[key] = tensor
+        if not is_root or gathered_master is None:
+            return None
         groups = []
         for group, names in zip(self.optimizer.param_groups, self._group_names, strict=True):
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(names)})
         return {
             "format": CHECKPOINT_FORMAT,
-            "master": master,
+            "master": self._per_param(gathered_master),
             "state": state,
             "elementwise_keys": sorted(elementwise),
             "param_groups": groups,
