@@ -77,12 +77,13 @@ def _worker_state(rank: int, world: int) -> dict:
         return outs
 
     opts = {"chunk_size": CHUNK, "error_feedback": True, "rounding": "stochastic"}
-    straight = run(Uint8Reducer(**opts), range(4))
     first = Uint8Reducer(**opts)
     run(first, range(2))
     buf = io.BytesIO()
     torch.save(first.state_dict(), buf)
+    straight = run(first, range(2, 4))
     buf.seek(0)
+    # Same seed, same process: both reducers draw from one rank_generator stream; loading rewinds it.
     resumed = Uint8Reducer(**opts)
     resumed.load_state_dict(torch.load(buf, weights_only=True))
     errors = []
@@ -90,12 +91,28 @@ def _worker_state(rank: int, world: int) -> dict:
         ({"rounding": "nearest"}, Uint8Reducer(**opts)),
         ({"error_feedback": {0: {}}}, Uint8Reducer(chunk_size=CHUNK)),
         ({"error_feedback": {0: {"worker": torch.zeros(3, dtype=torch.float64)}}}, Uint8Reducer(**opts)),
+        ({"generator_state": [1, 2]}, Uint8Reducer(**opts)),
+        ({"generator_state": torch.zeros(4)}, Uint8Reducer(**opts)),
+        ({"check_finite": "raise"}, Uint8Reducer(**opts)),
+        ({"topology": [2, 1]}, Uint8Reducer(**opts)),
+        ({"error_feedback": [0]}, Uint8Reducer(**opts)),
+        ({"generator_state": torch.zeros(8, dtype=torch.uint8), "generator_device": "cuda:0"}, Uint8Reducer(**opts)),
+        ({"generator_state": torch.zeros(8, dtype=torch.uint8)}, Uint8Reducer(chunk_size=CHUNK)),
     ]:
         try:
             reducer.load_state_dict(bad_state)
+            errors.append("no error")
         except (TypeError, ValueError) as exc:
             errors.append(str(exc))
-    return {"straight": straight[2:], "resumed": run(resumed, range(2, 4)), "errors": errors}
+    # A state saved on CUDA is refused when the first reduction (on CPU) would apply it.
+    cuda_state = Uint8Reducer(**opts)
+    cuda_state.load_state_dict({"generator_state": first.state_dict()["generator_state"], "generator_device": "cuda"})
+    try:
+        cuda_state.all_reduce(_bucket(rank, 0), None, average=True, key=0).wait()
+        errors.append("no error")
+    except ValueError as exc:
+        errors.append(str(exc))
+    return {"straight": straight, "resumed": run(resumed, range(2, 4)), "errors": errors, "saved": first.state_dict()}
 
 
 def test_reducer_state_dict_resumes_error_feedback_and_stochastic_stream(dist_run) -> None:
@@ -103,9 +120,24 @@ def test_reducer_state_dict_resumes_error_feedback_and_stochastic_stream(dist_ru
     for r in range(2):
         for a, b in zip(res[r]["straight"], res[r]["resumed"]):
             assert torch.equal(a, b)
-    assert "saved with rounding='nearest'" in res[0]["errors"][0]
-    assert "error_feedback=False" in res[0]["errors"][1]
-    assert "1-D float32" in res[0]["errors"][2]
+    expected = [
+        "state was saved with rounding='nearest'; this reducer uses 'stochastic'",
+        "state holds error-feedback residuals but this reducer has error_feedback=False",
+        "state['worker'] must be a 1-D float32 tensor",
+        "generator_state must be a 1-D uint8 tensor (torch.Generator.get_state()); got list",
+        "generator_state must be a 1-D uint8 tensor (torch.Generator.get_state()); got torch.float32 tensor",
+        "state was saved with check_finite='raise'; this reducer uses 'flag'",
+        "state was saved with topology=[2, 1]; this reducer uses None",
+        "state['error_feedback'] must be a dict; got list",
+        "no error",  # a state saved on "cuda:0": refused only when applied, at the first reduction (below)
+        "state holds a generator state but this reducer rounds to nearest",
+        "generator_state was saved from a generator on cuda; this run draws on cpu",
+    ]
+    assert len(res[0]["errors"]) == len(expected)
+    for got, want in zip(res[0]["errors"], expected):
+        assert got.startswith(want), (got, want)
+    saved = res[0]["saved"]
+    assert saved["rounding"] == "stochastic" and saved["topology"] is None and saved["generator_device"] == "cpu"
 
 
 def test_factories_validate_options() -> None:
@@ -124,6 +156,72 @@ def test_factories_validate_options() -> None:
         make_reducer("uint8_hierarchical")
     with pytest.raises(TypeError, match="state must be a Uint8HookState"):
         uint8_compress_hook(object(), None)  # type: ignore[arg-type]
+
+
+def _worker_rank_streams(rank: int, world: int) -> dict:
+    from mixprec.comm import rank_generator
+
+    reducer = make_reducer("uint8", chunk_size=CHUNK, rounding="stochastic", seed=123)
+    bucket = _bucket(rank, 0)
+    reducer.all_reduce(bucket, None, average=True, key=0).wait()
+    state = mixprec.hooks.Uint8HookState(chunk_size=CHUNK, rounding="stochastic", seed=9, error_feedback=True)
+    comp = state.compressor_for(torch.device("cpu"))
+    same_stream = comp.generator is rank_generator(9, "cpu")
+    first_draw = torch.rand(4, generator=comp.generator)
+    errors = []
+    fb = {"worker": torch.zeros(4)}
+    for bad in [
+        {"error_feedback": {0: fb}},  # no "numel"
+        {"error_feedback": {0: [1]}},
+        {"error_feedback": {"0": {"numel": 4, **fb}}},
+        {"chunk_size": 2048},
+        {"rounding": "nearest"},
+        {"topology": [1, 2]},
+        {"generator_state": torch.zeros(3)},
+        {"error_feedback": {0: {"numel": -1, **fb}}},
+    ]:
+        try:
+            state.load_state_dict(bad)
+            errors.append("no error")
+        except (TypeError, ValueError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    state.load_state_dict({"error_feedback": {0: {"numel": 4, **fb}}, "generator_state": comp.generator.get_state()})
+    saved = state.state_dict()
+    return {"bucket": bucket, "same_stream": same_stream, "first_draw": first_draw, "errors": errors, "saved": saved}
+
+
+def test_stochastic_streams_are_rank_seeded_and_hook_state_validates(dist_run) -> None:
+    world = 2
+    res = dist_run(_worker_rank_streams, world, timeout=120)
+    # The reducer's stream is rank_generator(123): CPU generator seeded 123 + rank, worker draws then server.
+    gens = [torch.Generator().manual_seed(123 + r) for r in range(world)]
+    uniforms = [
+        [torch.rand(BUCKET, generator=g).numpy(), torch.rand(BUCKET // world, generator=g).numpy()] for g in gens
+    ]
+    inputs = [_bucket(r, 0).numpy() for r in range(world)]
+    expected = ref_flat_all_reduce(inputs, CHUNK, rounding="stochastic", uniforms=uniforms)[0][0]
+    for r in range(world):
+        np.testing.assert_array_equal(res[r]["bucket"].numpy(), expected)
+        assert res[r]["same_stream"]
+    assert not torch.equal(res[0]["first_draw"], res[1]["first_draw"])  # one stream per rank
+    assert res[0]["errors"] == [
+        "ValueError: state['error_feedback'][0] lacks 'numel' (the bucket's size)",
+        "TypeError: state['error_feedback'][0] must be a dict; got list",
+        "TypeError: state['error_feedback'] keys must be bucket indices, ints >= 0; got '0'",
+        "ValueError: state was saved with chunk_size=2048; this hook state uses 256",
+        "ValueError: state was saved with rounding='nearest'; this hook state uses 'stochastic'",
+        "ValueError: state was saved with topology=[1, 2]; this hook state uses None",
+        "TypeError: generator_state must be a 1-D uint8 tensor (torch.Generator.get_state()); got torch.float32 "
+        "tensor of shape (3,)",
+        "ValueError: state['error_feedback'][0]['numel'] must be an int >= 0; got -1",
+    ]
+    saved = res[0]["saved"]
+    assert saved["error_feedback"][0]["numel"] == 4 and saved["generator_device"] == "cpu"
+
+
+def test_hook_state_needs_an_initialised_group() -> None:
+    with pytest.raises(RuntimeError, match="Uint8HookState needs an initialised process group"):
+        mixprec.hooks.Uint8HookState(rounding="stochastic")
 
 
 def _model() -> torch.nn.Module:

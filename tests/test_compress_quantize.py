@@ -229,3 +229,7 @@ def test_bad_arguments() -> None:
         q.encode(torch.randn(300), out=torch.empty(10, dtype=torch.uint8))
     with pytest.raises(ValueError, match="numel must be an int >= 0"):
         q.decode(buf, -1)
+    # Stochastic rounding draws on the tensor's device: a generator elsewhere is refused before anything runs.
+    sq = MinMaxUInt8(chunk_size=CHUNK, rounding="stochastic", generator=torch.Generator())
+    with pytest.raises(ValueError, match="generator is on cpu but the tensor is on meta"):
+        sq.encode(torch.empty(10, device="meta"))

@@ -19,10 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mixprec._validate import check_bool, check_positive_int
 from mixprec.comm.fp32_accumulate import DEFAULT_STOCHASTIC_SEED
+from mixprec.comm.random import rank_generator
 from mixprec.compress.collectives import CompressionStats, CompressionWorkspace, ErrorFeedback, compressed_all_reduce
 from mixprec.compress.quantize import MinMaxUInt8
-from mixprec.compress.reducers import rank_seeded_generator
+from mixprec.compress.reducers import apply_generator_state, check_generator_state, topology_key
+from mixprec.compress.topology import check_topology
 
 __all__ = ["Uint8HookState", "uint8_compress_hook"]
 
@@ -30,13 +33,20 @@ __all__ = ["Uint8HookState", "uint8_compress_hook"]
 class Uint8HookState:
     """State of :func:`uint8_compress_hook`: the compressor, per-bucket error feedback, buffers, stats.
 
+    Create it after ``torch.distributed.init_process_group`` (RuntimeError otherwise), like the DDP model.
+
     Args:
         process_group: the DDP process group; None = the default group.
         chunk_size, rounding, check_finite, topology: as for :class:`mixprec.compress.Uint8Reducer`
             (``check_finite="flag"`` by default: NaN/Inf reach the gradients, never a finite value).
         error_feedback: keep per-bucket residuals. DDP rebuilds its buckets after the first iteration;
             a bucket index whose size changed starts again from zero residuals.
-        seed: stochastic rounding's stream is seeded with ``seed + global rank``.
+        seed: stochastic rounding's stream is ``mixprec.comm.rank_generator(seed, bucket device)``: seeded
+            with ``seed + global rank``, on the gradients' device, created at the first hook call.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised (every rank would otherwise share one stream).
+        TypeError, ValueError: a bad option (before any hook runs).
     """
 
     def __init__(
@@ -50,25 +60,50 @@ class Uint8HookState:
         topology: Any = None,
         seed: int = DEFAULT_STOCHASTIC_SEED,
     ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "Uint8HookState needs an initialised process group: call torch.distributed.init_process_group "
+                "first (as for torch's DistributedDataParallel)"
+            )
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a ProcessGroup or None; got {type(process_group).__name__}")
         self.process_group = process_group
-        if not isinstance(error_feedback, bool):
-            raise TypeError(f"error_feedback must be a bool; got {type(error_feedback).__name__}")
+        self.error_feedback = check_bool("error_feedback", error_feedback)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int; got {type(seed).__name__}")
-        generator = rank_seeded_generator(seed) if rounding == "stochastic" else None
-        # validates chunk_size, rounding and check_finite
-        self.compressor = MinMaxUInt8(
-            chunk_size=chunk_size, rounding=rounding, generator=generator, check_finite=check_finite
-        )
-        self.error_feedback = error_feedback
-        self.topology = topology
+        self.seed = seed
+        # validates chunk_size, rounding and check_finite; the generator is attached per device at first use
+        self.compressor = MinMaxUInt8(chunk_size=chunk_size, rounding=rounding, check_finite=check_finite)
+        self.topology = None if topology is None else check_topology(topology, process_group)
         self.workspace = CompressionWorkspace()
+        self._compressors: dict[torch.device, MinMaxUInt8] = {}
+        self._generator: torch.Generator | None = None
+        self._generator_state: tuple[torch.Tensor, Any] | None = None  # loaded before the first hook call
         self._feedback: dict[int, tuple[int, ErrorFeedback]] = {}  # bucket index -> (bucket numel, residuals)
         self.last_stats: dict[int, CompressionStats] = {}
         """Stats of the last reduction of each bucket index."""
         self.bytes_sent_total = 0
 
+    def compressor_for(self, device: torch.device) -> MinMaxUInt8:
+        """The compressor for buckets on ``device``: ``self.compressor``'s options, with stochastic rounding's
+        rank-seeded generator on that device (created on first use)."""
+        comp = self._compressors.get(device)
+        if comp is None:
+            base = self.compressor
+            generator = None
+            if base.rounding == "stochastic":
+                generator = rank_generator(self.seed, device)
+                if self._generator_state is not None:
+                    apply_generator_state(generator, *self._generator_state)
+                    self._generator_state = None
+            comp = self._compressors[device] = MinMaxUInt8(
+                chunk_size=base.chunk_size, rounding=base.rounding, generator=generator, check_finite=base.check_finite
+            )
+        self._generator = comp.generator
+        return comp
+
     def feedback_for(self, index: int, numel: int) -> ErrorFeedback | None:
+        """The residuals of bucket ``index`` (None without error feedback); fresh ones when its size changed."""
         if not self.error_feedback:
             return None
         known = self._feedback.get(index)
@@ -77,26 +112,79 @@ class Uint8HookState:
         return known[1]
 
     def state_dict(self) -> dict[str, Any]:
+        """This rank's state: options that change results (rounding, chunk_size, check_finite, topology),
+        per-bucket residuals (``{index: {"numel": n, "worker": ..., "server": ...}}``), the stochastic
+        stream's state and device."""
+        comp = self.compressor
         state: dict[str, Any] = {
-            "error_feedback": {i: {"numel": n, **fb.state_dict()} for i, (n, fb) in self._feedback.items()}
+            "rounding": comp.rounding,
+            "chunk_size": comp.chunk_size,
+            "check_finite": comp.check_finite,
+            "topology": topology_key(self.topology),
+            "error_feedback": {i: {"numel": n, **fb.state_dict()} for i, (n, fb) in self._feedback.items()},
         }
-        if self.compressor.generator is not None:
-            state["generator_state"] = self.compressor.generator.get_state()
+        if self._generator is not None:
+            state["generator_state"] = self._generator.get_state()
+            state["generator_device"] = str(self._generator.device)
+        elif self._generator_state is not None:
+            state["generator_state"] = self._generator_state[0].clone()
+            if self._generator_state[1] is not None:
+                state["generator_device"] = str(self._generator_state[1])
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` of this rank; everything is checked before anything changes.
+
+        Raises:
+            TypeError: ``state`` or an entry of it has the wrong type.
+            ValueError: saved with other options, residuals without ``error_feedback``, a bucket entry
+                without ``numel``, or a generator state saved on another device type.
+        """
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict; got {type(state).__name__}")
+        comp = self.compressor
+        mine = {
+            "rounding": comp.rounding,
+            "chunk_size": comp.chunk_size,
+            "check_finite": comp.check_finite,
+            "topology": topology_key(self.topology),
+        }
+        for name, value in mine.items():
+            if name in state and state[name] != value:
+                raise ValueError(f"state was saved with {name}={state[name]!r}; this hook state uses {value!r}")
+        feedback = state.get("error_feedback", {})
+        if not isinstance(feedback, dict):
+            raise TypeError(f"state['error_feedback'] must be a dict; got {type(feedback).__name__}")
+        if feedback and not self.error_feedback:
+            raise ValueError("state holds error-feedback residuals but this hook state has error_feedback=False")
         loaded: dict[int, tuple[int, ErrorFeedback]] = {}
-        for index, entry in state.get("error_feedback", {}).items():
+        for index, entry in feedback.items():
+            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+                raise TypeError(f"state['error_feedback'] keys must be bucket indices, ints >= 0; got {index!r}")
+            if not isinstance(entry, dict):
+                raise TypeError(f"state['error_feedback'][{index}] must be a dict; got {type(entry).__name__}")
+            if "numel" not in entry:
+                raise ValueError(f"state['error_feedback'][{index}] lacks 'numel' (the bucket's size)")
             entry = dict(entry)
-            numel = entry.pop("numel")
+            numel = check_positive_int(f"state['error_feedback'][{index}]['numel']", entry.pop("numel"), minimum=0)
             fb = ErrorFeedback()
             fb.load_state_dict(entry)
-            loaded[int(index)] = (int(numel), fb)
+            loaded[index] = (numel, fb)
+        gen_state = state.get("generator_state")
+        saved_device = state.get("generator_device")
+        if gen_state is not None:
+            check_generator_state(gen_state)
+            if saved_device is not None and not isinstance(saved_device, str):
+                raise TypeError(f"state['generator_device'] must be a str; got {type(saved_device).__name__}")
+            if comp.rounding != "stochastic":
+                raise ValueError("state holds a generator state but this hook state rounds to nearest")
+            if self._generator is not None:
+                apply_generator_state(self._generator, gen_state, saved_device)
+            else:
+                if saved_device is not None:
+                    torch.device(saved_device)
+                self._generator_state = (gen_state.clone(), saved_device)
         self._feedback = loaded
-        if "generator_state" in state and self.compressor.generator is not None:
-            self.compressor.generator.set_state(state["generator_state"])
 
 
 def uint8_compress_hook(state: Uint8HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -112,7 +200,7 @@ def uint8_compress_hook(state: Uint8HookState, bucket: dist.GradBucket) -> torch
     stats = compressed_all_reduce(
         buffer,
         state.process_group,
-        compressor=state.compressor,
+        compressor=state.compressor_for(buffer.device),
         average=True,
         topology=state.topology,
         error_feedback=state.feedback_for(bucket.index(), buffer.numel()),
