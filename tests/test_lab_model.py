@@ -121,3 +121,31 @@ def test_low_precision_params_compute_in_fp32_and_round_grads_once(dtype) -> Non
     for (name, p_low), p_ref in zip(low.named_parameters(), ref.parameters()):
         assert p_low.grad.dtype == dtype, name
         assert torch.equal(p_low.grad, p_ref.grad.to(dtype)), name
+
+
+def test_autocast_branch_passes_weights_untouched_and_keeps_gradient_dtypes() -> None:
+    """The GPU path (autocast) on the CPU with bf16: _in_compute_dtype hands the bf16 weight to the op unchanged
+    (autocast does the casting), and backward leaves bf16 gradients on the bf16 parameters."""
+    from mixprec.lab.model import Linear, _in_compute_dtype
+
+    torch.manual_seed(0)
+    layer = Linear(8, 4).to(torch.bfloat16)
+    x = torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _in_compute_dtype(layer.weight, x) is layer.weight
+        y = layer(x)
+    # autocast rounds the fp32 input to bf16 and runs the bf16 linear: exactly torch's own bf16 op.
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, torch.nn.functional.linear(x.bfloat16(), layer.weight, layer.bias))
+    # Outside autocast the weight is upcast (exactly) to the input's dtype instead.
+    assert _in_compute_dtype(layer.weight, x).dtype == torch.float32
+
+    y.float().sum().backward()
+    assert layer.weight.grad.dtype == torch.bfloat16 and layer.bias.grad.dtype == torch.bfloat16
+    # dW = ones^T @ x_bf16: three bf16 terms per entry, whose fp32 sum is exact (randn magnitudes, 8-bit
+    # significands), then one rounding to bf16.
+    expected = x.bfloat16().float().sum(0).expand(4, 8)
+    assert torch.equal(layer.weight.grad.float(), expected.bfloat16().float())
+    # (The whole GPT is not run under CPU autocast: CPU autocast does not cast layer_norm's arguments to fp32 as
+    # CUDA autocast does, so bf16 LayerNorm weights meet the fp32 residual stream there. The lab uses autocast
+    # only on CUDA.)

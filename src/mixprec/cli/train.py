@@ -2,8 +2,9 @@
 
 Every field of :class:`mixprec.lab.config.TrainConfig` is a flag (``n_layer`` -> ``--n-layer``) and a key of the
 ``--config`` TOML file; flags win over the file, the file over the defaults. ``--resume`` starts from the run
-directory's saved ``config.toml``. Exit codes: 0 done, 1 a rank failed (the others were stopped), 2 invalid
-configuration or input, 130 interrupted.
+directory's saved ``config.toml``. Exit codes: 0 done, 1 a rank failed (the others were stopped) or the run
+diverged (the loss scaler stuck at its floor, or ``max_consecutive_skips`` skipped steps in a row), 2 invalid
+configuration or input (checked before anything is written), 130 interrupted.
 
 With several nodes (torchrun), ``--out-dir`` must be on a filesystem every node sees: rank 0 writes the run files
 and every rank reads the checkpoint on ``--resume``.
@@ -18,10 +19,13 @@ from dataclasses import fields
 from typing import Any
 
 from mixprec.lab.config import (
+    DEVICES,
     LINEAR_MODES,
     LOSS_SCALERS,
+    ON_MIN_LOSS_SCALE,
     OPTIMIZERS,
     PRECISIONS,
+    REDUCE_ROUNDINGS,
     REDUCTIONS,
     TrainConfig,
     builtin_configs,
@@ -34,10 +38,11 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "precision": PRECISIONS,
     "loss_scaler": LOSS_SCALERS,
     "reduce": REDUCTIONS,
-    "reduce_rounding": ("nearest", "stochastic"),
+    "reduce_rounding": REDUCE_ROUNDINGS,
+    "on_min_loss_scale": ON_MIN_LOSS_SCALE,
     "optimizer": OPTIMIZERS,
     "linear_mode": LINEAR_MODES,
-    "device": ("auto", "cpu", "cuda"),
+    "device": DEVICES,
 }
 _TYPES = {"int": int, "float": float, "str": str}
 
@@ -109,6 +114,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mixprec.lab.launch import TrainingFailed, launch, torchrun_env
+    from mixprec.lab.train import TrainingDiverged
+    from mixprec.scaling.scaler import LossScaleFloorError
 
     cfg = config_from_args(args)
     if args.nproc is not None and args.nproc > 1 and torchrun_env() is not None:
@@ -116,6 +123,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = launch(cfg, resume=args.resume, overwrite=args.overwrite, progress=args.progress)
     except TrainingFailed as exc:
+        print(f"mixprec train: error: {exc}", file=sys.stderr)
+        return 1
+    except (TrainingDiverged, LossScaleFloorError) as exc:
+        # The run itself failed (one rank, here): a message, not a traceback; the checkpoint is intact.
         print(f"mixprec train: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

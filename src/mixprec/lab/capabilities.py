@@ -32,10 +32,10 @@ def has_data_parallel() -> bool:
 
 def reduction_available(name: str) -> str | None:
     """None when ``reduce=name`` can run on several ranks, else why not."""
-    if name == "native":
-        return None  # plain torch.distributed works without the wrapper
     if not has_data_parallel():
         return f"reduce={name!r} needs mixprec.parallel.DistributedDataParallel, which is not available yet"
+    if name == "native":
+        return None
     registered = _attr("mixprec.parallel", "registered_reducers")
     if name.startswith("uint8"):
         try:

@@ -19,12 +19,13 @@ Definitions (the first run is the reference; differences are taken at the steps 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from mixprec.lab.metrics import METRICS_NAME, read_numbered_rows
 
 __all__ = ["RunComparison", "RunLog", "compare_runs", "format_table", "load_run", "plot_comparison"]
 
@@ -65,9 +66,9 @@ class RunComparison:
 
 def _metrics_path(path: str) -> str:
     if os.path.isdir(path):
-        candidate = os.path.join(path, "metrics.jsonl")
+        candidate = os.path.join(path, METRICS_NAME)
         if not os.path.isfile(candidate):
-            raise ValueError(f"{path!r} is a directory without metrics.jsonl (not a mixprec train run directory)")
+            raise ValueError(f"{path!r} is a directory without {METRICS_NAME} (not a mixprec train run directory)")
         return candidate
     if not os.path.isfile(path):
         raise ValueError(f"no such run directory or JSONL file: {path!r}")
@@ -87,31 +88,22 @@ def load_run(path: str, name: str | None = None) -> RunLog:
     eval_loss: dict[int, float] = {}
     skipped: dict[int, bool] = {}
     tps: dict[int, float] = {}
-    with open(file) as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{file}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: not a JSON object ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            if "step" not in row:
-                raise ValueError(f"{where}: no 'step' field")
-            step = row["step"]
-            if isinstance(step, bool) or not isinstance(step, int):
-                raise ValueError(f"{where}: 'step' must be an integer; got {step!r}")
-            if row.get("loss") is None:
-                continue
-            loss[step] = _number(row["loss"], f"{where}: 'loss'")
-            if row.get("eval_loss") is not None:
-                eval_loss[step] = _number(row["eval_loss"], f"{where}: 'eval_loss'")
-            if "skipped" in row:
-                skipped[step] = bool(row["skipped"])
-            if row.get("tokens_per_s") is not None:
-                tps[step] = _number(row["tokens_per_s"], f"{where}: 'tokens_per_s'")
+    for lineno, row in read_numbered_rows(file):
+        where = f"{file}:{lineno}"
+        if "step" not in row:
+            raise ValueError(f"{where}: no 'step' field")
+        step = row["step"]
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(f"{where}: 'step' must be an integer; got {step!r}")
+        if row.get("loss") is None:
+            continue
+        loss[step] = _number(row["loss"], f"{where}: 'loss'")
+        if row.get("eval_loss") is not None:
+            eval_loss[step] = _number(row["eval_loss"], f"{where}: 'eval_loss'")
+        if "skipped" in row:
+            skipped[step] = bool(row["skipped"])
+        if row.get("tokens_per_s") is not None:
+            tps[step] = _number(row["tokens_per_s"], f"{where}: 'tokens_per_s'")
     if not loss:
         raise ValueError(f"{file}: no row with both 'step' and 'loss'")
     label = name or (

@@ -13,18 +13,25 @@ import inspect
 import itertools
 import math
 import os
+import re
 import tomllib
+import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
 from mixprec._validate import check_choice, check_positive_float, check_positive_int
+from mixprec.comm.rounding import Rounding
 from mixprec.scaling.advisor import advise
+from mixprec.scaling.scaler import DynamicLossScaler, LossScaler, OnMinScale, StaticLossScaler
 
 __all__ = [
+    "DEVICES",
     "LINEAR_MODES",
     "LOSS_SCALERS",
+    "ON_MIN_LOSS_SCALE",
     "OPTIMIZERS",
     "PRECISIONS",
+    "REDUCE_ROUNDINGS",
     "REDUCTIONS",
     "TrainConfig",
     "builtin_configs",
@@ -40,6 +47,22 @@ REDUCTIONS = ("native", "fp32_accumulate", "uint8", "uint8_hierarchical")
 OPTIMIZERS = ("adamw", "sgd")
 LINEAR_MODES = ("off", "fp16/16", "fp16/32", "bf16/32", "two_stage", "fp8/promote128")
 DEVICES = ("auto", "cpu", "cuda")
+REDUCE_ROUNDINGS: tuple[str, ...] = typing.get_args(Rounding)  # mixprec.comm's roundings
+ON_MIN_LOSS_SCALE: tuple[str, ...] = typing.get_args(OnMinScale)  # the dynamic scaler's choices
+
+# TrainConfig field -> the loss scaler's argument it fills (the scaler's own errors name the argument).
+_SCALER_ARGUMENTS = {
+    "loss_scale": "init_scale",
+    "scale_growth_factor": "growth_factor",
+    "scale_backoff_factor": "backoff_factor",
+    "scale_growth_interval": "growth_interval",
+    "scale_hysteresis": "hysteresis",
+    "scale_consecutive_hysteresis": "consecutive_hysteresis",
+    "min_loss_scale": "min_scale",
+    "max_loss_scale": "max_scale",
+    "on_min_loss_scale": "on_min_scale",
+    "scale_min_patience": "min_patience",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,8 +109,22 @@ class TrainConfig:
     """Dynamic scaler: multiplier on overflow, in (0, 1)."""
     scale_hysteresis: int = 1
     """Dynamic scaler: overflows tolerated before backing off, in steps (1 = back off at once)."""
+    scale_consecutive_hysteresis: bool = False
+    """Dynamic scaler: refill the hysteresis on every clean step, so only consecutive overflows back off
+    (DeepSpeed); false refills it only when the scale grows."""
     min_loss_scale: float = 1.0
-    """Dynamic scaler: floor of the scale; a run stuck overflowing there stops with an error."""
+    """Dynamic scaler: floor of the scale; 0 = none of its own (it still never goes below fp32's smallest normal
+    number, 2**-126)."""
+    max_loss_scale: float = 0.0
+    """Dynamic scaler: ceiling of the scale; 0 = none (as torch's GradScaler)."""
+    scale_min_patience: int = 10
+    """Dynamic scaler: consecutive overflowing steps at the floor before on_min_loss_scale acts, in steps."""
+    on_min_loss_scale: str = "raise"
+    """Dynamic scaler stuck at its floor: 'raise' (stop the run with an error, exit code 1), 'warn' or 'ignore'
+    (keep skipping steps)."""
+    max_consecutive_skips: int = 20
+    """Static scaler (and 'none'): stop the run after this many consecutive steps with inf/NaN gradients, in
+    steps (such a scale cannot adapt: the run diverged or the scale is too large); 0 never stops."""
     linear_mode: str = "off"
     """Emulated accumulation of every linear layer ('fp16/16', 'fp16/32', 'bf16/32', 'two_stage',
     'fp8/promote128'; mixprec.emulate), or 'off' for the precision's own matmuls."""
@@ -164,9 +201,9 @@ class TrainConfig:
                 raise TypeError(f"{f.name} must be a string; got {type(value).__name__} {value!r}")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "global_batch_size", "micro_batch_size"):
             check_positive_int(name, getattr(self, name))
-        for name in ("nproc", "steps", "eval_sequences", "scale_growth_interval", "scale_hysteresis"):
+        for name in ("nproc", "steps", "eval_sequences"):
             check_positive_int(name, getattr(self, name))
-        for name in ("eval_interval", "checkpoint_interval", "seed", "ranks_per_node"):
+        for name in ("eval_interval", "checkpoint_interval", "seed", "ranks_per_node", "max_consecutive_skips"):
             check_positive_int(name, getattr(self, name), minimum=0)
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
@@ -177,7 +214,7 @@ class TrainConfig:
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("loss_scaler", self.loss_scaler, LOSS_SCALERS)
         check_choice("reduce", self.reduce, REDUCTIONS)
-        check_choice("reduce_rounding", self.reduce_rounding, ("nearest", "stochastic"))
+        check_choice("reduce_rounding", self.reduce_rounding, REDUCE_ROUNDINGS)
         if self.reduce == "native" and self.reduce_rounding != "nearest":
             raise ValueError(
                 "reduce_rounding='stochastic' needs reduce 'fp32_accumulate', 'uint8' or 'uint8_hierarchical'"
@@ -187,16 +224,11 @@ class TrainConfig:
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("linear_mode", self.linear_mode, LINEAR_MODES)
         check_choice("device", self.device, DEVICES)
-        check_positive_float("loss_scale", self.loss_scale)
-        check_positive_float("min_loss_scale", self.min_loss_scale)
+        self._check_scaler_fields()
         check_positive_float("timeout", self.timeout)
         check_positive_float("lr", self.lr)
         check_positive_float("weight_decay", self.weight_decay, allow_zero=True)
         check_positive_float("grad_clip", self.grad_clip, allow_zero=True)
-        if self.scale_growth_factor <= 1.0:
-            raise ValueError(f"scale_growth_factor must be > 1; got {self.scale_growth_factor!r}")
-        if not 0.0 < self.scale_backoff_factor < 1.0:
-            raise ValueError(f"scale_backoff_factor must lie in (0, 1); got {self.scale_backoff_factor!r}")
         for name in ("beta1", "beta2", "momentum"):
             v = getattr(self, name)
             if not 0.0 <= v < 1.0:
@@ -212,6 +244,51 @@ class TrainConfig:
             )
         if self.reduce == "uint8_hierarchical" and self.ranks_per_node and self.nproc % self.ranks_per_node:
             raise ValueError(f"ranks_per_node ({self.ranks_per_node}) must divide the number of ranks ({self.nproc})")
+
+    def _check_scaler_fields(self) -> None:
+        """The loss scalers validate their own arguments: build them (cheap, no tensors) and translate their
+        errors' argument names into this configuration's field names."""
+        try:
+            for m in ("min_loss_scale", "max_loss_scale"):
+                check_positive_float(m, getattr(self, m), allow_zero=True)
+            StaticLossScaler(self.loss_scale)
+            if self.resolved_loss_scaler == "dynamic":
+                self.build_scaler()
+            else:
+                # Unused by this run, but a config file is edited and reused: check the fields on their own,
+                # from a start the scaler's range admits.
+                start = self.min_loss_scale or self.max_loss_scale or 1.0
+                DynamicLossScaler(**self._dynamic_scaler_arguments(), init_scale=start)
+        except (ValueError, TypeError) as exc:
+            message = str(exc)
+            named = [
+                f"{arg} is {field}" for field, arg in _SCALER_ARGUMENTS.items() if re.search(rf"\b{arg}\b", message)
+            ]
+            hint = f" (in this configuration {', '.join(named)})" if named else ""
+            raise type(exc)(f"loss scaler: {message}{hint}") from None
+
+    def _dynamic_scaler_arguments(self) -> dict[str, Any]:
+        return {
+            "growth_factor": self.scale_growth_factor,
+            "backoff_factor": self.scale_backoff_factor,
+            "growth_interval": self.scale_growth_interval,
+            "hysteresis": self.scale_hysteresis,
+            "consecutive_hysteresis": self.scale_consecutive_hysteresis,
+            "min_scale": self.min_loss_scale or None,
+            "max_scale": self.max_loss_scale or None,
+            "on_min_scale": self.on_min_loss_scale,
+            "min_patience": self.scale_min_patience,
+        }
+
+    def build_scaler(self) -> LossScaler:
+        """The run's loss scaler: ``StaticLossScaler(1.0)`` for 'none' (it still detects and skips inf/NaN
+        steps), ``StaticLossScaler(loss_scale)``, or a DynamicLossScaler from the scale_*/loss-scale fields."""
+        kind = self.resolved_loss_scaler
+        if kind == "none":
+            return StaticLossScaler(1.0)
+        if kind == "static":
+            return StaticLossScaler(self.loss_scale)
+        return DynamicLossScaler(init_scale=self.loss_scale, **self._dynamic_scaler_arguments())
 
     # ---------------------------------------------------------------- derived
     @property

@@ -12,10 +12,12 @@ the number of ranks.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
-__all__ = ["eval_chunks", "step_seed", "train_microbatches"]
+__all__ = ["check_corpus_fits", "eval_chunks", "step_seed", "train_microbatches"]
 
 _PURPOSE_TRAIN = 1
 _PURPOSE_EVAL = 2
@@ -45,6 +47,13 @@ def _check_split(tokens: torch.Tensor, block_size: int, split: str) -> int:
             "use a larger corpus or a smaller block_size"
         )
     return span
+
+
+def check_corpus_fits(corpus: Any, *, block_size: int) -> None:
+    """Raise ValueError unless both splits of ``corpus`` (a :class:`mixprec.lab.corpus.Corpus`) hold a window of
+    ``block_size + 1`` characters: what batching and evaluation will need."""
+    _check_split(corpus.train, block_size, "training")
+    _check_split(corpus.val, block_size, "validation")
 
 
 def train_microbatches(

@@ -30,7 +30,7 @@ from mixprec.lab.capabilities import missing_capabilities
 from mixprec.lab.compare import RunComparison, RunLog, compare_runs, format_table, load_run, plot_comparison
 from mixprec.lab.config import TrainConfig
 from mixprec.lab.launch import TrainingFailed, launch
-from mixprec.lab.train import METRICS_NAME
+from mixprec.lab.metrics import METRICS_NAME, read_rows
 
 __all__ = ["DEMO_DEFAULTS", "DEMO_RUNS", "DemoRun", "run_demo", "write_report"]
 
@@ -170,10 +170,7 @@ def run_demo(
 # ------------------------------------------------------------------------------------------------ the report
 def _scale_story(log_path: str) -> str | None:
     """What the loss scaler did, from a run's metrics (None when it never skipped a step)."""
-    import json
-
-    with open(log_path) as fh:
-        rows = [json.loads(line) for line in fh if line.strip()]
+    rows = list(read_rows(log_path))
     skipped = [r["step"] for r in rows if r.get("skipped")]
     if not skipped:
         return None

@@ -9,7 +9,10 @@ Failure handling, and its time bound:
   timeout), and they exit non-zero.
 * The ``--nproc`` launcher watches its children: as soon as one exits non-zero it gives the others
   ``GRACE_S`` seconds to stop on their own, then terminates them (SIGTERM, then SIGKILL after 5 s) and raises
-  :class:`TrainingFailed` naming the rank and its exit code.
+  :class:`TrainingFailed` naming the rank and its exit code. A rank whose collective failed because a peer
+  died or hung exits with :data:`PEER_FAILURE_EXIT` instead of 1, so the launcher blames the rank that failed
+  first (its own error, a crash or a signal), not the victims that happened to exit before it; when every
+  exit was a peer failure, the ranks it had to terminate are the ones that hung.
 
 So a failed run stops within about ``timeout + GRACE_S + 5`` seconds of the failure (``GRACE_S + 5`` when the
 failed rank exits), and under torchrun its own agent does the watching. Checkpoints are written atomically by
@@ -22,8 +25,9 @@ import dataclasses
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import socket
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -32,15 +36,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mixprec.comm.objects import is_peer_failure
 from mixprec.lab.capabilities import check_capabilities
-from mixprec.lab.checkpoint import CHECKPOINT_NAME
+from mixprec.lab.checkpoint import CHECKPOINT_NAME, remove_stale_temporaries
 from mixprec.lab.config import TrainConfig, config_to_toml
-from mixprec.lab.corpus import check_corpus_source, load_corpus
+from mixprec.lab.corpus import Corpus, check_corpus_source, load_corpus
+from mixprec.lab.data import check_corpus_fits
+from mixprec.lab.model import GPTConfig
 from mixprec.lab.train import METRICS_NAME, SUMMARY_NAME, check_resume, train_rank
 
-__all__ = ["GRACE_S", "TrainingFailed", "launch", "torchrun_env"]
+__all__ = ["GRACE_S", "PEER_FAILURE_EXIT", "TrainingFailed", "check_run", "launch", "torchrun_env"]
 
 GRACE_S = 5.0
+# Exit code of a --nproc child whose failure was caused by another rank (see the module docstring).
+PEER_FAILURE_EXIT = 3
 CONFIG_NAME = "config.toml"
 _RUN_FILES = (CONFIG_NAME, METRICS_NAME, CHECKPOINT_NAME, SUMMARY_NAME)
 
@@ -70,12 +79,33 @@ def resolve_device(cfg: TrainConfig) -> str:
     return "cuda" if available else "cpu"
 
 
-def check_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> None:
-    """Refuse to clobber an existing run unless asked; refuse to resume a run that has no checkpoint."""
+def check_run(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> None:
+    """Every check a run's configuration can fail, before anything is written (ValueError, exit code 2): the
+    corpus exists and is long enough for ``block_size`` in both splits, the model's own configuration, the
+    capabilities it needs, the run directory, and on ``resume`` the checkpoint's configuration and corpus.
+    (The loss scaler is built by TrainConfig's own validation.)"""
+    check_corpus_source(cfg.corpus)
+    check_capabilities(cfg)
+    corpus = load_corpus(cfg.corpus)
+    check_corpus_fits(corpus, block_size=cfg.block_size)
+    GPTConfig(
+        vocab_size=corpus.vocab_size,
+        block_size=cfg.block_size,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_embd=cfg.n_embd,
+        dropout=cfg.dropout,
+    )
+    check_run_dir(cfg, resume=resume, overwrite=overwrite, corpus=corpus)
+
+
+def check_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool, corpus: Corpus | None = None) -> None:
+    """Refuse to clobber an existing run unless asked; refuse to resume a run that has no checkpoint, or one
+    whose configuration (or, given ``corpus``, corpus) differs."""
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
     if resume:
-        check_resume(cfg)
+        check_resume(cfg, corpus)
         return
     existing = [f for f in _RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
     if existing and not overwrite:
@@ -88,6 +118,7 @@ def check_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> None:
 def prepare_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> None:
     """Create ``out_dir`` and write the resolved ``config.toml`` (after :func:`check_run_dir`)."""
     os.makedirs(cfg.out_dir, exist_ok=True)
+    remove_stale_temporaries(os.path.join(cfg.out_dir, CHECKPOINT_NAME))
     if overwrite:
         for f in _RUN_FILES:
             path = os.path.join(cfg.out_dir, f)
@@ -127,12 +158,6 @@ def _check_local_gpu(local_rank: int) -> None:
         )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_rank(
     cfg: TrainConfig,
     *,
@@ -142,8 +167,9 @@ def run_rank(
     device_type: str,
     resume: bool,
     progress: bool | None,
+    init_method: str,
 ) -> dict[str, Any] | None:
-    """Join the process group described by the environment (MASTER_ADDR/PORT), train, leave."""
+    """Join the process group at ``init_method`` (a ``file://`` rendezvous), train, leave."""
     if device_type == "cuda":
         _check_local_gpu(local_rank)
         torch.cuda.set_device(local_rank)
@@ -152,28 +178,30 @@ def run_rank(
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.timeout))
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.timeout)
+    )
     try:
         return train_rank(cfg, rank=rank, world_size=world_size, device=device, resume=resume, progress=progress)
     except BaseException as exc:
-        print(f"mixprec train: rank {rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if is_peer_failure(exc):
+            print(f"mixprec train: rank {rank} stopped: another rank failed ({exc})", file=sys.stderr, flush=True)
+        else:
+            print(f"mixprec train: rank {rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         raise
     finally:
         # Tearing the group down makes peers blocked on this rank fail now instead of at the timeout.
         dist.destroy_process_group()
 
 
-def _child(cfg: TrainConfig, rank: int, world_size: int, port: int, device_type: str, resume: bool, fork: bool) -> None:
+def _child(
+    cfg: TrainConfig, rank: int, world_size: int, init_method: str, device_type: str, resume: bool, fork: bool
+) -> None:
     if fork:
         # Intra-op thread pools inherited through fork can deadlock; and N ranks share the cores anyway.
         torch.set_num_threads(1)
     os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
     )
     try:
         run_rank(
@@ -184,33 +212,38 @@ def _child(cfg: TrainConfig, rank: int, world_size: int, port: int, device_type:
             device_type=device_type,
             resume=resume,
             progress=None if rank == 0 else False,
+            init_method=init_method,
         )
     except KeyboardInterrupt:
         sys.exit(130)
-    except BaseException:
+    except BaseException as exc:
+        if is_peer_failure(exc):
+            sys.exit(PEER_FAILURE_EXIT)  # run_rank said so in one line; the culprit's traceback is the useful one
         traceback.print_exc()
         sys.stderr.flush()
         sys.exit(1)
 
 
 def _watch(procs: list[Any], timeout: float) -> None:
-    """Wait for all ranks; on the first non-zero exit stop the others (see the module docstring)."""
-    failed: tuple[int, int] | None = None
-    while failed is None:
-        running = [p for p in procs if p.exitcode is None]
+    """Wait for all ranks; on the first non-zero exit stop the others and blame the right rank (see the module
+    docstring)."""
+    observed: list[int] = []  # ranks in the order their non-zero exits were seen
+    while True:
         for rank, p in enumerate(procs):
-            if p.exitcode not in (None, 0):
-                failed = (rank, p.exitcode)
-                break
-        if failed is not None or not running:
+            if p.exitcode not in (None, 0) and rank not in observed:
+                observed.append(rank)
+        running = [p for p in procs if p.exitcode is None]
+        if observed or not running:
             break
         multiprocessing.connection.wait([p.sentinel for p in running], timeout=1.0)
-    if failed is None:
+    if not observed:
         return
-    rank, code = failed
     deadline = time.monotonic() + GRACE_S
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
+    for rank, p in enumerate(procs):
+        if p.exitcode not in (None, 0) and rank not in observed:
+            observed.append(rank)
     stopped = [r for r, p in enumerate(procs) if p.exitcode is None]
     for r in stopped:
         procs[r].terminate()
@@ -219,15 +252,41 @@ def _watch(procs: list[Any], timeout: float) -> None:
         if procs[r].exitcode is None:
             procs[r].kill()
             procs[r].join(5.0)
-    how = "was killed by signal " + str(-code) if code < 0 else f"exited with code {code}"
-    others = [
-        f"rank {r}: {'terminated by the launcher' if r in stopped else f'exit code {p.exitcode}'}"
-        for r, p in enumerate(procs)
-        if r != rank
-    ]
-    raise TrainingFailed(
-        f"rank {rank} {how}; the other ranks were stopped ({'; '.join(others)}). The last checkpoint, if any, "
-        f"is intact; continue with --resume. (A rank that hangs is detected after timeout = {timeout:g} s.)"
+    raise TrainingFailed(_blame([p.exitcode for p in procs], observed, stopped, timeout))
+
+
+def _blame(codes: list[int | None], observed: list[int], stopped: list[int], timeout: float) -> str:
+    """The failure message: the first rank seen failing on its own (not as a peer's victim); else, when every
+    failure was a peer's, the ranks that had to be terminated (they hung); else the first seen."""
+    own = [r for r in observed if codes[r] != PEER_FAILURE_EXIT]
+    if own:
+        rank = own[0]
+        code = codes[rank]
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        what = f"rank {rank} {how}"
+    elif stopped:
+        rank = stopped[0]
+        names = ", ".join(str(r) for r in stopped)
+        what = (
+            f"rank(s) {names} stopped responding (hung): their peers' collectives failed or timed out, and the "
+            "launcher terminated them"
+        )
+    else:
+        rank = observed[0]
+        what = f"rank {rank} exited with code {codes[rank]}"
+    others = []
+    for r, code in enumerate(codes):
+        if r == rank:
+            continue
+        if r in stopped:
+            others.append(f"rank {r}: terminated by the launcher")
+        elif code == PEER_FAILURE_EXIT:
+            others.append(f"rank {r}: stopped, a peer failed")
+        else:
+            others.append(f"rank {r}: exit code {code}")
+    return (
+        f"{what}; the other ranks were stopped ({'; '.join(others)}). The last checkpoint, if any, is intact; "
+        f"continue with --resume. (A rank that hangs is detected after timeout = {timeout:g} s.)"
     )
 
 
@@ -235,14 +294,16 @@ def _spawn(cfg: TrainConfig, device_type: str, resume: bool) -> None:
     # fork is ~40x faster to start than spawn on a small CPU machine; CUDA cannot survive a fork.
     fork = device_type == "cpu"
     ctx = mp.get_context("fork" if fork else "spawn")
-    port = _free_port()
+    # A file rendezvous: no free-port race (a port probed free can be taken before the ranks bind it).
+    rendezvous = tempfile.mkdtemp(prefix="mixprec-train-")
+    init_method = "file://" + os.path.join(rendezvous, "store")
     procs = [
-        ctx.Process(target=_child, args=(cfg, r, cfg.nproc, port, device_type, resume, fork), daemon=True)
+        ctx.Process(target=_child, args=(cfg, r, cfg.nproc, init_method, device_type, resume, fork), daemon=True)
         for r in range(cfg.nproc)
     ]
-    for p in procs:
-        p.start()
     try:
+        for p in procs:
+            p.start()
         _watch(procs, cfg.timeout)
     except KeyboardInterrupt:
         for p in procs:
@@ -251,6 +312,8 @@ def _spawn(cfg: TrainConfig, device_type: str, resume: bool) -> None:
         for p in procs:
             p.join(5.0)
         raise
+    finally:
+        shutil.rmtree(rendezvous, ignore_errors=True)
 
 
 def launch(
@@ -268,9 +331,7 @@ def launch(
     if env is not None:
         return _launch_torchrun(cfg, env, resume=resume, overwrite=overwrite, progress=progress)
     cfg = _resolve(cfg, cfg.nproc)
-    check_corpus_source(cfg.corpus)
-    check_capabilities(cfg)
-    check_run_dir(cfg, resume=resume, overwrite=overwrite)
+    check_run(cfg, resume=resume, overwrite=overwrite)
     device_type = resolve_device(cfg)
     if device_type == "cuda":
         _check_local_gpu(cfg.nproc - 1)
@@ -278,8 +339,6 @@ def launch(
     if cfg.nproc == 1:
         device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         return train_rank(cfg, device=device, resume=resume, progress=progress)
-    if device_type == "cpu":
-        load_corpus(cfg.corpus)  # once here; the forked ranks inherit the cached copy
     _spawn(cfg, device_type, resume)
     return read_summary(cfg.out_dir)
 
@@ -290,9 +349,7 @@ def _launch_torchrun(
     cfg = _resolve(cfg, env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"])
     rank = env["RANK"]
     # Every rank validates before anything is written, so all of them refuse a bad run together.
-    check_corpus_source(cfg.corpus)
-    check_capabilities(cfg)
-    check_run_dir(cfg, resume=resume, overwrite=overwrite)
+    check_run(cfg, resume=resume, overwrite=overwrite)
     device_type = resolve_device(cfg)
     if device_type == "cuda":
         _check_local_gpu(env["LOCAL_RANK"])
@@ -300,6 +357,9 @@ def _launch_torchrun(
     backend = "nccl" if device_type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout))
     try:
+        # Every rank has run its checks above before rank 0 writes config.toml: else a fast rank 0 could write it
+        # before a slow rank checks the directory, which would then refuse it as "already holds a run".
+        dist.barrier()
         if rank == 0:
             prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
         dist.barrier()

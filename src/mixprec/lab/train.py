@@ -12,7 +12,8 @@ residual stream, layer      fp32        fp32                                    
 norm, softmax, loss                                                                   norm, softmax, loss in fp32)
 matmul inputs               fp32        fp32: weights upcast exactly, activations     bf16/fp16 (autocast)
                                         not rounded (``linear_mode`` rounds them)
-matmul accumulation         fp32        fp32, or the model ``linear_mode`` names      fp32 (tensor cores)
+matmul accumulation         fp32        fp32, or the model ``linear_mode`` names      fp32 (fp16: split-K in fp16
+                                                                                      disabled, see train_rank)
 parameter gradients         fp32        bf16/fp16: each microbatch's fp32 gradient    same
                                         rounded once to nearest, accumulated over
                                         microbatches in bf16/fp16
@@ -56,33 +57,44 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mixprec.comm.agree import collective_device
+from mixprec.comm.objects import all_reduce_sum_fp64, gather_objects
 from mixprec.lab.capabilities import CapabilityError
 from mixprec.lab.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from mixprec.lab.config import TrainConfig
 from mixprec.lab.corpus import Corpus, load_corpus
 from mixprec.lab.data import dropout_seed, eval_chunks, train_microbatches
+from mixprec.lab.metrics import METRICS_NAME, encode_row, read_rows
 from mixprec.lab.model import GPT, GPTConfig
-from mixprec.scaling import DynamicLossScaler, MasterWeightOptimizer, StaticLossScaler, Updater
+from mixprec.scaling import MasterWeightOptimizer, StaticLossScaler, Updater
 from mixprec.scaling.scaler import LossScaler
 
-__all__ = ["METRICS_NAME", "RESUMABLE_FIELDS", "SUMMARY_NAME", "check_resume", "train_rank"]
+__all__ = [
+    "METRICS_NAME",
+    "RESUMABLE_FIELDS",
+    "SUMMARY_NAME",
+    "TrainingDiverged",
+    "check_resume",
+    "load_train_checkpoint",
+    "train_rank",
+]
 
-METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
 CHECKPOINT_FORMAT = 1
 # Fields a resumed run may change: none of them touches the numerics of a training step.
 RESUMABLE_FIELDS = frozenset({"steps", "eval_interval", "eval_sequences", "checkpoint_interval", "out_dir", "timeout"})
-# A static scaler cannot adapt: this many overflowing steps in a row means the run has diverged.
-MAX_CONSECUTIVE_SKIPS_STATIC = 20
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class TrainingDiverged(RuntimeError):
+    """A run without a dynamic loss scaler skipped ``max_consecutive_skips`` steps in a row on inf/NaN gradients:
+    such a scale cannot adapt, so the run has diverged (or the static scale is too large)."""
 
 
 @dataclass
@@ -130,54 +142,13 @@ def _optimizer_factory(cfg: TrainConfig) -> tuple[Callable[..., torch.optim.Opti
     return torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay}
 
 
-def build_scaler(cfg: TrainConfig) -> LossScaler:
-    kind = cfg.resolved_loss_scaler
-    if kind == "none":
-        return StaticLossScaler(1.0)  # still detects inf/NaN and skips those steps
-    if kind == "static":
-        return StaticLossScaler(cfg.loss_scale)
-    return DynamicLossScaler(
-        init_scale=cfg.loss_scale,
-        growth_factor=cfg.scale_growth_factor,
-        backoff_factor=cfg.scale_backoff_factor,
-        growth_interval=cfg.scale_growth_interval,
-        hysteresis=cfg.scale_hysteresis,
-        min_scale=cfg.min_loss_scale,
-        max_scale=None,
-        on_min_scale="raise",
-    )
-
-
-def _native_all_reduce(world_size: int) -> Callable[[list[torch.Tensor]], None]:
-    """The reduction without mixprec's wrapper: the backend's own SUM in the gradient dtype, after dividing by
-    the world size in that dtype (torch DDP's pre-divide). One flat buffer per dtype."""
-
-    def reduce(grads: list[torch.Tensor]) -> None:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for group in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in group])
-            flat.div_(world_size)
-            dist.all_reduce(flat)
-            offset = 0
-            for g in group:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-
-    return reduce
-
-
 def _wrap_data_parallel(module: GPT, cfg: TrainConfig, world_size: int) -> Any | None:
-    """mixprec's DistributedDataParallel around ``module``, or None when there is nothing to reduce (one rank) or
-    the wrapper is not installed and ``reduce='native'`` can do without it."""
+    """mixprec's DistributedDataParallel around ``module``, or None when there is nothing to reduce (one rank)."""
     if world_size == 1:
         return None
     try:
         from mixprec.parallel import DistributedDataParallel
     except ImportError:
-        if cfg.reduce == "native" and not cfg.sharded_optimizer:
-            return None
         raise CapabilityError(
             f"reduce={cfg.reduce!r}"
             + (" with sharded_optimizer" if cfg.sharded_optimizer else "")
@@ -210,7 +181,7 @@ def build_parts(cfg: TrainConfig, vocab_size: int, device: torch.device, world_s
         optimizer = opt_cls(module.parameters(), **opt_kwargs)
     else:
         optimizer = MasterWeightOptimizer(module.parameters(), opt_cls, **opt_kwargs)
-    scaler = build_scaler(cfg)
+    scaler = cfg.build_scaler()
     autocast = _autocast(cfg, device)
 
     def loss_fn(m: torch.nn.Module, mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -219,7 +190,6 @@ def build_parts(cfg: TrainConfig, vocab_size: int, device: torch.device, world_s
             _, loss = m(x, y)
         return loss
 
-    grad_reduce = _native_all_reduce(world_size) if (world_size > 1 and wrapper is None) else None
     model = wrapper if wrapper is not None else module
     updater = Updater(
         model,
@@ -227,7 +197,6 @@ def build_parts(cfg: TrainConfig, vocab_size: int, device: torch.device, world_s
         loss_fn,
         scaler=scaler,
         num_microbatches=cfg.num_microbatches,
-        grad_reduce=grad_reduce,
         clip_grad_norm=cfg.grad_clip or None,
     )
     return _Parts(module, model, optimizer, scaler, updater, wrapper)
@@ -241,15 +210,6 @@ def _autocast(cfg: TrainConfig, device: torch.device) -> Callable[[], contextlib
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    """Sum Python floats over ranks in fp64 (one small collective); identity outside a process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
 @torch.no_grad()
 def evaluate(
     module: GPT, corpus: Corpus, cfg: TrainConfig, *, rank: int, world_size: int, device: torch.device
@@ -274,7 +234,7 @@ def evaluate(
         total += float(loss) * x.shape[0]
         count += x.shape[0]
     module.train(was_training)
-    total, count = _all_reduce_sum([total, count], collective_device() if dist.is_initialized() else device)
+    total, count = all_reduce_sum_fp64([total, count])
     return total / count
 
 
@@ -299,16 +259,40 @@ def _maybe_inject_fault(rank: int, step: int) -> None:
     raise ValueError(f"MIXPREC_FAULT mode must be 'exit' or 'hang'; got {mode!r}")
 
 
-def check_resume(cfg: TrainConfig) -> None:
-    """Raise ValueError unless ``cfg.out_dir`` holds a checkpoint that ``cfg`` may continue (cheap: the checkpoint
-    is memory-mapped, only its configuration is read)."""
+def load_train_checkpoint(path: str, *, mmap: bool = False) -> dict[str, Any]:
+    """A ``mixprec train`` checkpoint of :data:`CHECKPOINT_FORMAT` (on the CPU, ``weights_only=True``).
+
+    With ``mmap`` the file is memory-mapped: only the tensors a caller touches are read (a resumed rank reads
+    its own reducer state, not its peers'). Raises ValueError when it is missing or of another format.
+    """
+    state = load_checkpoint(path, map_location="cpu", mmap=mmap)
+    if state.get("format") != CHECKPOINT_FORMAT or "config" not in state:
+        raise ValueError(
+            f"{path!r} is not a mixprec train checkpoint of format {CHECKPOINT_FORMAT} (format {state.get('format')!r})"
+        )
+    return state
+
+
+def check_resume(cfg: TrainConfig, corpus: Corpus | None = None) -> None:
+    """Raise ValueError unless ``cfg.out_dir`` holds a checkpoint that ``cfg`` may continue: same configuration
+    (but :data:`RESUMABLE_FIELDS`) and, when ``corpus`` is given, the same corpus (its sha256). Cheap: the
+    checkpoint is memory-mapped and only its metadata is read."""
     path = os.path.join(cfg.out_dir, CHECKPOINT_NAME)
     if not os.path.isfile(path):
         raise ValueError(f"--resume: no checkpoint at {path!r}")
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT or "config" not in state:
-        raise ValueError(f"{path!r} is not a mixprec train checkpoint of format {CHECKPOINT_FORMAT}")
+    state = load_train_checkpoint(path, mmap=True)
     _check_resume_compatible(state["config"], cfg)
+    if corpus is not None:
+        _check_same_corpus(state, corpus)
+
+
+def _check_same_corpus(state: dict[str, Any], corpus: Corpus) -> None:
+    if state.get("corpus_sha256") != corpus.sha256:
+        raise ValueError(
+            f"cannot resume: the corpus changed (checkpoint sha256 {state.get('corpus_sha256')}, now "
+            f"{corpus.sha256}); a custom corpus file was edited, or another Python version reads different "
+            "stdlib sources"
+        )
 
 
 def _check_resume_compatible(saved: dict[str, Any], cfg: TrainConfig) -> None:
@@ -338,14 +322,21 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _checkpoint_state(
-    parts: _Parts, cfg: TrainConfig, *, next_step: int, wall_time: float, corpus: Corpus, world_size: int
-) -> dict[str, Any]:
-    """The full training state; collective (every rank calls it), complete on rank 0.
+def _checkpoint_state(parts: _Parts, cfg: TrainConfig, *, next_step: int, wall_time: float, corpus: Corpus) -> Any:
+    """The full training state on rank 0 (None elsewhere); collective: every rank calls it.
 
-    The reducer's state (e.g. stochastic-rounding generators, error-feedback residuals) differs per rank, so it
-    is gathered into a list indexed by rank; a sharded optimizer gathers its shards itself.
+    Only rank 0 copies the model and optimizer to the CPU (a sharded optimizer's ``state_dict()`` gathers its
+    shards, so every rank calls that). The reducer's state (stochastic-rounding generators, error-feedback
+    residuals) differs per rank: each rank's :meth:`DistributedDataParallel.reducer_state_dict` is gathered to
+    rank 0 only and stored as a list indexed by rank.
     """
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
+    optimizer_state = parts.optimizer.state_dict()
+    reducer_states = None
+    if parts.wrapper is not None:
+        reducer_states = gather_objects(_to_cpu(parts.wrapper.reducer_state_dict()))
+    if not is_main:
+        return None
     state: dict[str, Any] = {
         "format": CHECKPOINT_FORMAT,
         "step": next_step,
@@ -353,41 +344,43 @@ def _checkpoint_state(
         "config": cfg.to_dict(),
         "corpus_sha256": corpus.sha256,
         "model": _to_cpu(parts.module.state_dict()),
-        "optimizer": _to_cpu(parts.optimizer.state_dict()),
+        "optimizer": _to_cpu(optimizer_state),
         "scaler": parts.scaler.state_dict(),
     }
-    if parts.wrapper is not None:
-        per_rank: list[Any] = [None] * world_size
-        dist.all_gather_object(per_rank, _to_cpu(parts.wrapper.reducer.state_dict()))
-        state["reducer_states"] = per_rank
+    if reducer_states is not None:
+        state["reducer_states"] = reducer_states
     return state
 
 
-def _load_into(parts: _Parts, state: dict[str, Any], rank: int) -> None:
+def _to_device(obj: Any, device: torch.device) -> Any:
+    """A copy of a (memory-mapped) checkpoint entry on ``device``, so that nothing keeps the mapping alive."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
+def _load_into(parts: _Parts, state: dict[str, Any], rank: int, device: torch.device) -> None:
     parts.module.load_state_dict(state["model"])
-    parts.optimizer.load_state_dict(state["optimizer"])
+    parts.optimizer.load_state_dict(_to_device(state["optimizer"], device))
     if state["scaler"]:
         parts.scaler.load_state_dict(state["scaler"])
     if parts.wrapper is not None and "reducer_states" in state:
-        parts.wrapper.reducer.load_state_dict(state["reducer_states"][rank])
-
-
-def _read_metrics(path: str) -> Iterator[dict[str, Any]]:
-    with open(path) as fh:
-        for line in fh:
-            if line.strip():
-                yield json.loads(line)
+        parts.wrapper.load_reducer_state_dict(_to_device(state["reducer_states"][rank], torch.device("cpu")))
 
 
 def _truncate_metrics(path: str, before_step: int) -> None:
     """Keep only rows of steps < ``before_step`` (a run killed after its last checkpoint logged more)."""
     if not os.path.exists(path):
         return
-    kept = [row for row in _read_metrics(path) if row.get("step", -1) < before_step]
+    kept = [row for row in read_rows(path) if row.get("step", -1) < before_step]
     tmp = path + ".tmp"
     with open(tmp, "w") as fh:
         for row in kept:
-            fh.write(json.dumps(row) + "\n")
+            fh.write(encode_row(row) + "\n")
     os.replace(tmp, path)
 
 
@@ -416,22 +409,21 @@ def train_rank(
     if cfg.nproc != world_size:
         raise ValueError(f"cfg.nproc ({cfg.nproc}) must equal the number of ranks ({world_size})")
     is_main = rank == 0
+    if device.type == "cuda" and cfg.precision == "fp16":
+        # cuBLAS may otherwise reduce split-K partial sums of fp16 GEMMs in fp16; this lab's table promises fp32
+        # accumulation. Process-wide (a training process runs one configuration).
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     corpus = load_corpus(cfg.corpus)
     parts = build_parts(cfg, corpus.vocab_size, device, world_size)
     ckpt_path = os.path.join(cfg.out_dir, CHECKPOINT_NAME)
     metrics_path = os.path.join(cfg.out_dir, METRICS_NAME)
     start_step, wall_offset = 0, 0.0
     if resume:
-        state = load_checkpoint(ckpt_path, map_location=device)
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{ckpt_path}: checkpoint format {state.get('format')!r}, expected {CHECKPOINT_FORMAT}")
+        # Memory-mapped: each rank reads the model, the optimizer and its own reducer state, not its peers'.
+        state = load_train_checkpoint(ckpt_path, mmap=True)
         _check_resume_compatible(state["config"], cfg)
-        if state.get("corpus_sha256") != corpus.sha256:
-            raise ValueError(
-                f"cannot resume: the corpus changed (checkpoint sha256 {state.get('corpus_sha256')}, "
-                f"now {corpus.sha256}); a different Python version reads different stdlib sources"
-            )
-        _load_into(parts, state, rank)
+        _check_same_corpus(state, corpus)
+        _load_into(parts, state, rank, device)
         start_step, wall_offset = int(state["step"]), float(state["wall_time"])
         del state
     if is_main and resume:
@@ -466,7 +458,6 @@ def train_rank(
             unit="step",
             dynamic_ncols=True,
         )
-    cdev = collective_device() if dist.is_initialized() else device
     t_start = time.perf_counter() - wall_offset
     consecutive_skips = 0
     with contextlib.ExitStack() as stack:
@@ -484,7 +475,8 @@ def train_rank(
             _maybe_inject_fault(rank, step)
             eval_loss = None
             is_last = step == cfg.steps - 1
-            if cfg.eval_interval and (step % cfg.eval_interval == 0 or is_last):
+            # The last step evaluates after its update (the final model, in summary.json); others before it.
+            if cfg.eval_interval and step % cfg.eval_interval == 0 and not is_last:
                 eval_loss = evaluate(parts.module, corpus, cfg, rank=rank, world_size=world_size, device=device)
             if cfg.dropout:
                 torch.manual_seed(dropout_seed(cfg.seed, step, rank))
@@ -503,16 +495,12 @@ def train_rank(
             ]
             t0 = time.perf_counter()
             result = parts.updater.step(mbs)
-            (loss_sum,) = _all_reduce_sum([result.loss], cdev)
+            (loss_sum,) = all_reduce_sum_fp64([result.loss])
             dt = time.perf_counter() - t0
             loss = loss_sum / world_size
+            if cfg.eval_interval and is_last:
+                eval_loss = evaluate(parts.module, corpus, cfg, rank=rank, world_size=world_size, device=device)
             consecutive_skips = consecutive_skips + 1 if result.skipped else 0
-            if consecutive_skips >= MAX_CONSECUTIVE_SKIPS_STATIC and isinstance(parts.scaler, StaticLossScaler):
-                raise RuntimeError(
-                    f"{consecutive_skips} consecutive steps (up to step {step}) had inf/NaN gradients at the static "
-                    f"loss scale {result.scale:g}: the run diverged or the scale is too large; try "
-                    "loss_scaler = 'dynamic', a smaller loss_scale or a smaller lr"
-                )
             if is_main:
                 row = {
                     "step": step,
@@ -524,7 +512,7 @@ def train_rank(
                     "tokens_per_s": tokens_per_step / dt,
                     "wall_time": time.perf_counter() - t_start,
                 }
-                metrics.write(json.dumps(row) + "\n")
+                metrics.write(encode_row(row) + "\n")
                 metrics.flush()
                 if bar is not None:
                     bar.set_postfix_str(
@@ -536,17 +524,20 @@ def train_rank(
                     say(f"step {step}: inf/NaN gradients at loss scale {result.scale:g}; step skipped on all ranks")
                 if eval_loss is not None:
                     say(f"step {step}: train loss {loss:.4f}, val loss {eval_loss:.4f}, loss scale {result.scale:g}")
+            # Every rank sees the same (agreed) skip flags, so every rank stops here together.
+            limit = cfg.max_consecutive_skips
+            if limit and consecutive_skips >= limit and isinstance(parts.scaler, StaticLossScaler):
+                raise TrainingDiverged(
+                    f"{consecutive_skips} consecutive steps (up to step {step}) had inf/NaN gradients at the static "
+                    f"loss scale {result.scale:g} (max_consecutive_skips = {limit}): the run diverged or the scale "
+                    "is too large; try loss_scaler = 'dynamic', a smaller loss_scale or a smaller lr"
+                )
             done = step + 1
             if done == cfg.steps or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
                 state = _checkpoint_state(
-                    parts,
-                    cfg,
-                    next_step=done,
-                    wall_time=time.perf_counter() - t_start,
-                    corpus=corpus,
-                    world_size=world_size,
+                    parts, cfg, next_step=done, wall_time=time.perf_counter() - t_start, corpus=corpus
                 )
-                if is_main:
+                if state is not None:
                     save_checkpoint(state, ckpt_path)
                 del state
     if not is_main:
@@ -560,7 +551,7 @@ def train_rank(
 
 
 def summarize_run(cfg: TrainConfig, metrics_path: str, *, parameters: int, corpus: Corpus) -> dict[str, Any]:
-    rows = list(_read_metrics(metrics_path))
+    rows = list(read_rows(metrics_path))
     losses = [r["loss"] for r in rows]
     evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None]
     finite = [v for v in losses if math.isfinite(v)]

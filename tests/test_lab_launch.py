@@ -1,0 +1,129 @@
+"""The launcher's blame, atomic checkpoints and their stale temporaries, and the strict-JSON metrics log."""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+
+from mixprec.lab.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint
+from mixprec.lab.launch import PEER_FAILURE_EXIT, TrainingFailed, _watch
+from mixprec.lab.metrics import NONFINITE_KEY, encode_row, read_rows
+
+
+def _exit_after(delay: float, code: int) -> None:
+    time.sleep(delay)
+    os._exit(code)
+
+
+def _procs(plan: list[tuple[float, int]]) -> list:
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_exit_after, args=p, daemon=True) for p in plan]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def test_watch_blames_the_rank_that_failed_on_its_own_not_the_first_to_exit() -> None:
+    """Rank 0 exits first, as a victim (PEER_FAILURE_EXIT); rank 1 crashes with 13 a moment later: rank 1 is
+    the one named."""
+    procs = _procs([(0.0, PEER_FAILURE_EXIT), (0.5, 13)])
+    with pytest.raises(TrainingFailed) as info:
+        _watch(procs, timeout=5.0)
+    message = str(info.value)
+    assert message.startswith("rank 1 exited with code 13;")
+    assert "rank 0: stopped, a peer failed" in message
+
+
+def test_watch_blames_the_hung_rank_when_every_exit_was_a_peer_failure() -> None:
+    procs = _procs([(0.0, PEER_FAILURE_EXIT), (3600.0, 0)])  # rank 1 "hangs"; the launcher terminates it
+    start = time.monotonic()
+    with pytest.raises(TrainingFailed) as info:
+        _watch(procs, timeout=5.0)
+    assert time.monotonic() - start < 60  # GRACE_S + SIGTERM; generous for a loaded machine
+    assert str(info.value).startswith("rank(s) 1 stopped responding (hung)")
+    assert procs[1].exitcode is not None
+
+
+def test_watch_reports_a_signal() -> None:
+    procs = _procs([(3600.0, 0), (0.0, 0)])
+    procs[1].join()
+    procs[0].kill()
+    with pytest.raises(TrainingFailed, match=r"^rank 0 was killed by signal 9;"):
+        _watch(procs, timeout=5.0)
+
+
+def test_checkpoint_write_failing_midway_keeps_the_old_one_and_no_temporary(tmp_path, monkeypatch) -> None:
+    path = str(tmp_path / "checkpoint.pt")
+    save_checkpoint({"step": 1, "w": torch.arange(4.0)}, path)
+    real_save = torch.save
+
+    def broken_save(obj, fh, *args, **kwargs):
+        real_save(obj, fh, *args, **kwargs)  # the bytes are in the temporary file...
+        fh.flush()
+        raise OSError("disk full")  # ...when the write fails, before the rename
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint({"step": 2, "w": torch.zeros(4)}, path)
+    monkeypatch.undo()
+    state = load_checkpoint(path)
+    assert state["step"] == 1 and torch.equal(state["w"], torch.arange(4.0))
+    assert os.listdir(tmp_path) == ["checkpoint.pt"]
+
+
+def test_stale_temporaries_are_removed(tmp_path) -> None:
+    path = str(tmp_path / "checkpoint.pt")
+    save_checkpoint({"step": 1}, path)
+    stale = [tmp_path / "checkpoint.pt.abc123.tmp", tmp_path / "checkpoint.pt.x.tmp"]
+    for f in stale:
+        f.write_bytes(b"torn")
+    (tmp_path / "other.tmp").write_bytes(b"not ours")
+    assert sorted(remove_stale_temporaries(path)) == sorted(str(f) for f in stale)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.pt", "other.tmp"]
+    assert load_checkpoint(path)["step"] == 1
+
+
+def test_resume_removes_a_killed_writers_temporary(tmp_path) -> None:
+    from mixprec.cli.main import main
+
+    run = tmp_path / "r"
+    tiny = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--global-batch-size", "4",
+            "--micro-batch-size", "2", "--eval-interval", "0"]  # fmt: skip
+    assert main(["train", "--out-dir", str(run), *tiny, "--steps", "1"]) == 0
+    (run / "checkpoint.pt.k1ll3d.tmp").write_bytes(b"torn")
+    assert main(["train", "--out-dir", str(run), "--resume", "--steps", "2"]) == 0
+    assert not (run / "checkpoint.pt.k1ll3d.tmp").exists()
+
+
+def test_metrics_rows_are_strict_json_and_read_back(tmp_path) -> None:
+    row = {"step": 3, "loss": math.nan, "grad_norm": math.inf, "eval_loss": None, "scale": -math.inf, "ok": 1.5}
+    line = encode_row(row)
+    raw = json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert raw["loss"] is None and raw["grad_norm"] is None and raw["scale"] is None and raw["eval_loss"] is None
+    assert raw[NONFINITE_KEY] == {"loss": "nan", "grad_norm": "inf", "scale": "-inf"}
+    path = tmp_path / "m.jsonl"
+    # An old log with bare NaN (Python's json default) still reads.
+    path.write_text(line + "\n\n" + json.dumps({"step": 4, "loss": math.nan}) + "\n")
+    back = list(read_rows(str(path)))
+    assert math.isnan(back[0]["loss"]) and back[0]["grad_norm"] == math.inf and back[0]["scale"] == -math.inf
+    assert back[0]["eval_loss"] is None and back[0]["ok"] == 1.5 and NONFINITE_KEY not in back[0]
+    assert back[1]["step"] == 4 and math.isnan(back[1]["loss"])
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [("[1, 2]\n", "expected a JSON object"), ("{oops\n", "not a JSON object"),
+     ('{"step": 1, "nonfinite": {"loss": "huge"}}\n', "'nonfinite' must map")],
+)  # fmt: skip
+def test_metrics_reader_names_the_bad_line(tmp_path, text, match) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 0}\n' + text)
+    with pytest.raises(ValueError, match=match) as info:
+        list(read_rows(str(path)))
+    assert f"{path}:2:" in str(info.value)
