@@ -209,32 +209,80 @@ def test_hierarchical_2x2_bit_for_bit_and_within_bound(dist_run) -> None:
     assert (flat_err / flat_bound).max() > 0.3 and (hier_err / hier_bound).max() > 0.3
 
 
-def test_wire_bytes_are_a_quarter_of_fp32_plus_headers(dist_run) -> None:
-    for world, topo in [(2, None), (3, None), (4, Topology(2, 2))]:
-        results = dist_run(_worker_main, world, topo, timeout=120)
-        stats, rs = results[0]["stats"], results[0]["rs_stats"]
-        if topo is None:
-            part = N // world
-            msg = part + 8 * -(-part // CHUNK)
-            assert stats.bytes_sent == stats.bytes_sent_compressed == 2 * (world - 1) * msg
-            assert stats.header_bytes == 2 * (world - 1) * 8 * -(-part // CHUNK)
-            assert rs.bytes_sent == (world - 1) * msg
-            assert stats.fp32_baseline_bytes == 2 * (world - 1) * 4 * N // world
-            # codes are 1/4 of fp32; headers add 8 bytes per chunk of 256 (2C/L = 3.1% here)
-            assert 0.25 < stats.ratio_to_fp32 <= 0.25 * (1 + 8 / CHUNK) + 1e-3
+def _count_wire_bytes(log: list[tuple[str, tuple[int, ...], torch.dtype, int]]) -> None:
+    """Wrap the collectives the compressed schemes hand their buffers to (in this forked rank only) and log
+    (kind, ranks of the group, dtype, bytes this rank sends to the other ranks) for each call."""
+    import mixprec.comm._compat as compat
+
+    real_a2a, real_gather, real_all_reduce = dist.all_to_all_single, compat._ALL_GATHER, dist.all_reduce
+
+    def ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+        return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+    def all_to_all_single(output, input, *args, group=None, **kwargs):
+        assert not args and "input_split_sizes" not in kwargs  # equal splits: (W-1)/W of the input leaves
+        w = len(ranks(group))
+        log.append(("all_to_all", ranks(group), input.dtype, input.numel() * input.element_size() * (w - 1) // w))
+        return real_a2a(output, input, group=group, **kwargs)
+
+    def all_gather(output, input, group=None, **kwargs):
+        w = len(ranks(group))  # the input goes to each of the W-1 others
+        log.append(("all_gather", ranks(group), input.dtype, input.numel() * input.element_size() * (w - 1)))
+        return real_gather(output, input, group=group, **kwargs)
+
+    def all_reduce(tensor, *args, **kwargs):
+        log.append(("all_reduce", (), tensor.dtype, tensor.numel() * tensor.element_size()))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_to_all_single, compat._ALL_GATHER, dist.all_reduce = all_to_all_single, all_gather, all_reduce
+
+
+def _worker_wire(rank: int, world: int, topology: Topology | None) -> dict:
+    comp = MinMaxUInt8(chunk_size=CHUNK)
+    compressed_all_reduce(_input(rank), compressor=comp, topology=topology)  # creates the subgroups first
+    out: dict = {}
+    for op in ("all_reduce", "reduce_scatter"):
+        log: list = []
+        _count_wire_bytes(log)
+        if op == "all_reduce":
+            stats = compressed_all_reduce(_input(rank), compressor=comp, topology=topology)
         else:
-            sl, part = N // 2, N // 4
-            msg = part + 8 * -(-part // CHUNK)
-            # inter-node: one peer per phase (2 nodes); intra-node: fp32 reduce-scatter to the other local
-            # rank, then the relay of this rank's gathered slice (both nodes' parts, uint8) to it
-            assert stats.bytes_sent_inter_node == 2 * msg
-            assert stats.bytes_sent_full_precision == sl * 4
-            assert stats.bytes_sent_intra_node == sl * 4 + 2 * msg
-            assert stats.bytes_sent_compressed == 2 * msg + 2 * msg
-            assert stats.bytes_sent == stats.bytes_sent_inter_node + stats.bytes_sent_intra_node
-            # across the node boundary: N/2 (1 + 8/256) bytes per rank, N (1 + 8/256) per node: a quarter of
-            # what an fp32 all-reduce between the two nodes' leaders alone would send (2 (m-1)/m * 4N = 4N)
-            assert stats.bytes_sent_inter_node == N // 2 * (1 + 8 / CHUNK)
+            stats = compressed_reduce_scatter(torch.empty(N // world), _input(rank), compressor=comp, topology=topology)
+        out[op] = (stats, list(log))
+    return out
+
+
+def test_wire_bytes_counted_at_the_backend_are_a_quarter_of_fp32_plus_headers(dist_run) -> None:
+    for world, topo in [(2, None), (3, None), (4, Topology(2, 2))]:
+        results = dist_run(_worker_wire, world, topo, timeout=120)
+        for rank, res in enumerate(results):
+            for op, (stats, log) in res.items():
+                payload = [e for e in log if e[0] != "all_reduce"]
+                flags = [e for e in log if e[0] == "all_reduce"]
+                assert all(e[3] <= 8 for e in flags)  # only one-element agreement flags besides the payload
+                sent = sum(e[3] for e in payload)
+                uint8 = sum(e[3] for e in payload if e[2] == torch.uint8)
+                assert stats.bytes_sent == sent, (world, op, rank)
+                assert stats.bytes_sent_compressed == uint8
+                assert stats.bytes_sent_full_precision == sent - uint8
+                phases = 2 if op == "all_reduce" else 1
+                # every element's code (one byte) crosses to its owner, and back in the all-gather: the rest of
+                # the uint8 bytes are the 8-byte headers
+                if topo is None:
+                    assert stats.header_bytes == uint8 - phases * (world - 1) * N // world
+                    ratio = sent / (phases * (world - 1) * 4 * N / world)  # a ring fp32 collective's bytes
+                    assert 0.25 < ratio <= 0.25 * (1 + 8 / CHUNK) + 1e-3, ratio
+                else:
+                    node = rank // 2
+                    intra = [e for e in payload if e[1] == (2 * node, 2 * node + 1)]
+                    inter = [e for e in payload if e[1] == (rank % 2, rank % 2 + 2)]
+                    assert len(intra) + len(inter) == len(payload)
+                    assert stats.bytes_sent_intra_node == sum(e[3] for e in intra)
+                    assert stats.bytes_sent_inter_node == sum(e[3] for e in inter)
+                    assert all(e[2] == torch.uint8 for e in inter)
+                    # across the node boundary: the codes of this rank's part of its node slice (N / 4 elements)
+                    # in each phase, plus one header per chunk: a quarter of an fp32 exchange of the same part
+                    assert stats.bytes_sent_inter_node == phases * N // 4 * (1 + 8 / CHUNK)
 
 
 def _worker_ef_convergence(rank: int, world: int, steps: int, use_ef: bool, topology) -> torch.Tensor:
@@ -319,7 +367,74 @@ def test_nonfinite_is_flagged_on_every_rank_or_raised_on_every_rank(dist_run, wo
         assert flagged[owner]["result"][100 % (N // world)].isnan()
         assert flagged[world - 1]["result"][-1].isnan()
     raised = dist_run(_worker_nonfinite, world, "raise", topology, op, timeout=120)
-    assert all("NaN or Inf" in r["raised"] for r in raised)
+    assert all("some rank's input holds NaN or Inf" in r["raised"] for r in raised)
+
+
+def _worker_sum_overflow(rank: int, world: int, topology, op: str) -> dict:
+    x = _input(rank)
+    x[:CHUNK] = 3e38  # finite everywhere; two ranks' fp32 sum is 6e38 > 3.4e38
+    if op.endswith("fp16"):
+        x = _input(rank).half()
+        x[:CHUNK] = 60000.0  # two ranks' sum, 1.2e5, is finite in fp32 but beyond fp16's 65504
+    try:
+        if op.startswith("all_reduce"):
+            compressed_all_reduce(x, compressor=MinMaxUInt8(chunk_size=CHUNK), topology=topology, average=False)
+        else:
+            out = torch.empty(N // world, dtype=x.dtype)
+            compressed_reduce_scatter(out, x, compressor=MinMaxUInt8(chunk_size=CHUNK), average=False)
+    except NonFiniteError as exc:
+        return {"raised": str(exc)}
+    return {"raised": None}
+
+
+@pytest.mark.parametrize(
+    "world, topology, op",
+    [
+        (2, None, "all_reduce"),
+        (4, Topology(2, 2), "all_reduce"),
+        (2, None, "reduce_scatter"),
+        (2, None, "all_reduce_fp16"),
+        (2, None, "reduce_scatter_fp16"),
+    ],
+)
+def test_fp32_sum_overflow_is_reported_as_overflow_not_as_bad_input(dist_run, world, topology, op) -> None:
+    for r in dist_run(_worker_sum_overflow, world, topology, op, timeout=120):
+        assert r["raised"] is not None and "every rank's input is finite but the reduction overflowed" in r["raised"]
+
+
+def _worker_one_rank(rank: int, world: int) -> dict:
+    x = _input(rank)
+    original = x.clone()
+    stats = compressed_all_reduce(x, compressor=MinMaxUInt8(chunk_size=CHUNK))
+    shard = torch.empty(N)
+    compressed_reduce_scatter(shard, original, compressor=MinMaxUInt8(chunk_size=CHUNK))
+    bad = original.clone()
+    bad[5] = float("nan")
+    flagged = compressed_all_reduce(bad, compressor=MinMaxUInt8(chunk_size=CHUNK, check_finite="flag"))
+    try:
+        compressed_all_reduce(bad.clone(), compressor=MinMaxUInt8(chunk_size=CHUNK))
+        raised = None
+    except NonFiniteError as exc:
+        raised = str(exc)
+    return {
+        "x": x,
+        "original": original,
+        "stats": stats,
+        "shard": shard,
+        "bad": bad,
+        "flagged": flagged,
+        "raised": raised,
+    }
+
+
+def test_one_rank_group_sends_and_quantizes_nothing(dist_run) -> None:
+    res = dist_run(_worker_one_rank, 1, timeout=60)[0]
+    assert torch.equal(res["x"], res["original"])  # the mean of one tensor, not a twice-quantized copy
+    assert torch.equal(res["shard"], res["original"])
+    assert res["stats"].bytes_sent == 0 and not res["stats"].found_nonfinite
+    assert res["flagged"].found_nonfinite and res["bad"][5].isnan()
+    assert torch.equal(res["bad"][6:], res["original"][6:])
+    assert "some rank's input holds NaN or Inf" in res["raised"]
 
 
 # ---------------------------------------------------------------------------------------------- misc

@@ -44,7 +44,8 @@ exact sum within one call's error instead of drifting.
 Non-finite values: a chunk holding NaN/Inf is flagged in its header (see ``check_finite`` of the
 compressor); it reduces and decodes to NaN on every rank (never to a finite value), and every rank
 learns it: ``found_nonfinite`` in the returned stats is identical on all ranks. The same holds when every
-input is finite but the fp32 sum overflows (``|sum| > 3.4e38``): the re-quantization flags the chunk. With
+input is finite but the reduction overflows: the fp32 sum beyond 3.4e38 (the re-quantization flags the
+chunk; a reduce-scatter checks its output), or a result beyond the range of an fp16/bf16 tensor. With
 the compressor's ``check_finite="raise"`` (its default) every rank then raises :class:`NonFiniteError`
 after the collective completes (raising before it would leave the peers waiting), saying which of the two
 happened (one extra one-element all-reduce, on this failure path only); ``"flag"`` only reports.
@@ -524,12 +525,23 @@ def _conclude(
         if input_bad:
             cause = "some rank's input holds NaN or Inf"
         else:
-            cause = "every rank's input is finite but their fp32 sum overflowed (|sum| > 3.4e38)"
+            cause = (
+                "every rank's input is finite but the reduction overflowed (the fp32 sum beyond 3.4e38, or the "
+                "result beyond the range of the output dtype)"
+            )
         raise NonFiniteError(
             f"{what}: {cause} (the affected chunks reduced to NaN on every rank); use a compressor with "
             "check_finite='flag' to get stats.found_nonfinite for the loss scaler instead"
         )
     return stats
+
+
+def _overflowed_low_precision(result: torch.Tensor) -> int:
+    """1 when an fp16/bf16 result holds Inf/NaN that its fp32 chunks did not flag (a decoded value beyond the
+    dtype's range), else 0. The decoded bytes are the same on every rank, so is this answer. fp32: 0, free."""
+    if result.dtype == torch.float32:
+        return 0
+    return int(not bool(torch.isfinite(result).all()))
 
 
 def _single_rank(
@@ -619,6 +631,7 @@ def _start_all_reduce(
         def finish_flat() -> CompressionStats:
             # flagged chunks travel in the gathered headers: no extra collective
             n_bad = phase.all_reduce_into(flat, world if average else None)
+            n_bad += _overflowed_low_precision(flat)
             copy_back()
             sent, header = phase.bytes_per_phase()
             stats = CompressionStats(numel, world, 2 * sent, 2 * sent, 0, 0, 2 * header, fp32_baseline, n_bad > 0)
@@ -651,6 +664,7 @@ def _start_all_reduce(
         for s, (a, b) in enumerate(phase.segments):
             works[s].wait()
             n_bad += comp._decode_rows(views[s], b - a, rows[:, a:b])
+        n_bad += _overflowed_low_precision(flat)
         copy_back()
         sent, header = phase.bytes_per_phase()
         rs_bytes = (per_node - 1) * slice_len * flat.element_size()
@@ -722,7 +736,7 @@ def compressed_all_reduce(
         :class:`CompressionStats` of this call (bytes sent by this rank, non-finite flag).
 
     Raises:
-        NonFiniteError: some rank's input held NaN/Inf, or the fp32 sum overflowed, and the compressor has
+        NonFiniteError: some rank's input held NaN/Inf, or the reduction overflowed, and the compressor has
             ``check_finite="raise"`` (raised on every rank, after the collective completed; affected chunks
             are NaN; the message says which of the two happened).
         ValueError, TypeError: bad arguments, before anything is sent.
@@ -810,7 +824,9 @@ def _start_reduce_scatter(
         def finish_flat() -> CompressionStats:
             acc = phase.reduce(world if average else None)
             output.view(-1).copy_(acc)
-            found = agree_any(phase.recv_bad > 0 or phase.local_bad > 0, group)
+            # An fp32 sum beyond 3.4e38 (or beyond output's dtype) is inf here, not a flagged chunk.
+            overflow = not bool(torch.isfinite(output).all())
+            found = agree_any(phase.recv_bad > 0 or phase.local_bad > 0 or overflow, group)
             sent, header = phase.bytes_per_phase()
             stats = CompressionStats(numel, world, sent, sent, 0, 0, header, fp32_baseline, found)
             return _conclude(
@@ -828,7 +844,8 @@ def _start_reduce_scatter(
         phase = _FlatPhase(nodes * shard, intra.source, hier.inter, comp, error_feedback, shared, shared, "inter.")
         acc = phase.reduce(world if average else None)
         output.view(-1).copy_(acc)
-        found = agree_any(phase.recv_bad > 0 or phase.local_bad > 0, hier.inter)
+        overflow = not bool(torch.isfinite(output).all())
+        found = agree_any(phase.recv_bad > 0 or phase.local_bad > 0 or overflow, hier.inter)
         found = agree_any(found, hier.intra) if per_node > 1 else found
         sent, header = phase.bytes_per_phase()
         full = (per_node - 1) * nodes * shard * flat.element_size()
@@ -879,7 +896,7 @@ def compressed_reduce_scatter(
         :class:`CompressionStats` of this call (bytes sent by this rank, non-finite flag).
 
     Raises:
-        NonFiniteError: some rank's input held NaN/Inf, or the fp32 sum overflowed, and the compressor has
+        NonFiniteError: some rank's input held NaN/Inf, or the reduction overflowed, and the compressor has
             ``check_finite="raise"`` (raised on every rank, after the collective completed).
         ValueError: ``tensor.numel()`` not divisible by the group size, ``output`` of the wrong size or not
             contiguous, or another bad argument (TypeError for a wrong type), before anything is sent.
