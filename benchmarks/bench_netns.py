@@ -10,8 +10,9 @@ X picked so that no address or route of the host uses 10.213.X.0/24); the other 
 bridge in a switch namespace ``<tag>sw``. A ``tbf`` qdisc on both ends of every link limits each node's
 upload and download to the rate (rate 0 = no qdisc: the raw speed of veth, i.e. CPU-bound). Ranks of one
 node talk over that namespace's loopback (not limited), like GPUs inside a machine. ``<tag>`` is ``mpxb``
-plus the process id; everything is removed in ``finally`` (and on SIGTERM/SIGINT), and namespaces left by a
-killed earlier run (prefix ``mpxb``) are removed first. Every rank and the whole run have timeouts.
+plus the process id; everything is removed in ``finally`` (and on SIGTERM/SIGINT/SIGHUP), and namespaces left
+by a killed earlier run (``mpxb<pid>...`` whose process no longer exists) are removed first; those of a run
+still alive are left alone. Every rank and the whole run have timeouts.
 
 Each configuration (``nodes x ranks per node``) runs in one set of rank processes (``ip netns exec``, gloo
 over TCP, ``GLOO_SOCKET_IFNAME`` = the node's veth, one torch thread each); rank 0 changes the qdiscs between
@@ -30,6 +31,7 @@ import itertools
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -38,6 +40,8 @@ import tempfile
 import time
 
 TAG_PREFIX = "mpxb"
+# <prefix><pid of the run that created it><"sw" | "n"<node>>
+STALE_NAMESPACE = re.compile(rf"^{TAG_PREFIX}(\d+)(?:sw|n\d+)$")
 SUBNET_BASE = "10.213"
 
 
@@ -139,12 +143,30 @@ def free_third_octet() -> int:
     raise RuntimeError(f"every {SUBNET_BASE}.X.0/24 is in use on this host")
 
 
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (a pid reused by another process counts as alive: keep, to be safe)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def remove_stale_namespaces() -> None:
+    """Delete the namespaces of earlier runs that died without cleaning up: only names of this script's form
+    whose pid is no longer a live process (a concurrent run's namespaces are never touched)."""
     for line in run(["ip", "netns", "list"]).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
-        if name.startswith(TAG_PREFIX):
-            print(f"removing namespace {name} left by an earlier run", file=sys.stderr)
-            run(["ip", "netns", "del", name], check=False)
+        match = STALE_NAMESPACE.match(name)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        if pid == os.getpid() or process_alive(pid):
+            continue
+        print(f"removing namespace {name} left by run {pid}, which no longer exists", file=sys.stderr)
+        run(["ip", "netns", "del", name], check=False)
 
 
 # ------------------------------------------------------------------------------------------- rank side
@@ -172,19 +194,19 @@ def worker(cfg: dict) -> None:
 
     stats_box: dict = {}
 
-    def fp32(x):
+    def fp32(x: torch.Tensor) -> None:
         dist.all_reduce(x)
 
-    def bf16(x):
+    def bf16(x: torch.Tensor) -> None:
         dist.all_reduce(x)
 
-    def fp32acc(x):
+    def fp32acc(x: torch.Tensor) -> None:
         all_reduce_fp32_accumulate(x, average=True)
 
-    def uint8(x):
+    def uint8(x: torch.Tensor) -> None:
         stats_box["stats"] = compressed_all_reduce(x, compressor=comp, workspace=workspace)
 
-    def uint8_hier(x):
+    def uint8_hier(x: torch.Tensor) -> None:
         stats_box["stats"] = compressed_all_reduce(x, compressor=comp, workspace=workspace, topology=topology)
 
     methods = {"fp32": (fp32, torch.float32), "bf16": (bf16, torch.bfloat16), "fp32acc": (fp32acc, torch.bfloat16)}
@@ -195,10 +217,10 @@ def worker(cfg: dict) -> None:
     if cfg["probe"] and per_node == 1:
         # gloo's all-to-all of the uint8 payload's bytes as one call, and as 8 concurrent async calls: why
         # the compressed collectives pipeline over segments.
-        def a2a_1(x):
+        def a2a_1(x: torch.Tensor) -> None:
             dist.all_to_all_single(probe_out["a2a x1"].view(-1), x.view(-1))
 
-        def a2a_8(x):
+        def a2a_8(x: torch.Tensor) -> None:
             out = probe_out["a2a x8"]
             works = [dist.all_to_all_single(out[k], x[k], async_op=True) for k in range(8)]
             for w in works:
@@ -322,10 +344,20 @@ def launch(net: Network, per_node: int, args: argparse.Namespace, out: str, dead
         if any(p.returncode != 0 for p in procs):
             raise RuntimeError(f"rank exit codes {[p.returncode for p in procs]} (see their stderr above)")
     finally:
+        # Every rank is killed and reaped even if one of them resists (each step in its own try).
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+            try:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            except OSError as exc:
+                print(f"could not kill rank process group {p.pid}: {exc}", file=sys.stderr)
+        for p in procs:
+            try:
                 p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                print(f"rank process {p.pid} did not exit 10 s after SIGKILL", file=sys.stderr)
     with open(out) as f:
         return json.load(f)
 
@@ -459,12 +491,17 @@ def main() -> None:
     from _common import machine_header
 
     def on_signal(signum: int, frame: object) -> None:
+        # Unwind through the finally blocks (kill the ranks, delete the namespaces); a second signal while
+        # cleaning up must not interrupt the cleanup.
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         raise SystemExit(f"stopped by signal {signum}")
 
-    signal.signal(signal.SIGTERM, on_signal)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, on_signal)
     deadline = time.monotonic() + args.deadline
     remove_stale_namespaces()
-    tag = f"{TAG_PREFIX}{os.getpid() % 100000}"
+    tag = f"{TAG_PREFIX}{os.getpid()}"  # the full pid: remove_stale_namespaces tells dead runs by it
     print(machine_header("All-reduce across network namespaces with a tc rate limit (gloo)"))
     print(f"- network: {args.nodes} node namespaces on a bridge, tbf on both ends of each link, MTU 1500")
     print(f"- sizes: {args.sizes} x 2**20 fp32 elements; {args.reps} timed calls per point after a warm-up")
