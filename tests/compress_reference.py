@@ -188,19 +188,43 @@ def _node_slices(inputs: list[np.ndarray], nodes: int, per_node: int, layout: np
 
 
 def ref_hierarchical_all_reduce(
-    inputs: list[np.ndarray], chunk: int, nodes: int, per_node: int, *, average: bool = True
+    inputs: list[np.ndarray],
+    chunk: int,
+    nodes: int,
+    per_node: int,
+    *,
+    average: bool = True,
+    rounding: str = "nearest",
+    uniforms: list[list[np.ndarray]] | None = None,
+    residuals: dict | None = None,
 ) -> list[np.ndarray]:
     """Intra-node fp32 reduce-scatter (local rank l owns slice l; sum in local-rank order), compressed
     all-reduce of slice l among the nodes' local ranks l (divided by the total world size), intra-node
     all-gather. Ranks are node-major: rank = node * per_node + local.
+
+    ``uniforms[r]`` = [rank r's draws for its slice's encode, for its part's re-encode]; ``residuals``
+    (updated in place): {"worker": [per rank, slice length], "server": [per rank, part length]}.
     """
     world = nodes * per_node
     slices = _node_slices(inputs, nodes, per_node, lambda x: x.reshape(per_node, -1))
     reduced = []
     for local in range(per_node):
+        members = [node * per_node + local for node in range(nodes)]  # the inter-node group of local rank l
+        sub = None
+        if residuals is not None:
+            sub = {side: [residuals[side][r] for r in members] for side in ("worker", "server")}
         outs, _ = ref_flat_all_reduce(
-            [slices[node, local] for node in range(nodes)], chunk, average=False, divisor=world if average else None
+            [slices[node, local] for node in range(nodes)],
+            chunk,
+            average=False,
+            divisor=world if average else None,
+            rounding=rounding,
+            uniforms=None if uniforms is None else [uniforms[r] for r in members],
+            residuals=sub,
         )
+        if residuals is not None and sub is not None:
+            for i, r in enumerate(members):
+                residuals["worker"][r], residuals["server"][r] = sub["worker"][i], sub["server"][i]
         reduced.append(outs[0])
     full = np.concatenate(reduced)
     return [full.copy() for _ in range(world)]

@@ -110,28 +110,28 @@ def _worker_main(rank: int, world: int, topology: Topology | None, segment: int 
     s = _input(rank, seed=1)
     compressed_all_reduce(s, compressor=comp, topology=topology, average=False)
     out["sum"] = s
-    if topology is None:
-        # Stochastic rounding, each rank with its own stream.
-        g = torch.Generator().manual_seed(500 + rank)
-        st = _input(rank, seed=2)
-        compressed_all_reduce(st, compressor=MinMaxUInt8(chunk_size=CHUNK, rounding="stochastic", generator=g))
-        out["stochastic"] = st
-        # bf16 in and out, and a size that is not a multiple of the world size (zero-padded).
-        b = _input(rank, seed=3).bfloat16()
-        compressed_all_reduce(b, compressor=comp)
-        out["bf16"] = b
-        odd = _input(rank, n=N + 1, seed=4)[: N - 5].view(-1, 1)[::1]
-        compressed_all_reduce(odd, compressor=comp)
-        out["odd"] = odd
-        # Error feedback over a few steps, bit for bit.
-        ef = ErrorFeedback()
-        steps = []
-        for t in range(3):
-            v = _input(rank, seed=10 + t)
-            compressed_all_reduce(v, compressor=comp, error_feedback=ef)
-            steps.append(v)
-        out["ef_steps"] = steps
-        out["ef_state"] = ef.state_dict()
+    # Stochastic rounding, each rank with its own stream.
+    g = torch.Generator().manual_seed(500 + rank)
+    st = _input(rank, seed=2)
+    stochastic = MinMaxUInt8(chunk_size=CHUNK, rounding="stochastic", generator=g)
+    compressed_all_reduce(st, compressor=stochastic, topology=topology)
+    out["stochastic"] = st
+    # bf16 in and out, and a size that is not a multiple of the world size (zero-padded).
+    b = _input(rank, seed=3).bfloat16()
+    compressed_all_reduce(b, compressor=comp, topology=topology)
+    out["bf16"] = b
+    odd = _input(rank, n=N + 1, seed=4)[: N - 5].view(-1, 1)[::1]
+    compressed_all_reduce(odd, compressor=comp, topology=topology)
+    out["odd"] = odd
+    # Error feedback over a few steps, bit for bit.
+    ef = ErrorFeedback()
+    steps = []
+    for t in range(3):
+        v = _input(rank, seed=10 + t)
+        compressed_all_reduce(v, compressor=comp, error_feedback=ef, topology=topology)
+        steps.append(v)
+    out["ef_steps"] = steps
+    out["ef_state"] = ef.state_dict()
     return out
 
 
@@ -194,6 +194,34 @@ def test_hierarchical_2x2_bit_for_bit_and_within_bound(dist_run) -> None:
         np.testing.assert_array_equal(hier[r]["reduce_scatter"].numpy(), shards[r])
     ref_sum = ref_hierarchical_all_reduce(_inputs(4, seed=1), CHUNK, 2, 2, average=False)
     np.testing.assert_array_equal(hier[2]["sum"].numpy(), ref_sum[0])
+
+    # Stochastic rounding, bf16, zero padding and error feedback, bit for bit in the hierarchical scheme too.
+    # Rank r draws for its node slice (N / 2 elements), then for its part of it (N / 4).
+    gens = [torch.Generator().manual_seed(500 + r) for r in range(4)]
+    uniforms = [[torch.rand(N // 2, generator=g).numpy(), torch.rand(N // 4, generator=g).numpy()] for g in gens]
+    ref_st = ref_hierarchical_all_reduce(_inputs(4, seed=2), CHUNK, 2, 2, rounding="stochastic", uniforms=uniforms)
+    bf16_inputs = [_input(r, seed=3).bfloat16().float().numpy() for r in range(4)]
+    ref_bf16 = torch.from_numpy(ref_hierarchical_all_reduce(bf16_inputs, CHUNK, 2, 2)[0]).bfloat16()
+    padded = -(-(N - 5) // 4) * 4
+    odd_inputs = [
+        np.concatenate([_input(r, n=N + 1, seed=4)[: N - 5].numpy(), np.zeros(padded - N + 5, np.float32)])
+        for r in range(4)
+    ]
+    ref_odd = ref_hierarchical_all_reduce(odd_inputs, CHUNK, 2, 2)[0][: N - 5]
+    residuals = {"worker": [np.zeros(N // 2, np.float32)] * 4, "server": [np.zeros(N // 4, np.float32)] * 4}
+    residuals = {k: list(v) for k, v in residuals.items()}
+    ref_ef = [
+        ref_hierarchical_all_reduce(_inputs(4, seed=10 + t), CHUNK, 2, 2, residuals=residuals)[0] for t in range(3)
+    ]
+    for r in range(4):
+        np.testing.assert_array_equal(hier[r]["stochastic"].numpy(), ref_st[0])
+        assert torch.equal(hier[r]["bf16"], ref_bf16)
+        np.testing.assert_array_equal(hier[r]["odd"].view(-1).numpy(), ref_odd)
+        for t in range(3):
+            np.testing.assert_array_equal(hier[r]["ef_steps"][t].numpy(), ref_ef[t])
+        np.testing.assert_array_equal(hier[r]["ef_state"]["worker"].numpy(), residuals["worker"][r])
+        np.testing.assert_array_equal(hier[r]["ef_state"]["server"].numpy(), residuals["server"][r])
+    assert not np.array_equal(ref_st[0], ref_hierarchical_all_reduce(_inputs(4, seed=2), CHUNK, 2, 2)[0])
 
     # Both schemes within their quantization bounds of the exact mean, hence of each other.
     exact = np.mean([x.astype(np.float64) for x in inputs], axis=0)
