@@ -38,6 +38,7 @@ from mixprec.lab.config import TrainConfig
 from mixprec.lab.corpus import Corpus, load_corpus
 from mixprec.lab.data import train_microbatches
 from mixprec.lab.launch import launch
+from mixprec.lab.metrics import METRICS_NAME, read_rows
 from mixprec.lab.model import GPT, GPTConfig
 from mixprec.testing import run_distributed
 
@@ -61,7 +62,10 @@ class _TorchLoop:
         ).to(device)
         distributed = dist.is_initialized() and world_size > 1
         self.ddp = torch.nn.parallel.DistributedDataParallel(self.model) if distributed else self.model
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+        # Same hyperparameters as mixprec's optimizer (torch's AdamW defaults to weight_decay=0.01, the lab to 0).
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
+        )
         self.amp_dtype = _AMP[cfg.precision]
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
         self.device = device
@@ -128,7 +132,8 @@ def _interleaved_rank(
     the same processes, so that a load change on a shared machine hits every side alike. The mixprec step is
     what ``mixprec train`` times: ``Updater.step`` over the parts ``build_parts`` makes (model in the precision's
     dtype, DistributedDataParallel, master-weight optimizer, loss scaler) plus the loss all-reduce."""
-    from mixprec.lab.train import _all_reduce_sum, build_parts
+    from mixprec.comm.objects import all_reduce_sum_fp64
+    from mixprec.lab.train import build_parts
 
     corpus = load_corpus(cfgs[0].corpus)
     dev = torch.device(device)
@@ -138,7 +143,7 @@ def _interleaved_rank(
 
     def mixprec_step(p: Any, mbs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         result = p.updater.step(mbs)
-        _all_reduce_sum([result.loss], dev)
+        all_reduce_sum_fp64([result.loss])
 
     for step in range(cfgs[0].steps):
         mbs = _batches(corpus, cfgs[0], step, rank, world_size, dev)
@@ -169,14 +174,11 @@ def interleaved_tokens_per_s(cfgs: list[TrainConfig], warmup: int, device: str) 
 
 
 def mixprec_tokens_per_s(cfg: TrainConfig, warmup: int) -> float:
-    import json
-
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig(**{**cfg.to_dict(), "out_dir": os.path.join(tmp, "run")})
         with contextlib.redirect_stdout(io.StringIO()):  # the run's own log lines (forked ranks inherit it)
             launch(cfg, overwrite=True, progress=False)
-        with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as fh:
-            rows = [json.loads(line) for line in fh][warmup:]
+        rows = list(read_rows(os.path.join(cfg.out_dir, METRICS_NAME)))[warmup:]
     return statistics.median(r["tokens_per_s"] for r in rows)
 
 

@@ -357,14 +357,17 @@ def test_final_eval_loss_is_that_of_the_final_model(tmp_path) -> None:
 
 
 # ---------------------------------------------------------------- runs that diverge (exit 1, a message)
-def test_static_scaler_divergence_stops_with_a_message_and_nan_is_null(tmp_path, capsys) -> None:
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_static_scaler_divergence_stops_with_a_message_and_nan_is_null(tmp_path, capfd, nproc) -> None:
     """lr 1e30 blows the weights up after the first step: the loss becomes NaN and every later step skips. With
     no dynamic scaler the run stops after max_consecutive_skips, exit 1, one line, no traceback. metrics.jsonl
     stays strict JSON: NaN is written as null and named under "nonfinite"."""
     run = tmp_path / "r"
-    assert train(run, "--steps", "20", "--lr", "1e30", "--max-consecutive-skips", "3") == 1
-    err = capsys.readouterr().err
+    assert train(run, "--nproc", nproc, "--steps", "20", "--lr", "1e30", "--max-consecutive-skips", "3") == 1
+    err = capfd.readouterr().err  # capfd: the forked ranks write to the inherited file descriptor
     assert "3 consecutive steps" in err and "max_consecutive_skips = 3" in err and "Traceback" not in err
+    if nproc == "2":  # every rank saw the same (agreed) skips and stopped on its own: exit code 1, not a peer's
+        assert "exited with code 1;" in err
     rows = rows_of(run)
     assert len(rows) == 4 and [r["skipped"] for r in rows] == [False, True, True, True]
     assert all(math.isnan(r["loss"]) for r in rows[1:])

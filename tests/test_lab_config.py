@@ -131,3 +131,42 @@ def test_config_name_or_missing_file(tmp_path, capsys) -> None:
     assert merge_config(config_from_toml("fp16_dynamic.toml")).precision == "fp16"
     with pytest.raises(ValueError, match=r"built-in examples: .*fp16_dynamic"):
         config_from_toml(str(tmp_path / "nope.toml"))
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"precision": "fp16", "loss_scale": 0.5}, ["init_scale (0.5) must be >= min_scale (1.0)", "loss_scale"]),
+        ({"max_loss_scale": 0.5}, ["max_scale (0.5) must be >= min_scale", "max_loss_scale"]),
+        ({"on_min_loss_scale": "boom"}, ["'raise', 'warn', 'ignore'", "on_min_loss_scale"]),
+        ({"scale_min_patience": 0}, ["min_patience", "scale_min_patience"]),
+        ({"scale_growth_factor": 1.0}, ["growth_factor must be > 1", "scale_growth_factor"]),
+    ],
+)
+def test_scaler_fields_are_checked_by_the_scaler_and_named_as_fields(fields, words) -> None:
+    """Checked whatever loss_scaler this run uses (a config file is reused), in this configuration's names."""
+    with pytest.raises(ValueError) as info:
+        TrainConfig(**fields)
+    assert all(w in str(info.value) for w in words)
+
+
+def test_build_scaler_carries_every_field() -> None:
+    from mixprec.scaling import DynamicLossScaler, StaticLossScaler
+
+    cfg = TrainConfig(
+        precision="fp16", loss_scale=8.0, scale_growth_factor=4.0, scale_backoff_factor=0.25,
+        scale_growth_interval=7, scale_hysteresis=3, scale_consecutive_hysteresis=True, min_loss_scale=0.5,
+        max_loss_scale=64.0, scale_min_patience=4, on_min_loss_scale="warn",
+    )  # fmt: skip
+    scaler = cfg.build_scaler()
+    assert isinstance(scaler, DynamicLossScaler)
+    got = (scaler.get_scale(), scaler.growth_factor, scaler.backoff_factor, scaler.growth_interval,
+           scaler.hysteresis, scaler.consecutive_hysteresis, scaler.min_scale, scaler.max_scale,
+           scaler.min_patience, scaler.on_min_scale)  # fmt: skip
+    assert got == (8.0, 4.0, 0.25, 7, 3, True, 0.5, 64.0, 4, "warn")
+    # 0 = none of its own for the floor and the ceiling.
+    free = TrainConfig(precision="fp16", min_loss_scale=0.0, max_loss_scale=0.0).build_scaler()
+    assert free.max_scale is None and free.min_scale is None  # (the scaler's own floor is fp32's smallest normal)
+    assert type(TrainConfig(loss_scaler="static", loss_scale=16.0).build_scaler()) is StaticLossScaler
+    assert TrainConfig(loss_scaler="static", loss_scale=16.0).build_scaler().get_scale() == 16.0
+    assert TrainConfig().build_scaler().get_scale() == 1.0  # fp32, 'auto' -> none: scale 1, still detects inf/NaN

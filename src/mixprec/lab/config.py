@@ -173,7 +173,8 @@ class TrainConfig:
     steps: int = 300
     """Optimizer steps (attempts, skipped ones included)."""
     eval_interval: int = 50
-    """Validation loss every this many steps and at the last step, in steps; 0 disables."""
+    """Validation loss every this many steps (before that step's update) and after the last step's update (the
+    final model, reported in summary.json), in steps; 0 disables."""
     eval_sequences: int = 64
     """Validation sequences (of block_size characters) per evaluation, split over the ranks."""
     checkpoint_interval: int = 100

@@ -43,7 +43,8 @@ from mixprec.lab.config import TrainConfig, config_to_toml
 from mixprec.lab.corpus import Corpus, check_corpus_source, load_corpus
 from mixprec.lab.data import check_corpus_fits
 from mixprec.lab.model import GPTConfig
-from mixprec.lab.train import METRICS_NAME, SUMMARY_NAME, check_resume, train_rank
+from mixprec.lab.train import METRICS_NAME, SUMMARY_NAME, TrainingDiverged, check_resume, train_rank
+from mixprec.scaling.scaler import LossScaleFloorError
 
 __all__ = ["GRACE_S", "PEER_FAILURE_EXIT", "TrainingFailed", "check_run", "launch", "torchrun_env"]
 
@@ -219,6 +220,8 @@ def _child(
     except BaseException as exc:
         if is_peer_failure(exc):
             sys.exit(PEER_FAILURE_EXIT)  # run_rank said so in one line; the culprit's traceback is the useful one
+        if isinstance(exc, TrainingDiverged | LossScaleFloorError):
+            sys.exit(1)  # the run's numerics failed, not the code: run_rank's one line says why
         traceback.print_exc()
         sys.stderr.flush()
         sys.exit(1)
