@@ -5,7 +5,7 @@
    and at 1024 and 4096; also against float64.
 2. Speed at M=N=K=4096 and 8192 (fp16 inputs): cuBLAS fp16 with fp32 accumulation (torch.matmul), with
    reduced-precision reductions allowed, cuBLAS fp16/16 (``allow_fp16_accumulation``, when this torch has it),
-   and the autotuned two-stage kernel; TFLOP/s from triton.testing.do_bench (median).
+   and the two-stage kernel (fixed BLOCK_K, M/N tiles autotuned); TFLOP/s from triton.testing.do_bench (median).
 3. Error of the real kernels at 4096 (N(0,1) fp16 inputs) against float64 and an fp32 (CUDA-core, no TF32)
    reference: percentiles of |error|, and the seed's ratios; fp8 e4m3 ``torch._scaled_mm`` with and without
    fast accumulation (DeepSeek-V3's ~2% claim), beside the emulator's numbers for the same matrices.
@@ -24,23 +24,41 @@ import contextlib
 import datetime
 import json
 import os
-import platform
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from _common import cpu_model, markdown_table
 
 PCTS = (50.0, 90.0, 99.0, 99.9, 100.0)
 DEVICE = "cuda"  # a CPU dry run of the script's logic sets this to "cpu" (see --dry-run-cpu)
 
 
 def pct(values: torch.Tensor) -> dict[str, float]:
-    flat = values.flatten().double().sort().values
-    n = flat.numel()
-    return {f"p{p:g}": float(flat[min(n - 1, max(0, int(-(-p * n // 100)) - 1))]) for p in PCTS}
+    """Nearest-rank percentiles ``PCTS`` as {"p50": ...} (the study's own helper)."""
+    from mixprec.lab.matmul_error import _percentiles
+
+    return {f"p{p:g}": v for p, v in zip(PCTS, _percentiles(values.double(), PCTS))}
+
+
+@contextlib.contextmanager
+def fp16_accumulation(enabled: bool) -> Iterator[None]:
+    """cuBLAS fp16 GEMMs accumulating in fp16 while inside, restored after (even on error). Raises RuntimeError
+    where this torch has no ``allow_fp16_accumulation``."""
+    mm = torch.backends.cuda.matmul
+    if not hasattr(mm, "allow_fp16_accumulation"):
+        raise RuntimeError("this torch has no torch.backends.cuda.matmul.allow_fp16_accumulation")
+    before = mm.allow_fp16_accumulation
+    mm.allow_fp16_accumulation = enabled
+    try:
+        yield
+    finally:
+        mm.allow_fp16_accumulation = before
 
 
 class Report:
@@ -58,16 +76,6 @@ class Report:
         (self.out / "gpu_results.md").write_text("\n\n".join(self.md) + "\n")
 
 
-def table(header: list[str], rows: list[list[Any]]) -> str:
-    def f(v: Any) -> str:
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-    return "\n".join(
-        ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        + ["| " + " | ".join(f(v) for v in r) + " |" for r in rows]
-    )
-
-
 def header(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     import triton
 
@@ -80,7 +88,7 @@ def header(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
-        "host": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+        "host": f"{os.cpu_count()} cores, {cpu_model()}",
         "command": " ".join(["python", *sys.argv]),
         "allow_fp16_reduced_precision_reduction (default)": mm.allow_fp16_reduced_precision_reduction,
         "has allow_fp16_accumulation": hasattr(mm, "allow_fp16_accumulation"),
@@ -140,7 +148,7 @@ def correctness(quick: bool) -> tuple[list[dict[str, Any]], str]:
             rows.append([f"{m}x{k}x{n}", bk, rec["equal_frac_vs_exact_model"], rec["equal_frac_vs_align25_model"],
                          rec["max_abs_vs_exact_model"], rec["max_diff_over_hw_bound"], rec["median_abs_vs_f64"],
                          rec["emulator_median_abs_vs_f64"], rec["max_abs_vs_f64"]])  # fmt: skip
-    md = "#### Kernel vs emulator (same block size), fp32 output\n\n" + table(
+    md = "#### Kernel vs emulator (same block size), fp32 output\n\n" + markdown_table(
         ["M x K x N", "block_k", "bit-equal frac (exact-sum model)", "bit-equal frac (align-25 model)",
          "max abs diff", "max diff / bound", "kernel median abs err vs f64", "emulator median abs err vs f64",
          "kernel max abs err vs f64"],
@@ -156,8 +164,7 @@ def bench(fn: Any) -> float:
 
 
 def speed(quick: bool) -> tuple[list[dict[str, Any]], str]:
-    from mixprec.kernels import two_stage_matmul
-    from mixprec.kernels._two_stage_triton import autotuned_block_k
+    from mixprec.kernels import BLOCK_K, two_stage_matmul
 
     mm = torch.backends.cuda.matmul
     rows, out = [], []
@@ -173,14 +180,11 @@ def speed(quick: bool) -> tuple[list[dict[str, Any]], str]:
         ) -> Any:
             def run() -> torch.Tensor:
                 mm.allow_fp16_reduced_precision_reduction = rr
-                if acc16:
-                    mm.allow_fp16_accumulation = True
                 try:
-                    return a @ b
+                    with fp16_accumulation(True) if acc16 else contextlib.nullcontext():
+                        return a @ b
                 finally:
                     mm.allow_fp16_reduced_precision_reduction = default_rr
-                    if acc16:
-                        mm.allow_fp16_accumulation = False
 
             return run
 
@@ -188,9 +192,16 @@ def speed(quick: bool) -> tuple[list[dict[str, Any]], str]:
         variants.append(("cuBLAS fp16/32 (reduced-precision reduction allowed)", cublas(True)))
         if hasattr(mm, "allow_fp16_accumulation"):
             variants.append(("cuBLAS fp16/16 (allow_fp16_accumulation)", cublas(True, acc16=True)))
-        variants.append(("two-stage Triton, fp16 out (autotuned)", lambda a=a, b=b: two_stage_matmul(a, b)))
+        for bk in sorted({BLOCK_K, 32}):
+            tag = f"BLOCK_K {bk}{' (default)' if bk == BLOCK_K else ''}, tiles autotuned"
+            variants.append(
+                (f"two-stage Triton, fp16 out ({tag})", lambda a=a, b=b, bk=bk: two_stage_matmul(a, b, block_k=bk))
+            )
         variants.append(
-            ("two-stage Triton, fp32 out (autotuned)", lambda a=a, b=b: two_stage_matmul(a, b, out_dtype=torch.float32))
+            (
+                f"two-stage Triton, fp32 out (BLOCK_K {BLOCK_K})",
+                lambda a=a, b=b: two_stage_matmul(a, b, out_dtype=torch.float32),
+            )
         )
         for name, fn in variants:
             try:
@@ -200,9 +211,7 @@ def speed(quick: bool) -> tuple[list[dict[str, Any]], str]:
                 rec = {"size": size, "kernel": name, "error": repr(exc)}
             out.append(rec)
             rows.append([size, name, rec.get("ms", "-"), rec.get("tflops", rec.get("error", "-"))])
-        out.append({"size": size, "two_stage_autotuned_block_k": autotuned_block_k()})
-        rows.append([size, "(two-stage autotuner chose BLOCK_K)", "-", autotuned_block_k()])
-    md = "#### Speed, fp16 inputs, M=N=K\n\n" + table(["M=N=K", "kernel", "ms (median)", "TFLOP/s"], rows)
+    md = "#### Speed, fp16 inputs, M=N=K\n\n" + markdown_table(["M=N=K", "kernel", "ms (median)", "TFLOP/s"], rows)
     return out, md
 
 
@@ -232,11 +241,8 @@ def hardware_errors(quick: bool) -> tuple[dict[str, Any], str]:
     outs["cuBLAS TF32 on fp16 data, fp32 out"] = (a.float() @ b.float()).double()
     mm.allow_tf32 = tf32
     if hasattr(mm, "allow_fp16_accumulation"):
-        mm.allow_fp16_accumulation = True
-        try:
+        with fp16_accumulation(True):
             outs["cuBLAS fp16/16"] = (a @ b).double()
-        finally:
-            mm.allow_fp16_accumulation = False
     outs["two-stage kernel (fp16 out)"] = two_stage_matmul(a, b).double()
     outs["two-stage kernel (fp32 out)"] = two_stage_matmul(a, b, out_dtype=torch.float32).double()
     for mode in ("fp16/16", "two_stage", "fp16/32"):
@@ -292,12 +298,14 @@ def hardware_errors(quick: bool) -> tuple[dict[str, Any], str]:
     results["fp8"] = fp8_rows
     md = (
         f"#### Real kernels' error at M=N=K={size}, N(0,1) fp16 inputs\n\n"
-        + table(["kernel", "p50 vs f64", "p99 vs f64", "max vs f64", "p50 vs fp32 ref", "max vs fp32 ref"], rows)
+        + markdown_table(
+            ["kernel", "p50 vs f64", "p99 vs f64", "max vs f64", "p50 vs fp32 ref", "max vs fp32 ref"], rows
+        )
         + "\n\nMedian-error ratios (vs the fp32 reference, as seed 003 measured):\n\n"
-        + table(["ratio", "seed claims", "measured"], ratios)
+        + markdown_table(["ratio", "seed claims", "measured"], ratios)
         + f"\n\nfp8 e4m3 GEMM accumulation error at K={size} (vs float64 of the fp8 inputs; DeepSeek-V3 claims ~2% "
         "maximum relative error without promotion):\n\n"
-        + table(["kernel", "max|err| / max|ref|", "||err||_F / ||ref||_F", "median |err|"], fp8_rows)
+        + markdown_table(["kernel", "max|err| / max|ref|", "||err||_F / ||ref||_F", "median |err|"], fp8_rows)
     )
     return results, md
 
@@ -330,7 +338,7 @@ def interpreter(quick: bool) -> tuple[Any, str]:
     if proc.returncode != 0:
         return {"error": proc.stderr[-3000:]}, f"#### Interpreter check FAILED\n\n```\n{proc.stderr[-3000:]}\n```"
     cases = json.loads(proc.stdout.strip().splitlines()[-1])
-    md = "#### Kernel under TRITON_INTERPRET=1 vs emulator (k_group = block_k)\n\n" + table(
+    md = "#### Kernel under TRITON_INTERPRET=1 vs emulator (k_group = block_k)\n\n" + markdown_table(
         ["shape M,K,N", "block_k", "out", "max diff / bound", "bit-equal fraction"],
         [[c["shape"], c["block_k"], c["out"], c["max_ratio"], c["equal_fraction"]] for c in cases],
     )
@@ -344,16 +352,14 @@ def hardware_vs_models(quick: bool) -> tuple[Any, str]:
     of fp8 without promotion (for DeepSeek-V3's "maximum relative error")."""
     from mixprec.emulate import MatmulModel, matmul, round_to
 
-    mm = torch.backends.cuda.matmul
     rows, data = [], []
     for size in (1024,) if quick else (1024, 4096):
         gen = torch.Generator().manual_seed(size + 1)
         a = torch.randn(size, size, generator=gen).half().to(DEVICE)
         b = torch.randn(size, size, generator=gen).half().to(DEVICE)
         ref = a.double() @ b.double()
-        mm.allow_fp16_accumulation = True
-        hw16 = (a @ b).double()
-        mm.allow_fp16_accumulation = False
+        with fp16_accumulation(True):  # RuntimeError without it: the section is reported as failed
+            hw16 = (a @ b).double()
         hw32 = torch.mm(a, b, out_dtype=torch.float32).double()
         align_rz = MatmulModel(inputs="fp16", accumulator="fp32", k_group=16, align_bits=25)
         align_rn = MatmulModel(inputs="fp16", accumulator="fp32", k_group=16, align_bits=25, align_rounding="nearest")
@@ -396,7 +402,7 @@ def hardware_vs_models(quick: bool) -> tuple[Any, str]:
         data.append({"size": size, "fp8_fast_accum_elementwise_rel_err_upper_half": pct(rel)})
         rows.append([size, "fp8 fast accum: |err|/|ref| where |ref| >= median", "p50 / p99 / max", "-",
                      pct(rel)["p50"], f"{pct(rel)['p99']:.3g} / {pct(rel)['p100']:.3g}"])  # fmt: skip
-    md = "#### Hardware vs models, output by output\n\n" + table(
+    md = "#### Hardware vs models, output by output\n\n" + markdown_table(
         [
             "M=N=K",
             "hardware",

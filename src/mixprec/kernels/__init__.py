@@ -10,12 +10,23 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mixprec._validate import check_dtype
+from mixprec._validate import check_dtype, check_tensor
 
-__all__ = ["triton_available", "two_stage_matmul", "two_stage_model"]
+if TYPE_CHECKING:
+    from mixprec.emulate import MatmulModel
+
+__all__ = ["BLOCK_K", "BLOCK_K_CHOICES", "triton_available", "two_stage_matmul", "two_stage_model"]
+
+# The kernel's K block, i.e. the products between promotions to fp32. One fixed default on every path (GPU, Triton
+# interpreter, CPU emulator), so that the numerics do not depend on where it runs or on what an autotuner picks:
+# the autotuner only chooses the M/N tile sizes. 64 is the BLOCK_K the H200 autotuner chose among {32, 64} at
+# M=N=K=4096 and 8192 (benchmarks/RESULTS.md); pass block_k=16 for seed 003's design (promotion every MMA).
+BLOCK_K = 64
+BLOCK_K_CHOICES = (16, 32, 64, 128)
 
 
 def triton_available() -> bool:
@@ -24,43 +35,53 @@ def triton_available() -> bool:
 
 
 def _interpreting() -> bool:
+    """True when ``TRITON_INTERPRET`` asks Triton to run kernels in its numpy interpreter (any value but "" or
+    "0", Triton's own rule). The one place that reads it (the interpreter check and the tests call it too)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def two_stage_model(block_k: int = 16):
-    """The emulator's model of the kernel with K blocks of ``block_k``: fp16 inputs, m16n8k16 MMAs (``k_group``
-    16) chained in an fp16 accumulator within a block, promoted into fp32 every ``block_k`` products."""
+def _check_block_k(block_k: Any) -> int:
+    if isinstance(block_k, bool) or not isinstance(block_k, int):
+        raise TypeError(f"block_k must be an int, one of {BLOCK_K_CHOICES}; got {type(block_k).__name__} {block_k!r}")
+    if block_k not in BLOCK_K_CHOICES:
+        raise ValueError(f"block_k must be one of {', '.join(map(str, BLOCK_K_CHOICES))}; got {block_k!r}")
+    return block_k
+
+
+def two_stage_model(block_k: int = BLOCK_K) -> MatmulModel:
+    """The emulator's model of the kernel with K blocks of ``block_k`` (16, 32, 64 or 128): fp16 inputs, m16n8k16
+    MMAs (``k_group`` 16) chained in an fp16 accumulator within a block, promoted into fp32 every ``block_k``
+    products."""
     from mixprec.emulate import MatmulModel
 
+    _check_block_k(block_k)
     return MatmulModel(
         inputs="fp16", accumulator="fp16", k_group=16, promote_every=block_k, name=f"two_stage/bk{block_k}"
     )
 
 
 def two_stage_matmul(
-    a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype = torch.float16, block_k: int | None = None
+    a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype = torch.float16, block_k: int = BLOCK_K
 ) -> torch.Tensor:
     """``a @ b`` for fp16 ``a (M, K)`` and ``b (K, N)`` with two-stage accumulation; returns ``out_dtype``.
 
     Args:
         a, b: 2-D float16 tensors on the same device.
         out_dtype: ``torch.float16`` (the fp32 accumulator rounded to nearest once) or ``torch.float32``.
-        block_k: K block of the kernel, i.e. the products between promotions to fp32 (16, 32, 64 or 128).
-            None: autotuned on the GPU (with the tile sizes); 16 for the CPU fallback, as seed 003's kernel.
+        block_k: K block of the kernel, i.e. the products between promotions to fp32: 16, 32, 64 or 128, default
+            :data:`BLOCK_K` (64) on every path. The GPU autotunes only the M/N tiles, so the result does not depend
+            on the autotuner's choice.
 
     Where it runs: CUDA tensors -> the Triton kernel (needs ``triton``); CPU tensors with ``TRITON_INTERPRET=1``
     and triton installed -> the same kernel in Triton's interpreter (slow; for tests of indexing and masking;
     the interpreter rounds each ``tl.dot`` once, after an fp32 sum of the block's products); other CPU tensors ->
-    the emulator, ``mixprec.emulate.matmul`` with :func:`two_stage_model` (``block_k`` or 16).
+    the emulator, ``mixprec.emulate.matmul`` with :func:`two_stage_model` ``(block_k)``.
 
-    Error: per K block one fp16 rounding (unit roundoff 2**-11) of the block's partial sum, then fp32
+    Error: per K block ``block_k / 16`` fp16 roundings (unit roundoff 2**-11) of the block's partial sums, then fp32
     accumulation of K / block_k terms: see ``mixprec.emulate.bounds(K, two_stage_model(block_k))``.
     """
     for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-        if t.dtype != torch.float16:
-            raise TypeError(f"{name} must be float16 (the kernel multiplies fp16 on tensor cores); got {t.dtype}")
+        check_tensor(name, t, (torch.float16,))
         if t.dim() != 2:
             raise ValueError(f"{name} must be 2-D; got shape {tuple(t.shape)}")
     if a.shape[1] != b.shape[0]:
@@ -68,8 +89,7 @@ def two_stage_matmul(
     if a.device != b.device:
         raise ValueError(f"a and b must be on the same device; got {a.device} and {b.device}")
     check_dtype("out_dtype", out_dtype, (torch.float16, torch.float32))
-    if block_k is not None and block_k not in (16, 32, 64, 128):
-        raise ValueError(f"block_k must be None or one of 16, 32, 64, 128; got {block_k!r}")
+    _check_block_k(block_k)
 
     if a.is_cuda or (a.device.type == "cpu" and _interpreting() and triton_available()):
         if not triton_available():
@@ -80,4 +100,4 @@ def two_stage_matmul(
 
     from mixprec.emulate.matmul import _matmul_model
 
-    return _matmul_model(a, b, two_stage_model(block_k or 16)).to(out_dtype)
+    return _matmul_model(a, b, two_stage_model(block_k)).to(out_dtype)

@@ -13,7 +13,6 @@ more fp16 spacing of the output for fp16 outputs). ``max_ratio <= 1`` means with
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
@@ -22,9 +21,9 @@ CASES = [(17, 50, 33, 16, "fp32"), (5, 64, 20, 32, "fp16"), (33, 47, 18, 32, "fp
 
 def check() -> list[dict[str, object]]:
     from mixprec.emulate import MatmulModel, matmul
-    from mixprec.kernels import two_stage_matmul
+    from mixprec.kernels import _interpreting, two_stage_matmul
 
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if not _interpreting():
         raise RuntimeError("set TRITON_INTERPRET=1 before running this check")
     out = []
     for m, k, n, bk, dt in CASES:

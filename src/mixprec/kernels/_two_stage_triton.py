@@ -3,19 +3,22 @@
 Main loop per (BLOCK_M, BLOCK_N) tile: ``block = tl.dot(a, b, out_dtype=tl.float16)`` over one K block (the
 tensor cores chain the block's MMAs through an fp16 accumulator, starting from zero), then
 ``acc += block.to(tl.float32)`` in fp32 registers. Loads of A and B rows/columns past M/N wrap around (their
-results are never stored); K is masked only when it is not a multiple of BLOCK_K.
+results are never stored); K is masked only when it is not a multiple of BLOCK_K. Element offsets are int64,
+so operands with M*K, K*N or M*N >= 2**31 elements index correctly.
+
+BLOCK_K is fixed by the caller (``mixprec.kernels.BLOCK_K`` by default); the autotuner chooses only the M/N tiles,
+warps and stages, which do not change the result (each output's K blocks are summed in the same order).
 """
 
 # No ``from __future__ import annotations`` here: Triton's interpreter recognises constexpr parameters by their
 # annotation object, and would turn string annotations into runtime tensors.
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["autotuned_block_k", "launch"]
+__all__ = ["launch"]
 
 
 @triton.jit
@@ -54,10 +57,12 @@ def _two_stage_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    rows = offs_m % M
-    cols = offs_n % N
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
+    # int64 element offsets: row * stride in int32 wraps once an operand has 2**31 elements
+    rows = (offs_m % M).to(tl.int64)
+    cols = (offs_n % N).to(tl.int64)
+    offs_k64 = offs_k.to(tl.int64)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k64[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k64[:, None] * stride_bk + cols[None, :] * stride_bn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if K_BLOCKS == 0:
@@ -88,7 +93,7 @@ def _two_stage_kernel(
             b_ptrs += BLOCK_K * stride_bk
             kb += 1
 
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
     c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if OUT_FP16:
         tl.store(c_ptrs, acc.to(tl.float16), mask=c_mask)
@@ -96,32 +101,27 @@ def _two_stage_kernel(
         tl.store(c_ptrs, acc, mask=c_mask)
 
 
-def _configs(block_ks: tuple[int, ...]) -> list[triton.Config]:
+def _configs(block_k: int) -> list[triton.Config]:
     shapes = [(128, 256, 8, 3), (256, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (64, 128, 4, 4)]
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
-        for bk in block_ks
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": block_k, "GROUP_M": 8}, num_warps=w, num_stages=s)
         for bm, bn, w, s in shapes
     ]
 
 
-_AUTOTUNED: dict[tuple[int, ...], Any] = {}  # block_k candidates -> triton Autotuner
+_AUTOTUNED: dict[int, Any] = {}  # block_k -> triton Autotuner over the M/N tiles
 
 
-def _autotuned(block_ks: tuple[int, ...]) -> Any:
-    if block_ks not in _AUTOTUNED:
-        _AUTOTUNED[block_ks] = triton.autotune(configs=_configs(block_ks), key=["M", "N", "K"])(_two_stage_kernel)
-    return _AUTOTUNED[block_ks]
+def _autotuned(block_k: int) -> Any:
+    if block_k not in _AUTOTUNED:
+        _AUTOTUNED[block_k] = triton.autotune(configs=_configs(block_k), key=["M", "N", "K"])(_two_stage_kernel)
+    return _AUTOTUNED[block_k]
 
 
-def autotuned_block_k(block_k: int | None = None) -> int | None:
-    """BLOCK_K of the configuration the autotuner last chose (for ``block_k=None`` or the given one)."""
-    tuner = _AUTOTUNED.get((32, 64) if block_k is None else (block_k,))
-    config = getattr(tuner, "best_config", None) if tuner is not None else None
-    return None if config is None else int(config.kwargs["BLOCK_K"])
+def launch(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype, block_k: int) -> torch.Tensor:
+    """Run the kernel (arguments validated by ``mixprec.kernels.two_stage_matmul``)."""
+    from mixprec.kernels import _interpreting
 
-
-def launch(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype, block_k: int | None) -> torch.Tensor:
     m, k = a.shape
     n = b.shape[1]
     c = torch.empty(m, n, dtype=out_dtype, device=a.device)
@@ -130,28 +130,26 @@ def launch(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype, block_k:
     if k == 0:
         return c.zero_()
     out_fp16 = out_dtype == torch.float16
+    even_k = k % block_k == 0
     args = (a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if _interpreting():
         # the interpreter runs each program in numpy: small tiles, no autotuning
-        bk = block_k or 16
         grid = (triton.cdiv(m, 16) * triton.cdiv(n, 16),)
         _two_stage_kernel[grid](
             *args,
             BLOCK_M=16,
             BLOCK_N=16,
-            BLOCK_K=bk,
+            BLOCK_K=block_k,
             GROUP_M=4,
-            EVEN_K=k % bk == 0,
+            EVEN_K=even_k,
             OUT_FP16=out_fp16,
-            K_BLOCKS=triton.cdiv(k, bk),
+            K_BLOCKS=triton.cdiv(k, block_k),
         )
         return c
-    tuner = _autotuned((32, 64) if block_k is None else (block_k,))
+    tuner = _autotuned(block_k)
 
     def grid(meta: dict) -> tuple[int]:
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    # EVEN_K depends on the chosen BLOCK_K; all candidate BLOCK_Ks divide 128, so K % 128 == 0 decides for all
-    even_k = k % max(cfg.kwargs["BLOCK_K"] for cfg in tuner.configs) == 0
     tuner[grid](*args, EVEN_K=even_k, OUT_FP16=out_fp16)
     return c
