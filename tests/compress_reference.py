@@ -70,6 +70,12 @@ def ref_decode(buf: bytes, n: int, chunk: int) -> np.ndarray:
     return out
 
 
+def quantizer_bound(rng: np.ndarray | float, big: np.ndarray | float, k: float = 0.5) -> np.ndarray | float:
+    """quantize.py's per-element error bound for a chunk of range ``rng`` and largest magnitude ``big``:
+    ``k`` steps (1/2 nearest, 1 stochastic) plus its fp32 terms and half the smallest subnormal."""
+    return k * rng / 255.0 + 6.1 * U32 * rng + 1.1 * U32 * big + 2.0**-150
+
+
 def roundtrip_bound(x: np.ndarray, chunk: int, rounding: str, out_dtype: torch.dtype = torch.float32) -> np.ndarray:
     """Per-element error bound of the module docstring, from each chunk's exact min and max (float64)."""
     k = 0.5 if rounding == "nearest" else 1.0
@@ -84,8 +90,7 @@ def roundtrip_bound(x: np.ndarray, chunk: int, rounding: str, out_dtype: torch.d
         mn, mx = xc.min(), xc.max()
         rng, big = mx - mn, max(abs(mn), abs(mx))
         step = rng / 255.0
-        b = k * step + 6.1 * U32 * rng + 1.1 * U32 * big + 2.0**-150
-        bound[a : a + chunk] = b + u_out * (big + step) + tiny_out / 2
+        bound[a : a + chunk] = quantizer_bound(rng, big, k) + u_out * (big + step) + tiny_out / 2
     return bound
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from compress_reference import (
     U32,
+    quantizer_bound,
     ref_flat_all_reduce,
     ref_flat_reduce,
     ref_hierarchical_all_reduce,
@@ -45,11 +46,6 @@ def _inputs(world: int, n: int = N, seed: int = 0) -> list[np.ndarray]:
     return [_input(r, n, seed).numpy() for r in range(world)]
 
 
-def _qbound(rng: np.ndarray, big: np.ndarray, k: float = 0.5) -> np.ndarray:
-    # quantize.py's per-element bound, k = 1/2 (nearest)
-    return k * rng / 255 + 6.1 * U32 * rng + 1.1 * U32 * big + 2.0**-150
-
-
 def _scheme_bound(quantized: list[np.ndarray], chunk_id: np.ndarray, divisor: int, adds: int) -> np.ndarray:
     """|result - exact mean| bound for a scheme that quantizes each vector of ``quantized`` (chunked by
     ``chunk_id``), sums the decoded vectors in fp32 (``adds`` roundings, each <= u * sum of |terms|),
@@ -62,7 +58,7 @@ def _scheme_bound(quantized: list[np.ndarray], chunk_id: np.ndarray, divisor: in
         v = v.astype(np.float64)
         for i in ids:
             m = chunk_id == i
-            worker[m] += _qbound(np.ptp(v[m]), np.abs(v[m]).max()) / divisor
+            worker[m] += quantizer_bound(np.ptp(v[m]), np.abs(v[m]).max()) / divisor
         absum += np.abs(v)
     # |decoded| <= |v| + its error; gamma_adds + one division, rounded up generously (u^2 terms).
     summing = (adds + 1.01) * U32 * (absum / divisor + worker)
@@ -72,7 +68,7 @@ def _scheme_bound(quantized: list[np.ndarray], chunk_id: np.ndarray, divisor: in
     for i in ids:
         m = chunk_id == i
         slack = before_server[m].max()
-        server[m] = _qbound(np.ptp(exact[m]) + 2 * slack, np.abs(exact[m]).max() + slack)
+        server[m] = quantizer_bound(np.ptp(exact[m]) + 2 * slack, np.abs(exact[m]).max() + slack)
     return before_server + server
 
 
@@ -314,41 +310,84 @@ def test_wire_bytes_counted_at_the_backend_are_a_quarter_of_fp32_plus_headers(di
 
 
 def _worker_ef_convergence(rank: int, world: int, steps: int, use_ef: bool, topology) -> torch.Tensor:
-    comp = MinMaxUInt8(chunk_size=128)
+    comp = MinMaxUInt8(chunk_size=EF_CHUNK)
     ef = ErrorFeedback() if use_ef else None
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(1024, generator=g)  # the same gradient every step: nearest rounding's bias repeats
-    total = torch.zeros(1024, dtype=torch.float64)
+    x = _ef_input(rank)  # the same gradient every step: nearest rounding's bias repeats
+    total = torch.zeros(EF_N, dtype=torch.float64)
     history = []
     for t in range(steps):
         y = x.clone()
         compressed_all_reduce(y, compressor=comp, error_feedback=ef, topology=topology)
         total += y.double()
-        if t + 1 in (10, 50, steps):
+        if t + 1 in EF_CHECKPOINTS:
             history.append(total.clone())
     return torch.stack(history)
+
+
+EF_N, EF_CHUNK, EF_CHECKPOINTS = 1024, 128, (10, 50, 200)
+
+
+def _ef_input(rank: int) -> torch.Tensor:
+    return torch.randn(EF_N, generator=torch.Generator().manual_seed(rank))
+
+
+def _ef_bound(xs: list[np.ndarray], worker_inputs: list[np.ndarray], steps: int) -> np.ndarray:
+    """|sum_{t<=T} out_t - T mean(x)| per element, with error feedback, W = len(xs) ranks.
+
+    Telescoping: with the worker residuals e_k (of the W or m vectors k that get quantized, the ranks' inputs
+    flat, the node sums hierarchical) and the server residual s, out_t = mean + (1/W) sum_k (e_k,t-1 - e_k,t)
+    + s_t-1 - s_t + r_t, so the sum over T steps is T mean - (1/W) sum_k e_k,T - s_T + sum_t r_t: the residuals
+    left at step T (each within quantize.py's bound, not growing with T) plus the fp32 roundings r_t that
+    error feedback never sees.
+    - worker residual: quantizer_bound of a chunk of v = x_k + e_k; |e_k| <= step_v / 2 makes
+      range(v) <= range(x_k) + step_v, so step_v <= range(x_k) / 254.
+    - server residual: a = acc + s with acc - mean = (1/W) sum_k (e_k,t-1 - e_k,t) + r, at most twice the
+      worker bound (+ r, covered by 1e-6), and |s| <= step_a / 2, so range(a) <= range(mean) + 4 worker + step_a,
+      i.e. range(a) <= (range(mean) + 4 worker) * 255 / 254.
+    - r_t per element: adding e_k (u |v_k| / W each), the fp32 sum of the decoded vectors (gamma_{W-1}
+      relative to their absolute sum / W), the division, adding s (u each), the residual subtractions and,
+      hierarchical, the node sums (u |s_i| / W): all within gamma_{W+3} (A + 2 max step), A = mean of |x_r|.
+    """
+    world = len(xs)
+    n_chunks = EF_N // EF_CHUNK  # the parts here are whole chunks, so the chunks are the global 128-blocks
+    mean = np.mean([x.astype(np.float64) for x in xs], axis=0)
+    abs_mean = np.mean([np.abs(x.astype(np.float64)) for x in xs], axis=0)
+    worker = np.zeros(EF_N)
+    server = np.zeros(EF_N)
+    max_step = 0.0
+    for c in range(n_chunks):
+        sl = slice(c * EF_CHUNK, (c + 1) * EF_CHUNK)
+        for v in worker_inputs:
+            rng_v = np.ptp(v[sl].astype(np.float64)) * 255 / 254
+            worker[sl] += quantizer_bound(rng_v, np.abs(v[sl]).max() + rng_v / 255) / world
+            max_step = max(max_step, rng_v / 255)
+        rng_a = (np.ptp(mean[sl]) + 4 * worker[sl].max() + 1e-6) * 255 / 254
+        server[sl] = quantizer_bound(rng_a, np.abs(mean[sl]).max() + rng_a / 255)
+        max_step = max(max_step, rng_a / 255)
+    adds = world + 3
+    gamma = adds * U32 / (1 - adds * U32)
+    return worker + server + steps * gamma * (abs_mean + 2 * max_step)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, topology", [(2, None), (4, Topology(2, 2))])
 def test_error_feedback_keeps_the_accumulated_sum_on_the_exact_sum(dist_run, world, topology) -> None:
-    steps = 200
-    exact = torch.stack([torch.randn(1024, generator=torch.Generator().manual_seed(r)) for r in range(world)])
-    exact = exact.double().mean(0)
-    with_ef = dist_run(_worker_ef_convergence, world, steps, True, topology, timeout=120)[0]
-    without = dist_run(_worker_ef_convergence, world, steps, False, topology, timeout=120)[0]
-    checkpoints = torch.tensor([10, 50, steps], dtype=torch.float64)[:, None]
-    err_ef = (with_ef - checkpoints * exact).abs().max(1).values
-    err_no = (without - checkpoints * exact).abs().max(1).values
-    # With feedback, sum_t out_t - T * mean = -(sum_r e_worker,r / W + e_server) at step T (telescoping), and
-    # each residual is at most half a step of its chunk: step <= range / 255 with the range of one chunk
-    # of 128 standard normals (<= 9.2) or of their mean; plus fp32 roundings of the sums, ~T * W u per step.
-    max_step = 9.2 / 255
-    bound = max_step / 2 * 2 + steps * 8 * U32 * 4
-    assert (err_ef <= bound).all(), err_ef
-    assert err_ef[2] < 2 * err_ef[0] + max_step  # bounded: does not grow with T
-    # Without feedback the same-sign rounding error repeats every step: the drift grows ~linearly in T.
-    assert err_no[2] > 10 * err_no[0] * 0.9 and err_no[2] > 10 * bound
+    steps = EF_CHECKPOINTS[-1]
+    xs = [_ef_input(r).numpy() for r in range(world)]
+    exact = np.mean([x.astype(np.float64) for x in xs], axis=0)
+    worker_inputs = xs if topology is None else [(xs[0] + xs[1]).astype(np.float32), (xs[2] + xs[3]).astype(np.float32)]
+    with_ef = dist_run(_worker_ef_convergence, world, steps, True, topology, timeout=120)[0].numpy()
+    without = dist_run(_worker_ef_convergence, world, steps, False, topology, timeout=120)[0].numpy()
+    for i, t in enumerate(EF_CHECKPOINTS):
+        err_ef = np.abs(with_ef[i] - t * exact)
+        assert (err_ef <= _ef_bound(xs, worker_inputs, t)).all(), (t, (err_ef / _ef_bound(xs, worker_inputs, t)).max())
+    bound = _ef_bound(xs, worker_inputs, steps)
+    err_ef = np.abs(with_ef[-1] - steps * exact)
+    err_no = np.abs(without - np.array(EF_CHECKPOINTS)[:, None] * exact).max(1)
+    assert (err_ef / bound).max() > 0.1  # the bound is not vacuous: the error reaches a tenth of it
+    # Without feedback, nearest rounding of the same input errs the same way every step: the drift grows
+    # linearly in T (20x from T = 10 to 200, up to fp32 roundings) and leaves the feedback bound far behind.
+    assert err_no[2] > 0.9 * 20 * err_no[0] and err_no[2] > 10 * bound.max()
 
 
 # ---------------------------------------------------------------------------------------------- non-finite
