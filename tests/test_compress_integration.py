@@ -243,13 +243,15 @@ def _local_grads(rank: int) -> list[torch.Tensor]:
 
 def _worker_ddp(rank: int, world: int, mode: str) -> dict:
     x, y = _batch(rank)
-    if mode == "torch_hook":
+    if mode.startswith("torch_hook"):
         ddp = torch.nn.parallel.DistributedDataParallel(_model())
-        state = mixprec.hooks.Uint8HookState(chunk_size=CHUNK, error_feedback=True)
+        topology = Topology(2, 2) if mode == "torch_hook_2x2" else None
+        state = mixprec.hooks.Uint8HookState(chunk_size=CHUNK, error_feedback=True, topology=topology)
         ddp.register_comm_hook(state, mixprec.hooks.uint8_compress_hook)
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         grads = [p.grad.clone() for p in ddp.parameters()]
-        return {"grads": grads, "bytes": state.bytes_sent_total, "state": state.state_dict()}
+        intra = sum(st.bytes_sent_intra_node for st in state.last_stats.values())
+        return {"grads": grads, "bytes": state.bytes_sent_total, "state": state.state_dict(), "intra": intra}
     sharded = mode == "mixprec_sharded"
     ddp = DistributedDataParallel(
         _model(), reduce="uint8", reduce_options={"chunk_size": CHUNK}, sharded_optimizer=sharded, bucket_size=1000
@@ -262,9 +264,9 @@ def _worker_ddp(rank: int, world: int, mode: str) -> dict:
     return {"grads": grads, "params": params, "stats": ddp.reducer.last_stats}
 
 
-@pytest.mark.parametrize("mode", ["mixprec", "mixprec_sharded", "torch_hook"])
+@pytest.mark.parametrize("mode", ["mixprec", "mixprec_sharded", "torch_hook", "torch_hook_2x2"])
 def test_data_parallel_training_step_with_uint8(dist_run, mode: str) -> None:
-    world = 2
+    world = 4 if mode == "torch_hook_2x2" else 2
     res = dist_run(_worker_ddp, world, mode, timeout=120)
     local = [_local_grads(r) for r in range(world)]
     exact = [torch.stack([g[i].double() for g in local]).mean(0) for i in range(len(local[0]))]
@@ -274,19 +276,23 @@ def test_data_parallel_training_step_with_uint8(dist_run, mode: str) -> None:
         max(float(g.max()) for g in [*gs, torch.zeros(1)]) - min(float(g.min()) for g in [*gs, torch.zeros(1)])
         for gs in local
     )
-    for a, b in zip(
-        res[0]["grads" if mode != "mixprec_sharded" else "params"],
-        res[1]["grads" if mode != "mixprec_sharded" else "params"],
-    ):
-        assert torch.equal(a, b)  # identical bits on every rank (sharded: after the parameter all-gather)
+    key = "grads" if mode != "mixprec_sharded" else "params"
+    for r in range(1, world):
+        for a, b in zip(res[0][key], res[r][key]):
+            assert torch.equal(a, b)  # identical bits on every rank (sharded: after the parameter all-gather)
     if mode == "mixprec_sharded":
         # reduce-scatter: one quantization per rank (averaged), no re-quantization; then SGD with lr 0.1
         for p0, ex, new in zip(_model().parameters(), exact, res[0]["params"]):
             assert (p0.detach().double() - 0.1 * ex - new.double()).abs().max() <= 0.1 * (spread / 510 + 1e-6) + 1e-7
     else:
-        for got, ex in zip(res[0]["grads"], exact):  # worker + server quantization
+        # worker + server quantization. 2 x 2: the m = 2 node sums (range <= 2 spread) are quantized and
+        # divided by W = 4, so the worker error is again <= spread / 510.
+        for got, ex in zip(res[0]["grads"], exact):
             assert (got.double() - ex).abs().max() <= 2 * spread / 510 + 1e-6
-    if mode == "torch_hook":
+    if mode == "torch_hook_2x2":
+        # the intra-node reduce-scatter and relay were used: the stats split by link
+        assert res[0]["intra"] > 0 and res[0]["bytes"] > res[0]["intra"]
+    if mode.startswith("torch_hook"):
         assert res[0]["bytes"] > 0 and res[0]["state"]["error_feedback"]
     else:
         stats = list(res[0]["stats"].values())
