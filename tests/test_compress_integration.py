@@ -19,7 +19,7 @@ from compress_reference import (
     ref_hierarchical_all_reduce,
     ref_hierarchical_reduce_scatter,
 )
-from mixprec.compress import ErrorFeedback, Topology, Uint8Reducer, uint8_compress_hook
+from mixprec.compress import ErrorFeedback, Topology, Uint8Options, Uint8Reducer, uint8_compress_hook
 from mixprec.parallel import DistributedDataParallel, make_reducer
 
 CHUNK = 256
@@ -156,6 +156,19 @@ def test_factories_validate_options() -> None:
         make_reducer("uint8_hierarchical")
     with pytest.raises(TypeError, match="state must be a Uint8HookState"):
         uint8_compress_hook(object(), None)  # type: ignore[arg-type]
+    for kwargs, exc, match in [
+        ({"chunk_size": 0}, ValueError, "chunk_size must be an int >= 1"),
+        ({"rounding": "up"}, ValueError, "rounding must be one of"),
+        ({"error_feedback": "yes"}, TypeError, "error_feedback must be a bool"),
+        ({"check_finite": "warn"}, ValueError, "check_finite must be one of"),
+        ({"topology": (2, 2)}, TypeError, "topology must be a mixprec.compress.Topology"),
+        ({"seed": 1.5}, TypeError, "seed must be an int"),
+    ]:
+        with pytest.raises(exc, match=match):
+            Uint8Options(**kwargs)
+        with pytest.raises(exc, match=match):
+            Uint8Reducer(**kwargs)
+    assert Uint8Options(topology=Topology(2, 2)).saved()["topology"] == [2, 2]
 
 
 def _worker_rank_streams(rank: int, world: int) -> dict:
@@ -207,7 +220,7 @@ def test_stochastic_streams_are_rank_seeded_and_hook_state_validates(dist_run) -
     assert res[0]["errors"] == [
         "ValueError: state['error_feedback'][0] lacks 'numel' (the bucket's size)",
         "TypeError: state['error_feedback'][0] must be a dict; got list",
-        "TypeError: state['error_feedback'] keys must be bucket indices, ints >= 0; got '0'",
+        "TypeError: state['error_feedback'] keys must be bucket keys, ints >= 0; got '0'",
         "ValueError: state was saved with chunk_size=2048; this hook state uses 256",
         "ValueError: state was saved with rounding='nearest'; this hook state uses 'stochastic'",
         "ValueError: state was saved with topology=[1, 2]; this hook state uses None",

@@ -19,12 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec._validate import check_bool, check_positive_int
+from mixprec._validate import check_positive_int
 from mixprec.comm.fp32_accumulate import DEFAULT_STOCHASTIC_SEED
-from mixprec.comm.random import rank_generator
 from mixprec.compress.collectives import CompressionStats, CompressionWorkspace, ErrorFeedback, compressed_all_reduce
+from mixprec.compress.options import RankCompressors, Uint8Options, check_feedback_entry, load_feedback
 from mixprec.compress.quantize import MinMaxUInt8
-from mixprec.compress.reducers import apply_generator_state, check_generator_state, topology_key
 from mixprec.compress.topology import check_topology
 
 __all__ = ["Uint8HookState", "uint8_compress_hook"]
@@ -68,39 +67,30 @@ class Uint8HookState:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a ProcessGroup or None; got {type(process_group).__name__}")
         self.process_group = process_group
-        self.error_feedback = check_bool("error_feedback", error_feedback)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int; got {type(seed).__name__}")
-        self.seed = seed
-        # validates chunk_size, rounding and check_finite; the generator is attached per device at first use
+        self.options = Uint8Options(
+            chunk_size=chunk_size,
+            rounding=rounding,
+            error_feedback=error_feedback,
+            check_finite=check_finite,
+            topology=topology,
+            seed=seed,
+        )
+        if topology is not None:
+            check_topology(topology, process_group)  # the hierarchical scheme needs the default group
+        self.error_feedback, self.topology, self.seed = error_feedback, topology, seed
+        # the options' compressor without a generator (stochastic streams are attached per device at first use)
         self.compressor = MinMaxUInt8(chunk_size=chunk_size, rounding=rounding, check_finite=check_finite)
-        self.topology = None if topology is None else check_topology(topology, process_group)
         self.workspace = CompressionWorkspace()
-        self._compressors: dict[torch.device, MinMaxUInt8] = {}
-        self._generator: torch.Generator | None = None
-        self._generator_state: tuple[torch.Tensor, Any] | None = None  # loaded before the first hook call
+        self._compressors = RankCompressors(self.options)
         self._feedback: dict[int, tuple[int, ErrorFeedback]] = {}  # bucket index -> (bucket numel, residuals)
         self.last_stats: dict[int, CompressionStats] = {}
         """Stats of the last reduction of each bucket index."""
         self.bytes_sent_total = 0
 
     def compressor_for(self, device: torch.device) -> MinMaxUInt8:
-        """The compressor for buckets on ``device``: ``self.compressor``'s options, with stochastic rounding's
+        """The compressor for buckets on ``device``: the options' compressor, with stochastic rounding's
         rank-seeded generator on that device (created on first use)."""
-        comp = self._compressors.get(device)
-        if comp is None:
-            base = self.compressor
-            generator = None
-            if base.rounding == "stochastic":
-                generator = rank_generator(self.seed, device)
-                if self._generator_state is not None:
-                    apply_generator_state(generator, *self._generator_state)
-                    self._generator_state = None
-            comp = self._compressors[device] = MinMaxUInt8(
-                chunk_size=base.chunk_size, rounding=base.rounding, generator=generator, check_finite=base.check_finite
-            )
-        self._generator = comp.generator
-        return comp
+        return self._compressors.for_device(device)
 
     def feedback_for(self, index: int, numel: int) -> ErrorFeedback | None:
         """The residuals of bucket ``index`` (None without error feedback); fresh ones when its size changed."""
@@ -115,22 +105,11 @@ class Uint8HookState:
         """This rank's state: options that change results (rounding, chunk_size, check_finite, topology),
         per-bucket residuals (``{index: {"numel": n, "worker": ..., "server": ...}}``), the stochastic
         stream's state and device."""
-        comp = self.compressor
-        state: dict[str, Any] = {
-            "rounding": comp.rounding,
-            "chunk_size": comp.chunk_size,
-            "check_finite": comp.check_finite,
-            "topology": topology_key(self.topology),
+        return {
+            **self.options.saved(),
             "error_feedback": {i: {"numel": n, **fb.state_dict()} for i, (n, fb) in self._feedback.items()},
+            **self._compressors.saved(),
         }
-        if self._generator is not None:
-            state["generator_state"] = self._generator.get_state()
-            state["generator_device"] = str(self._generator.device)
-        elif self._generator_state is not None:
-            state["generator_state"] = self._generator_state[0].clone()
-            if self._generator_state[1] is not None:
-                state["generator_device"] = str(self._generator_state[1])
-        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a :meth:`state_dict` of this rank; everything is checked before anything changes.
@@ -142,16 +121,7 @@ class Uint8HookState:
         """
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict; got {type(state).__name__}")
-        comp = self.compressor
-        mine = {
-            "rounding": comp.rounding,
-            "chunk_size": comp.chunk_size,
-            "check_finite": comp.check_finite,
-            "topology": topology_key(self.topology),
-        }
-        for name, value in mine.items():
-            if name in state and state[name] != value:
-                raise ValueError(f"state was saved with {name}={state[name]!r}; this hook state uses {value!r}")
+        self.options.check_saved(state, "hook state")
         feedback = state.get("error_feedback", {})
         if not isinstance(feedback, dict):
             raise TypeError(f"state['error_feedback'] must be a dict; got {type(feedback).__name__}")
@@ -159,31 +129,13 @@ class Uint8HookState:
             raise ValueError("state holds error-feedback residuals but this hook state has error_feedback=False")
         loaded: dict[int, tuple[int, ErrorFeedback]] = {}
         for index, entry in feedback.items():
-            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-                raise TypeError(f"state['error_feedback'] keys must be bucket indices, ints >= 0; got {index!r}")
-            if not isinstance(entry, dict):
-                raise TypeError(f"state['error_feedback'][{index}] must be a dict; got {type(entry).__name__}")
+            entry = dict(check_feedback_entry("state['error_feedback']", index, entry))
             if "numel" not in entry:
                 raise ValueError(f"state['error_feedback'][{index}] lacks 'numel' (the bucket's size)")
-            entry = dict(entry)
             numel = check_positive_int(f"state['error_feedback'][{index}]['numel']", entry.pop("numel"), minimum=0)
-            fb = ErrorFeedback()
-            fb.load_state_dict(entry)
-            loaded[index] = (numel, fb)
-        gen_state = state.get("generator_state")
-        saved_device = state.get("generator_device")
-        if gen_state is not None:
-            check_generator_state(gen_state)
-            if saved_device is not None and not isinstance(saved_device, str):
-                raise TypeError(f"state['generator_device'] must be a str; got {type(saved_device).__name__}")
-            if comp.rounding != "stochastic":
-                raise ValueError("state holds a generator state but this hook state rounds to nearest")
-            if self._generator is not None:
-                apply_generator_state(self._generator, gen_state, saved_device)
-            else:
-                if saved_device is not None:
-                    torch.device(saved_device)
-                self._generator_state = (gen_state.clone(), saved_device)
+            loaded[index] = (numel, load_feedback(entry))
+        generator = self._compressors.check_saved(state, "hook state")
+        self._compressors.load(generator)
         self._feedback = loaded
 
 

@@ -1,0 +1,184 @@
+"""What :class:`~mixprec.compress.Uint8Reducer` (mixprec's DDP) and :class:`~mixprec.compress.Uint8HookState`
+(torch DDP) share: their validated options, the per-device compressors with their rank-seeded streams, and
+the checks of the state they save.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mixprec._validate import check_bool, check_choice, check_positive_int
+from mixprec.comm.fp32_accumulate import DEFAULT_STOCHASTIC_SEED
+from mixprec.comm.random import rank_generator
+from mixprec.compress.collectives import ErrorFeedback
+from mixprec.compress.quantize import MinMaxUInt8
+from mixprec.compress.topology import Topology, check_topology
+
+__all__ = ["Uint8Options"]
+
+
+@dataclass(frozen=True)
+class Uint8Options:
+    """Options of uint8 gradient compression in data parallelism, validated at construction.
+
+    Attributes:
+        chunk_size: elements per (min, max) header pair, int >= 1.
+        rounding: ``"nearest"`` or ``"stochastic"`` (unbiased; the stream is
+            ``mixprec.comm.rank_generator(seed, device)``: seeded with ``seed + global rank``, on the
+            gradients' device, created at the first reduction).
+        error_feedback: keep per-bucket residuals (worker and server side) and add them back next step.
+        check_finite: ``"flag"`` (non-finite chunks reduce to NaN on every rank, for the loss scaler's agreed
+            overflow check) or ``"raise"`` (every rank raises :class:`mixprec.compress.NonFiniteError`).
+        topology: None (flat) or a :class:`Topology` / 2-D DeviceMesh ("node", "local") (hierarchical; the
+            group must be the default group). Checked against the group size once torch.distributed is
+            initialised.
+        seed: base seed of the stochastic-rounding stream, an int.
+    """
+
+    chunk_size: int = 2048
+    rounding: str = "nearest"
+    error_feedback: bool = False
+    check_finite: str = "flag"
+    topology: Any = None
+    seed: int = DEFAULT_STOCHASTIC_SEED
+
+    def __post_init__(self) -> None:
+        check_positive_int("chunk_size", self.chunk_size)
+        check_choice("rounding", self.rounding, ("nearest", "stochastic"))
+        check_bool("error_feedback", self.error_feedback)
+        check_choice("check_finite", self.check_finite, ("raise", "flag"))
+        if self.topology is not None:
+            check_topology(self.topology)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int; got {type(self.seed).__name__}")
+
+    def saved(self) -> dict[str, Any]:
+        """The options that change results and residual sizes, as saved in a state dict."""
+        return {
+            "rounding": self.rounding,
+            "chunk_size": self.chunk_size,
+            "check_finite": self.check_finite,
+            "topology": topology_key(self.topology),
+        }
+
+    def check_saved(self, state: dict[str, Any], owner: str) -> None:
+        """ValueError when ``state`` was saved with other options than these (keys it lacks are not checked)."""
+        for name, value in self.saved().items():
+            if name in state and state[name] != value:
+                raise ValueError(f"state was saved with {name}={state[name]!r}; this {owner} uses {value!r}")
+
+
+def topology_key(topology: Any) -> list[int] | None:
+    """What of a topology changes results and residual sizes: None (flat) or [nodes, ranks_per_node]."""
+    if topology is None:
+        return None
+    if isinstance(topology, Topology):
+        return [topology.nodes, topology.ranks_per_node]
+    return [int(n) for n in topology.mesh.shape]  # a DeviceMesh, validated by check_topology
+
+
+def check_generator_state(state: Any) -> torch.Tensor:
+    """A saved ``torch.Generator.get_state()``: a 1-D uint8 tensor (TypeError otherwise)."""
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
+        got = (
+            f"{state.dtype} tensor of shape {tuple(state.shape)}"
+            if isinstance(state, torch.Tensor)
+            else type(state).__name__
+        )
+        raise TypeError(f"generator_state must be a 1-D uint8 tensor (torch.Generator.get_state()); got {got}")
+    return state
+
+
+def check_feedback_entry(where: str, key: Any, entry: Any) -> dict[str, Any]:
+    """A bucket key (int >= 0) and its saved residuals (a dict) from a state dict's ``error_feedback``."""
+    if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+        raise TypeError(f"{where} keys must be bucket keys, ints >= 0; got {key!r}")
+    if not isinstance(entry, dict):
+        raise TypeError(f"{where}[{key}] must be a dict; got {type(entry).__name__}")
+    return entry
+
+
+def load_feedback(entry: dict[str, Any]) -> ErrorFeedback:
+    """A validated :class:`ErrorFeedback` from its saved residuals."""
+    feedback = ErrorFeedback()
+    feedback.load_state_dict(entry)
+    return feedback
+
+
+class RankCompressors:
+    """One :class:`MinMaxUInt8` per device with ``options``; stochastic rounding draws from
+    ``rank_generator(options.seed, device)``, created at first use (when the process group is up). A
+    generator state loaded before that is applied then."""
+
+    def __init__(self, options: Uint8Options) -> None:
+        self.options = options
+        self._by_device: dict[torch.device, MinMaxUInt8] = {}
+        self._generator: torch.Generator | None = None  # the stream last drawn from
+        self._pending: tuple[torch.Tensor, str | None] | None = None  # (state, saved device) before first use
+
+    def for_device(self, device: torch.device) -> MinMaxUInt8:
+        comp = self._by_device.get(device)
+        if comp is None:
+            opts = self.options
+            generator = None
+            if opts.rounding == "stochastic":
+                generator = rank_generator(opts.seed, device)
+                if self._pending is not None:
+                    _apply(generator, *self._pending)
+                    self._pending = None
+            comp = self._by_device[device] = MinMaxUInt8(
+                chunk_size=opts.chunk_size, rounding=opts.rounding, generator=generator, check_finite=opts.check_finite
+            )
+        self._generator = comp.generator
+        return comp
+
+    def saved(self) -> dict[str, Any]:
+        """``generator_state`` and ``generator_device`` of the stream (nothing before it exists)."""
+        if self._generator is not None:
+            return {"generator_state": self._generator.get_state(), "generator_device": str(self._generator.device)}
+        if self._pending is not None:
+            state, device = self._pending
+            return {"generator_state": state.clone(), **({} if device is None else {"generator_device": device})}
+        return {}
+
+    def check_saved(self, state: dict[str, Any], owner: str) -> tuple[torch.Tensor, str | None] | None:
+        """Validate ``state``'s generator entries without applying them (TypeError/ValueError)."""
+        gen_state = state.get("generator_state")
+        if gen_state is None:
+            return None
+        check_generator_state(gen_state)
+        device = state.get("generator_device")
+        if device is not None:
+            if not isinstance(device, str):
+                raise TypeError(f"state['generator_device'] must be a str; got {type(device).__name__}")
+            torch.device(device)  # a malformed device string fails here, not at the first reduction
+            if self._generator is not None:
+                _check_device(self._generator, device)
+        if self.options.rounding != "stochastic":
+            raise ValueError(f"state holds a generator state but this {owner} rounds to nearest")
+        return gen_state, device
+
+    def load(self, checked: tuple[torch.Tensor, str | None] | None) -> None:
+        """Apply what :meth:`check_saved` returned (now, or at the first reduction)."""
+        if checked is None:
+            return
+        if self._generator is not None:
+            _apply(self._generator, *checked)
+        else:
+            self._pending = (checked[0].clone(), checked[1])
+
+
+def _check_device(generator: torch.Generator, saved_device: str | None) -> None:
+    # CPU and CUDA generator states have different formats: never load one into the other.
+    if saved_device is not None and torch.device(saved_device).type != generator.device.type:
+        raise ValueError(
+            f"generator_state was saved from a generator on {saved_device}; this run draws on {generator.device}"
+        )
+
+
+def _apply(generator: torch.Generator, state: torch.Tensor, saved_device: str | None) -> None:
+    _check_device(generator, saved_device)
+    generator.set_state(state)
