@@ -4,6 +4,7 @@ within the model's bound, swapping and restoring, and the training-loss gap of s
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -148,6 +149,55 @@ def test_emulate_linear_layers_swaps_shares_and_restores():
     assert emulate_linear_layers(model, "fp16/32").names == []
 
 
+class _LoRALinear(nn.Linear):
+    """A subclass with its own forward (an extra low-rank term): swapping it would silently drop that term."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.extra = nn.Parameter(torch.zeros(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + x @ self.extra
+
+
+def test_only_exact_linear_by_default_include_for_subclasses():
+    from mixprec.lab.model import Linear as LabLinear
+
+    model = nn.Sequential(nn.Linear(4, 4), _LoRALinear(), LabLinear(4, 4))
+    with pytest.warns(UserWarning, match=r"left 2 nn.Linear subclass.*_LoRALinear.*include="):
+        swap = emulate_linear_layers(model, "fp16/32")
+    assert swap.names == ["0"] and swap.skipped == ["1", "2"]
+    assert type(model[1]) is _LoRALinear and type(model[2]) is LabLinear
+    swap.restore()
+    # the lab's Linear only casts its weights to the input's dtype (EmulatedLinear does too): include it
+    with pytest.warns(UserWarning, match="left 1 "):
+        swap = emulate_linear_layers(model, "fp16/32", include=(LabLinear,))
+    assert swap.names == ["0", "2"] and isinstance(model[2], EmulatedLinear)
+    swap.restore()
+    # nn.MultiheadAttention's out_proj (a Linear subclass attention never calls) is skipped without a warning
+    attn = nn.Sequential(nn.MultiheadAttention(8, 2), nn.Linear(8, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        swap = emulate_linear_layers(attn, "fp16/32")
+    assert swap.names == ["1"] and swap.skipped == ["0.out_proj"]
+
+
+def test_parametrized_layers_are_refused():
+    model = nn.Sequential(nn.Linear(4, 4))
+    nn.utils.parametrizations.weight_norm(model[0])
+    with pytest.raises(ValueError, match="parametrizations"):
+        emulate_linear_layers(model, "fp16/32")
+    assert not isinstance(model[0], EmulatedLinear)
+
+
+def test_double_backward_is_refused():
+    layer = EmulatedLinear(3, 2, mode="fp16/32")
+    x = torch.randn(4, 3, requires_grad=True)
+    (grad_x,) = torch.autograd.grad(layer(x).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad_x.sum().backward()
+
+
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
@@ -156,6 +206,16 @@ def test_emulate_linear_layers_swaps_shares_and_restores():
         (lambda: emulate_linear_layers(nn.Sequential(nn.Linear(2, 2)), "fp4"), ValueError, "mode"),
         (lambda: EmulatedLinear(3, 2)(torch.ones(2, 4)), ValueError, "expects input"),
         (lambda: EmulatedLinear.from_linear(nn.ReLU(), "fp16/16"), TypeError, "nn.Linear"),
+        (
+            lambda: emulate_linear_layers(nn.Sequential(nn.Linear(2, 2)), "fp16/16", include=[nn.Linear]),
+            TypeError,
+            "include",
+        ),
+        (
+            lambda: emulate_linear_layers(nn.Sequential(nn.Linear(2, 2)), "fp16/16", include=(nn.ReLU,)),
+            TypeError,
+            "include",
+        ),
     ],
 )
 def test_bad_arguments_raise_clear_errors(call, error, match):

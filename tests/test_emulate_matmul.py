@@ -263,12 +263,23 @@ def test_mode_overrides_and_presets():
     assert torch.equal(matmul(a, b), matmul(a, b, mode="fp16/16"))  # default model is fp16/16
 
 
+def test_operands_that_require_grad_are_refused_not_silently_detached():
+    a = torch.randn(3, 4, requires_grad=True)
+    b = torch.randn(4, 2)
+    with pytest.raises(ValueError, match=r"a requires grad.*EmulatedLinear"):
+        matmul(a, b)
+    with pytest.raises(ValueError, match="b requires grad"):
+        matmul(b.t(), a.t())
+    with torch.no_grad():
+        assert torch.equal(matmul(a, b), matmul(a.detach(), b))
+
+
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
         (lambda: matmul(torch.ones(2, 3), torch.ones(4, 2)), ValueError, "agree on K"),
         (lambda: matmul(torch.ones(3), torch.ones(3, 2)), ValueError, "2-D"),
-        (lambda: matmul(torch.ones(2, 3, dtype=torch.int64), torch.ones(3, 2)), TypeError, "floating dtype"),
+        (lambda: matmul(torch.ones(2, 3, dtype=torch.int64), torch.ones(3, 2)), TypeError, "must have dtype"),
         (lambda: matmul([[1.0]], torch.ones(1, 1)), TypeError, "torch.Tensor"),
         (lambda: matmul(torch.ones(2, 2, 3), torch.ones(3, 3, 2)), ValueError, "broadcast"),
         (lambda: matmul(torch.ones(2, 3), torch.ones(3, 2), mode="fp16/8"), ValueError, "fp16/16"),

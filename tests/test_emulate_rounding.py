@@ -261,7 +261,7 @@ def test_format_properties():
         (lambda: get_format(torch.int8), ValueError, "torch dtype"),
         (lambda: get_format(3), TypeError, "FloatFormat"),
         (lambda: round_to([1.0], "fp16"), TypeError, "torch.Tensor"),
-        (lambda: round_to(torch.ones(2, dtype=torch.int32), "fp16"), TypeError, "floating dtype"),
+        (lambda: round_to(torch.ones(2, dtype=torch.int32), "fp16"), TypeError, "must have dtype"),
         (lambda: round_to(torch.ones(2), "fp16", rounding="up"), ValueError, "rounding"),
         (lambda: round_to(torch.ones(2), "fp16", "stochastic", generator=0), TypeError, "generator"),
         (lambda: round_to(torch.ones(2), "fp16", out=torch.empty(3)), ValueError, "shape"),

@@ -17,11 +17,13 @@ shares the original layer's Parameter objects, so optimizers and tied weights ke
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.nn.utils import parametrize
 
 from mixprec.emulate.matmul import MatmulModel, _matmul_model, get_matmul_model
 from mixprec.emulate.rounding import round_to, round_to_
@@ -123,13 +125,17 @@ class EmulatedLinear(nn.Linear):
 
 
 class LinearSwap:
-    """What :func:`emulate_linear_layers` swapped: ``names`` (qualified module names); ``restore()`` puts the
-    original modules back. Usable as a context manager (restores on exit)."""
+    """What :func:`emulate_linear_layers` swapped: ``names`` (qualified module names) and what it left alone,
+    ``skipped`` (nn.Linear subclasses not in ``include``); ``restore()`` puts the original modules back. Usable as a
+    context manager (restores on exit)."""
 
-    def __init__(self, model: nn.Module, swapped: list[tuple[nn.Module, str, nn.Module]]) -> None:
+    def __init__(
+        self, model: nn.Module, swapped: list[tuple[nn.Module, str, nn.Module]], skipped: list[str] | None = None
+    ) -> None:
         self.model = model
         self._swapped = swapped
         self.names = [name for _, name, _ in swapped]
+        self.skipped = list(skipped or [])
         self.restored = False
 
     def restore(self) -> None:
@@ -151,26 +157,62 @@ class LinearSwap:
         return len(self._swapped)
 
 
-def emulate_linear_layers(model: nn.Module, mode: MatmulModel | str) -> LinearSwap:
-    """Replace every ``nn.Linear`` (subclasses included, EmulatedLinear excluded) in ``model`` by an
-    :class:`EmulatedLinear` with ``mode`` that shares its parameters; returns a :class:`LinearSwap` whose
-    ``restore()`` puts the originals back. ``model`` itself cannot be a bare Linear (there is no parent to
-    swap it in); wrap it in a container. Modules that read ``.weight`` directly instead of calling the layer
-    (e.g. ``nn.MultiheadAttention``'s ``out_proj``) are swapped but keep torch's own matmul.
+def emulate_linear_layers(
+    model: nn.Module, mode: MatmulModel | str, *, include: tuple[type[nn.Linear], ...] = ()
+) -> LinearSwap:
+    """Replace the linear layers of ``model`` by :class:`EmulatedLinear` layers with ``mode`` that share their
+    parameters; returns a :class:`LinearSwap` whose ``restore()`` puts the originals back.
+
+    Which layers: modules whose type is exactly ``nn.Linear``, plus those whose type is exactly one of ``include``
+    (subclasses of ``nn.Linear`` whose ``forward`` computes ``x W^T + b``, e.g. ``mixprec.lab.model.Linear``, which
+    only casts its weights to the input's dtype; EmulatedLinear does that too). Other subclasses keep their own
+    ``forward`` (a LoRA layer's, say) and are left alone: their names are in ``LinearSwap.skipped`` and a warning
+    lists them (except ``nn.MultiheadAttention``'s ``out_proj``, whose ``forward`` attention never calls: it reads
+    ``.weight`` directly, so swapping it would change nothing). Already-emulated layers are left alone.
+
+    Raises:
+        TypeError: ``model`` is not an nn.Module, or ``include`` is not a tuple of nn.Linear subclasses.
+        ValueError: ``model`` is itself a Linear (wrap it in a container: it needs a parent), or a layer to swap
+            has parametrizations (``torch.nn.utils.parametrize``): its weight is computed at every access, and an
+            EmulatedLinear would see only a frozen snapshot.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
+    if not isinstance(include, tuple) or not all(
+        isinstance(c, type) and issubclass(c, nn.Linear) and not issubclass(c, EmulatedLinear) for c in include
+    ):
+        raise TypeError(f"include must be a tuple of nn.Linear subclasses (not EmulatedLinear); got {include!r}")
     matmul_model = get_matmul_model(mode)
     if isinstance(model, nn.Linear):
         raise ValueError("model is itself an nn.Linear: wrap it (e.g. nn.Sequential(layer)) so it can be swapped")
-    targets = [
-        (name, module)
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and not isinstance(module, EmulatedLinear) and name
-    ]
+    swap_types = (nn.Linear, *include)
+    targets: list[tuple[str, nn.Module]] = []
+    skipped: list[str] = []
+    for name, module in model.named_modules():
+        if not name or not isinstance(module, nn.Linear) or isinstance(module, EmulatedLinear):
+            continue
+        if parametrize.is_parametrized(module):
+            raise ValueError(
+                f"module {name!r} ({type(module).__name__}) has parametrizations: an EmulatedLinear would hold a "
+                "frozen snapshot of its weight; remove them first (torch.nn.utils.parametrize.remove_parametrizations)"
+            )
+        if type(module) in swap_types:
+            targets.append((name, module))
+        else:
+            skipped.append(name)
+    quiet = nn.modules.linear.NonDynamicallyQuantizableLinear
+    loud = [name for name in skipped if type(model.get_submodule(name)) is not quiet]
+    if loud:
+        kinds = sorted({type(model.get_submodule(name)).__qualname__ for name in loud})
+        warnings.warn(
+            f"emulate_linear_layers left {len(loud)} nn.Linear subclass layer(s) with their own forward alone: "
+            f"{', '.join(loud[:5])}{' ...' if len(loud) > 5 else ''} ({', '.join(kinds)}); pass include=(TheClass,) "
+            "if its forward is x W^T + b",
+            stacklevel=2,
+        )
     swapped: list[tuple[nn.Module, str, nn.Module]] = []
     for name, module in targets:
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         setattr(parent, name.rsplit(".", 1)[-1], EmulatedLinear.from_linear(module, matmul_model))
         swapped.append((parent, name, module))
-    return LinearSwap(model, swapped)
+    return LinearSwap(model, swapped, skipped)

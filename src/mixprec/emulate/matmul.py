@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from mixprec._validate import check_choice, check_fraction, check_positive_float, check_positive_int
+from mixprec._validate import check_choice, check_fraction, check_positive_float, check_positive_int, check_tensor
 from mixprec.emulate.formats import FORMAT_PRESETS, FloatFormat, get_format
 from mixprec.emulate.rounding import (
     _fix_overflow_,
@@ -222,7 +222,18 @@ def matmul(
 
     Error: :func:`bounds` gives deterministic and probabilistic bounds on ``|y - a_r @ b_r|`` relative to
     ``|a_r| @ |b_r|`` (``a_r``, ``b_r`` the rounded operands).
+
+    Autograd: not recorded (the result has no ``grad_fn``). An operand that requires grad while grad mode is on
+    raises ValueError rather than silently cutting the graph: use :class:`mixprec.emulate.EmulatedLinear` (or
+    ``emulate_linear_layers``), whose backward products are emulated too, or pass ``.detach()``-ed operands.
     """
+    for name, t in (("a", a), ("b", b)):
+        if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                f"{name} requires grad, but emulate.matmul records no autograd graph: use EmulatedLinear / "
+                "emulate_linear_layers for gradients through emulated matmuls, or pass "
+                f"{name}.detach() (or call under torch.no_grad())"
+            )
     overrides = {
         k: v
         for k, v in {
@@ -246,11 +257,7 @@ def matmul(
 
 
 def _check_operand(x: object, name: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
-    if x.dtype not in _OPERAND_DTYPES:
-        allowed = ", ".join(map(str, _OPERAND_DTYPES))
-        raise TypeError(f"{name} must have a floating dtype among {allowed}; got {x.dtype}")
+    check_tensor(name, x, _OPERAND_DTYPES)
     if x.dim() < 2:
         raise ValueError(f"{name} must be at least 2-D (..., rows, cols); got shape {tuple(x.shape)}")
     return x

@@ -43,7 +43,7 @@ from typing import Literal
 
 import torch
 
-from mixprec._validate import check_choice
+from mixprec._validate import check_choice, check_tensor
 from mixprec.emulate.formats import FloatFormat, get_format
 
 __all__ = ["ROUNDING_MODES", "Rounding", "round_to", "round_to_"]
@@ -179,11 +179,7 @@ def _round_directed_work_(w: torch.Tensor, fmt: FloatFormat, rounding: str, gene
 
 
 def _check_input(x: object, name: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
-    if x.dtype not in _INPUT_DTYPES:
-        raise TypeError(f"{name} must have a floating dtype among {', '.join(map(str, _INPUT_DTYPES))}; got {x.dtype}")
-    return x
+    return check_tensor(name, x, _INPUT_DTYPES)
 
 
 def _check_generator(generator: object) -> None:
@@ -218,8 +214,7 @@ def round_to(
     check_choice("rounding", rounding, ROUNDING_MODES)
     _check_generator(generator)
     if out is not None:
-        if not isinstance(out, torch.Tensor) or out.dtype not in (torch.float32, torch.float64):
-            raise TypeError("out must be an fp32 or fp64 torch.Tensor")
+        check_tensor("out", out, (torch.float32, torch.float64))
         if out.shape != x.shape or out.device != x.device:
             raise ValueError(f"out must have x's shape {tuple(x.shape)} and device {x.device}; got {tuple(out.shape)}")
     if x.dtype == torch.float64 or rounding != "nearest" or not _magic_or_trick_ok(fmt):

@@ -71,7 +71,7 @@ from mixprec.lab.config import TrainConfig
 from mixprec.lab.corpus import Corpus, load_corpus
 from mixprec.lab.data import dropout_seed, eval_chunks, train_microbatches
 from mixprec.lab.metrics import METRICS_NAME, encode_row, read_rows
-from mixprec.lab.model import GPT, GPTConfig
+from mixprec.lab.model import GPT, GPTConfig, Linear
 from mixprec.scaling import MasterWeightOptimizer, StaticLossScaler, Updater
 from mixprec.scaling.scaler import LossScaler
 
@@ -132,7 +132,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPT:
             from mixprec.emulate import emulate_linear_layers
         except ImportError as exc:
             raise CapabilityError(f"linear_mode={cfg.linear_mode!r} needs mixprec.emulate ({exc})") from exc
-        emulate_linear_layers(model, cfg.linear_mode)
+        emulate_linear_layers(model, cfg.linear_mode, include=(Linear,))  # the lab's Linear only casts dtypes
     return model
 
 
