@@ -64,6 +64,11 @@ def test_one_fixed_default_block_k_on_every_path():
             "block_k",
         ),
         (lambda: two_stage_model(24), ValueError, "block_k"),
+        (
+            lambda: two_stage_matmul(torch.ones(2, 3).half().requires_grad_(), torch.ones(3, 2).half()),
+            ValueError,
+            "requires grad",
+        ),
         (lambda: two_stage_model(32.0), TypeError, "block_k"),
     ],
 )

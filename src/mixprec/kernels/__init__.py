@@ -77,6 +77,8 @@ def two_stage_matmul(
     the interpreter rounds each ``tl.dot`` once, after an fp32 sum of the block's products); other CPU tensors ->
     the emulator, ``mixprec.emulate.matmul`` with :func:`two_stage_model` ``(block_k)``.
 
+    Autograd: not recorded; operands that require grad (with grad mode on) raise ValueError.
+
     Error: per K block ``block_k / 16`` fp16 roundings (unit roundoff 2**-11) of the block's partial sums, then fp32
     accumulation of K / block_k terms: see ``mixprec.emulate.bounds(K, two_stage_model(block_k))``.
     """
@@ -84,6 +86,8 @@ def two_stage_matmul(
         check_tensor(name, t, (torch.float16,))
         if t.dim() != 2:
             raise ValueError(f"{name} must be 2-D; got shape {tuple(t.shape)}")
+        if t.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{name} requires grad, but two_stage_matmul records no autograd graph: pass .detach()")
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"a (M, K) and b (K, N) must agree on K; got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.device != b.device:
