@@ -197,18 +197,22 @@ def test_in_place_and_out_variants_agree():
         assert_bits_equal(strided, want[::2], x[::2])
 
 
-def test_stochastic_rounding_is_unbiased_and_picks_neighbours():
-    fmt = get_format("fp16")
-    # values at known fractions between fp16 neighbours, in normal and subnormal ranges, both signs
-    bases = torch.tensor([1.0, 1000.0, -3.0, 2.0**-20, -(2.0**-15)])
-    spacing = torch.tensor([2.0**-10, 0.5, -(2.0**-9), 2.0**-24, -(2.0**-24)])
-    fracs = torch.tensor([0.1, 0.25, 0.5, 0.8125])
-    x = (bases[:, None] + fracs[None, :] * spacing[:, None]).flatten()
+@pytest.mark.parametrize("name", list(TORCH_FORMATS))
+def test_stochastic_rounding_is_unbiased_and_picks_neighbours(name):
+    fmt = get_format(name)
+    # values at known fractions between neighbours (lo = a representable base, hi = the next one away from zero),
+    # normal and subnormal ranges, both signs, up to a quarter of the largest binade
+    bases = [1.0, 2.0 ** (fmt.emax - 2) * 1.5, -3.0, 3 * 2.0 ** (fmt.emin - fmt.man_bits), -fmt.min_normal]
+    fracs = [0.1, 0.25, 0.5, 0.8125]
+    pairs = [ref_neighbours(base, fmt) for base in bases]
+    x = torch.tensor([lo + f * (hi - lo) for lo, hi in pairs for f in fracs])
+    lo = torch.tensor([lo for lo, _ in pairs for _ in fracs])
+    hi = torch.tensor([hi for _, hi in pairs for _ in fracs])
+    assert torch.equal(lo, torch.tensor(bases).repeat_interleave(len(fracs)))  # bases are representable
+    assert bool(((lo.abs() < x.abs()) & (x.abs() < hi.abs())).all())  # strictly between (fp32 holds x)
     n = 20_000
     gen = torch.Generator().manual_seed(7)
     draws = round_to(x.repeat(n, 1), fmt, "stochastic", generator=gen)
-    lo = torch.tensor([ref_neighbours(v, fmt)[0] for v in x.tolist()])
-    hi = torch.tensor([ref_neighbours(v, fmt)[1] for v in x.tolist()])
     assert bool(((draws == lo) | (draws == hi)).all())  # only ever one of the two neighbours
     # mean of n draws: sd <= |hi - lo| / (2 sqrt(n)); 6 sd keeps a false alarm below 1e-8 per value
     mean = draws.double().mean(0)
@@ -217,7 +221,7 @@ def test_stochastic_rounding_is_unbiased_and_picks_neighbours():
     # seeded: the same generator state gives the same draws; representable values never move
     again = round_to(x.repeat(n, 1), fmt, "stochastic", generator=torch.Generator().manual_seed(7))
     assert torch.equal(draws, again)
-    exact = all_values(torch.float16)
+    exact = all_values(TORCH_FORMATS[name])
     exact = exact[torch.isfinite(exact)]
     assert_bits_equal(round_to(exact, fmt, "stochastic"), exact, exact)
 
