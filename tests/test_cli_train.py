@@ -388,3 +388,21 @@ def test_dynamic_scaler_stuck_at_its_floor_stops_with_a_message(tmp_path, capsys
     assert "mixprec train: error:" in err and "Traceback" not in err
     scales = [r["loss_scale"] for r in rows_of(run)]
     assert scales[0] == 4.0 and 1.0 in scales and len(scales) < 20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_cuda_autocast_run(tmp_path, precision) -> None:
+    """The GPU path: real autocast, parameters and checkpoint in the low precision, fp16 with cuBLAS's reduced-
+    precision split-K reduction switched off (the docstring's fp32-accumulation promise)."""
+    run = tmp_path / "gpu"
+    assert train(run, "--device", "cuda", "--precision", precision, "--steps", "4") == 0
+    rows = rows_of(run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows)
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert all(t.dtype == low for t in state["model"].values())
+    assert json.loads((run / "summary.json").read_text())["device"].startswith("cuda")
+    if precision == "fp16":
+        assert torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction is False
