@@ -494,6 +494,26 @@ def _worker_one_rank(rank: int, world: int) -> dict:
     }
 
 
+def _worker_one_rank_subgroups(rank: int, world: int) -> str | None:
+    groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group, in order
+    x = _input(rank)
+    if rank == 1:
+        x[3] = float("inf")
+    try:
+        compressed_all_reduce(x, groups[rank], compressor=MinMaxUInt8(chunk_size=CHUNK))
+        raised = None
+    except NonFiniteError as exc:
+        raised = str(exc)
+    dist.barrier()
+    return raised
+
+
+def test_one_rank_subgroup_reports_nonfinite_without_waiting_for_other_ranks(dist_run) -> None:
+    # Only rank 1 finds Inf: telling input from overflow must stay inside its one-rank group (not hang).
+    res = dist_run(_worker_one_rank_subgroups, 2, timeout=60)
+    assert res[0] is None and "some rank's input holds NaN or Inf" in res[1]
+
+
 def test_one_rank_group_sends_and_quantizes_nothing(dist_run) -> None:
     res = dist_run(_worker_one_rank, 1, timeout=60)[0]
     assert torch.equal(res["x"], res["original"])  # the mean of one tensor, not a twice-quantized copy

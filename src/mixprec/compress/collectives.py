@@ -545,7 +545,12 @@ def _overflowed_low_precision(result: torch.Tensor) -> int:
 
 
 def _single_rank(
-    tensor: torch.Tensor, output: torch.Tensor | None, comp: MinMaxUInt8, ef: ErrorFeedback | None, what: str
+    tensor: torch.Tensor,
+    output: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    comp: MinMaxUInt8,
+    ef: ErrorFeedback | None,
+    what: str,
 ) -> CompressedReduction:
     """A group of one: nothing to send or quantize; ``output`` (reduce-scatter) gets a copy of ``tensor``."""
 
@@ -554,7 +559,8 @@ def _single_rank(
             output.view(-1).copy_(tensor.reshape(-1))
         found = not bool(torch.isfinite(tensor).all())
         stats = CompressionStats(tensor.numel(), 1, 0, 0, 0, 0, 0, 0, found)
-        return _conclude(found, lambda: found, None, comp, ef, stats, what)
+        # group, not None: a one-rank subgroup of a larger world must not enter a world-wide agreement
+        return _conclude(found, lambda: found, group, comp, ef, stats, what)
 
     return CompressedReduction(finish)
 
@@ -592,7 +598,7 @@ def start_compressed_all_reduce(
     if world == 1:
         if topology is not None:
             check_topology(topology, group)
-        return _single_rank(tensor, None, comp, error_feedback, "compressed_all_reduce")
+        return _single_rank(tensor, None, group, comp, error_feedback, "compressed_all_reduce")
     hier = resolve_topology(topology, group) if topology is not None else None
     inflight = own._claim("workspace")
     try:
@@ -787,7 +793,7 @@ def start_compressed_reduce_scatter(
     if world == 1:
         if topology is not None:
             check_topology(topology, group)
-        return _single_rank(tensor, output, comp, error_feedback, "compressed_reduce_scatter")
+        return _single_rank(tensor, output, group, comp, error_feedback, "compressed_reduce_scatter")
     hier = resolve_topology(topology, group) if topology is not None else None
     inflight = own._claim("workspace")
     try:
