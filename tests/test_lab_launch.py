@@ -40,6 +40,7 @@ def test_watch_blames_the_rank_that_failed_on_its_own_not_the_first_to_exit() ->
     assert "rank 0: stopped, a peer failed" in message
 
 
+@pytest.mark.slow  # GRACE_S (5 s) before the launcher terminates the "hung" rank
 def test_watch_blames_the_hung_rank_when_every_exit_was_a_peer_failure() -> None:
     procs = _procs([(0.0, PEER_FAILURE_EXIT), (3600.0, 0)])  # rank 1 "hangs"; the launcher terminates it
     start = time.monotonic()
@@ -127,3 +128,17 @@ def test_metrics_reader_names_the_bad_line(tmp_path, text, match) -> None:
     with pytest.raises(ValueError, match=match) as info:
         list(read_rows(str(path)))
     assert f"{path}:2:" in str(info.value)
+
+
+def test_resume_accepts_a_checkpoint_from_before_a_field_existed() -> None:
+    """A field added later (absent from an older checkpoint's config) counts as its default, the old behaviour;
+    a field that is present and differs is still refused."""
+    from mixprec.lab.config import TrainConfig
+    from mixprec.lab.train import _check_resume_compatible
+
+    cfg = TrainConfig()
+    saved = cfg.to_dict()
+    del saved["max_consecutive_skips"], saved["scale_min_patience"]
+    _check_resume_compatible(saved, cfg)
+    with pytest.raises(ValueError, match="max_consecutive_skips: checkpoint 20, now 5"):
+        _check_resume_compatible(saved, TrainConfig(max_consecutive_skips=5))

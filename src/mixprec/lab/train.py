@@ -300,7 +300,8 @@ def _check_resume_compatible(saved: dict[str, Any], cfg: TrainConfig) -> None:
     for f in fields(cfg):
         if f.name in RESUMABLE_FIELDS:
             continue
-        old = saved.get(f.name)
+        # A field added after the checkpoint was written is absent there: its default is the old behaviour.
+        old = saved.get(f.name, f.default)
         new = getattr(cfg, f.name)
         if old != new:
             diffs.append(f"{f.name}: checkpoint {old!r}, now {new!r}")
