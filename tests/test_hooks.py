@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import mixprec.hooks
+from dist_reference import fp32_rank_order_sum
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -81,3 +82,58 @@ def _bad_state(rank: int, world_size: int) -> str:
 def test_bad_state_is_refused(dist_run) -> None:
     for message in dist_run(_bad_state, 2, timeout=60):
         assert "state must be a torch.distributed ProcessGroup or None" in message
+
+
+def _async_case(rank: int, world_size: int) -> dict[str, object]:
+    """At step 1, rank 1 starts its backward only after rank 0 has looked at the future its first hook call of
+    that step returned: a hook that reduced synchronously would block there forever (the test would time
+    out); an asynchronous one has returned a future that cannot be complete yet. (Not at step 0: the first
+    call sets up the hook's all-gather group, which every rank must join.)"""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    model = _model()
+    reference_model = copy.deepcopy(model)
+    # find_unused_parameters keeps torch's small first-iteration buckets: two buckets per step here (327 and
+    # 1320 elements; 327 is padded at 4 ranks), so all-to-alls and all-gathers of two buckets interleave.
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.002, find_unused_parameters=True)
+    done_at_return: list[bool] = []
+
+    # No annotations: with postponed evaluation (this file) torch DDP would see strings and refuse them.
+    def observed_hook(state, bucket):
+        fut = mixprec.hooks.fp32_accumulate_hook(state, bucket)
+        done_at_return.append(fut.done())
+        if rank == 0 and len(done_at_return) == 3:
+            store.set("hook_test_first_future_checked", "1")
+        return fut
+
+    ddp.register_comm_hook(state=None, hook=observed_hook)
+    grads, expected = [], []
+    for step in range(4):  # later steps reuse the pooled buffers
+        if rank == 1 and step == 1:
+            store.wait(["hook_test_first_future_checked"])
+        model.zero_grad(set_to_none=True)
+        ddp(_batch(rank + 10 * step)).float().square().mean().backward()
+        per_rank = [_local_grads(reference_model, r + 10 * step) for r in range(world_size)]
+        grads.append([p.grad.clone() for p in model.parameters()])
+        expected.append(
+            [
+                fp32_rank_order_sum([g[i] for g in per_rank], average=True).to(torch.bfloat16)
+                for i in range(len(per_rank[0]))
+            ]
+        )
+        with torch.no_grad():  # the same update everywhere, so that step 1's reference model is the same
+            for p, q, g in zip(model.parameters(), reference_model.parameters(), grads[-1], strict=True):
+                p.sub_(g)
+                q.sub_(g)
+    return {"done_at_return": done_at_return, "grads": grads, "expected": expected}
+
+
+def test_hook_is_asynchronous_and_exact_over_steps(dist_run) -> None:
+    results = dist_run(_async_case, 4, timeout=120)
+    assert results[0]["done_at_return"][2] is False
+    for r in results:
+        assert len(r["done_at_return"]) == 8  # two buckets per step, four steps
+        for grads, expected in zip(r["grads"], r["expected"], strict=True):
+            for g, e in zip(grads, expected, strict=True):
+                assert torch.equal(g, e)

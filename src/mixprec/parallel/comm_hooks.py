@@ -1,20 +1,99 @@
-"""fp32 accumulation for users who keep torch's DistributedDataParallel: a comm hook.
+"""fp32 accumulation for users who keep torch's DistributedDataParallel: an asynchronous comm hook.
 
 :func:`fp32_accumulate_hook` for ``torch.nn.parallel.DistributedDataParallel.register_comm_hook``: each
-gradient bucket is all-reduced with :func:`mixprec.comm.all_reduce_fp32_accumulate` (wire in the bucket
-dtype, fp32 sum, one rounding) and averaged, as torch's default hook averages. The FSDP2 counterpart is in
-:mod:`mixprec.parallel.fsdp2`.
+gradient bucket is all-reduced the way :func:`mixprec.comm.all_reduce_fp32_accumulate` does it (wire in
+the bucket dtype, fp32 sum in rank order, one rounding) and averaged, as torch's default hook averages. The
+FSDP2 counterpart is in :mod:`mixprec.parallel.fsdp2`.
+
+Asynchronous: the hook starts the ``all_to_all_single`` and returns at once, so backward goes on while the
+bucket travels. When the all-to-all completes, a callback (on the backend's thread) sums this rank's shard
+in fp32, rounds it once and starts the all-gather; the returned future completes when that is done.
+
+Ordering: a backend matches collectives across ranks by the order in which each rank issues them. The
+all-to-alls are issued by the hook, on the autograd thread, in bucket order (the same on every rank). The
+all-gathers are issued from callbacks, at times that differ from rank to rank, so they go to a second
+process group over the same ranks (created on the first call, ``use_local_synchronization=True``: only the
+group's ranks take part), where they are issued in hook-call order whatever order the all-to-alls complete
+in. Without that, an all-gather could slip between two all-to-alls on one rank and not on another.
 
 No ``from __future__ import annotations`` here: torch DDP's ``register_comm_hook`` compares the hook's
 annotations with ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` as objects, not strings.
 """
 
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from mixprec.comm.fp32_accumulate import all_reduce_fp32_accumulate
+from mixprec.comm._compat import all_gather_flat
+from mixprec.comm.fp32_accumulate import _sum_shards_into
+from mixprec.comm.padding import pad_flat
 
 __all__ = ["fp32_accumulate_hook"]
+
+
+class _BufferPool:
+    """Reusable 1-D buffers by (dtype, device, length), shared by the backend's callback threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[tuple[torch.dtype, torch.device, int], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((dtype, device, numel))
+            if free:
+                return free.pop()
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.setdefault((buf.dtype, buf.device, buf.numel()), []).append(buf)
+
+
+class _HookContext:
+    """Per process and group: the buffer pool and the in-order issue of the all-gathers."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.pool = _BufferPool()
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        # Called from the hook on the autograd thread, by every rank of the group at its first bucket.
+        self.gather_group = dist.new_group(ranks=ranks, use_local_synchronization=True)
+        self._lock = threading.Lock()
+        self._calls = 0  # hook calls so far: the sequence number of the next bucket
+        self._next_gather = 0  # sequence number of the next all-gather to start
+        self._ready: dict[int, Callable[[], None]] = {}
+
+    def next_sequence(self) -> int:
+        with self._lock:
+            seq = self._calls
+            self._calls += 1
+            return seq
+
+    def gather_in_order(self, seq: int, start: Callable[[], None]) -> None:
+        """Run ``start`` (which issues bucket ``seq``'s all-gather) once every earlier bucket's has run."""
+        with self._lock:
+            self._ready[seq] = start
+            while self._next_gather in self._ready:
+                self._ready.pop(self._next_gather)()
+                self._next_gather += 1
+
+
+_CONTEXTS: dict[tuple[int, int | None], _HookContext] = {}
+_CONTEXTS_LOCK = threading.Lock()
+
+
+def _context(group: dist.ProcessGroup | None) -> _HookContext:
+    # Keyed by pid: a forked child must not inherit its parent's sequence numbers or buffers.
+    key = (os.getpid(), None if group is None else id(group))
+    with _CONTEXTS_LOCK:
+        ctx = _CONTEXTS.get(key)
+        if ctx is None:
+            ctx = _CONTEXTS[key] = _HookContext(group)
+        return ctx
 
 
 def fp32_accumulate_hook(
@@ -23,29 +102,76 @@ def fp32_accumulate_hook(
     """torch DDP comm hook: average the bucket with the wire in its dtype and the sum in fp32.
 
     ``model.register_comm_hook(state=None, hook=fp32_accumulate_hook)``; ``state`` is the process group
-    (None = the default group). A bucket whose length is not a multiple of the group size is copied into
-    a zero-padded buffer first (extra memory: that buffer, at most one bucket). Besides, the extra memory
-    is that of :func:`mixprec.comm.all_reduce_fp32_accumulate`: a receive buffer of the bucket's size and
-    512 KiB of fp32 blocks.
+    (None = the default group).
 
-    The reduction runs inside the hook (the returned future is already complete): torch DDP still calls
-    the hook for each bucket as soon as backward has produced it, but backward waits for that bucket's
-    reduction before continuing.
+    Wire dtype: the bucket's (an all-to-all, then an all-gather: the bytes of a ring all-reduce).
+    Accumulation: fp32 in rank order, one division by the group size in fp32, one rounding to the bucket
+    dtype; every element is rounded on one rank and all-gathered, so all ranks hold identical bits.
+    Extra memory, per bucket in flight, taken from a pool kept between steps (no allocation per step once
+    warm): a receive buffer of the bucket's length in its dtype (returned to the pool as soon as the shard
+    is summed), a zero-padded copy when the length is not a multiple of the group size (returned after the
+    all-gather), and 512 KiB of fp32 blocks while the shard is summed; and, once per process and group, a
+    second process group for the all-gathers (see the module docstring).
+
+    Returns at once; the future completes when the bucket is reduced (torch DDP waits for it at the end
+    of backward).
     """
     if state is not None and not isinstance(state, dist.ProcessGroup):
         raise TypeError(f"state must be a torch.distributed ProcessGroup or None; got {type(state).__name__}")
+    group = state
+    ctx = _context(group)
     buffer = bucket.buffer()
-    world_size = dist.get_world_size(state)
-    numel = buffer.numel()
-    padded = -(-numel // world_size) * world_size
-    if padded == numel and buffer.is_contiguous():
-        work = buffer
-    else:
-        work = torch.zeros(padded, dtype=buffer.dtype, device=buffer.device)
-        work[:numel].copy_(buffer.view(-1))
-    all_reduce_fp32_accumulate(work, state, average=True)
-    if work is not buffer:
-        buffer.view(-1).copy_(work[:numel])
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(buffer)
-    return future
+    world_size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    padded_copy: list[torch.Tensor] = []
+
+    def take_padded(numel: int) -> torch.Tensor:
+        padded_copy.append(ctx.pool.take(numel, buffer.dtype, buffer.device))
+        return padded_copy[0]
+
+    flat, copy_back = pad_flat(buffer, world_size, buffer=take_padded)
+    shard = flat.numel() // world_size
+    own = flat[rank * shard : (rank + 1) * shard]
+    recv = ctx.pool.take(flat.numel(), flat.dtype, flat.device)
+    seq = ctx.next_sequence()
+    result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+    def fail(exc: BaseException) -> None:
+        if not result.done():
+            result.set_exception(exc)
+
+    def after_gather(fut: torch.futures.Future[Any]) -> None:
+        try:
+            fut.wait()
+            copy_back()
+            for buf in padded_copy:
+                ctx.pool.give(buf)
+            result.set_result(buffer)
+        except BaseException as exc:
+            fail(exc)
+
+    def after_exchange(fut: torch.futures.Future[Any]) -> None:
+        error: BaseException | None = None
+        try:
+            fut.wait()
+            _sum_shards_into(own, recv.view(world_size, shard), average=True, rounding="nearest", generator=None)
+            ctx.pool.give(recv)
+        except BaseException as exc:  # the buffer may still be written: it is not returned to the pool
+            error = exc
+
+        def start_gather() -> None:
+            if error is not None:
+                fail(error)
+                return
+            try:
+                work = all_gather_flat(flat, own, ctx.gather_group, async_op=True)
+                work.get_future().then(after_gather)
+            except BaseException as exc:
+                fail(exc)
+
+        # Even after a failure this bucket takes its turn, so later buckets' all-gathers are not held back.
+        ctx.gather_in_order(seq, start_gather)
+
+    work = dist.all_to_all_single(recv, flat, group=group, async_op=True)
+    work.get_future().then(after_exchange)
+    return result
