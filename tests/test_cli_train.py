@@ -406,3 +406,16 @@ def test_cuda_autocast_run(tmp_path, precision) -> None:
     assert json.loads((run / "summary.json").read_text())["device"].startswith("cuda")
     if precision == "fp16":
         assert torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction is False
+
+
+def test_a_run_ending_on_nan_writes_strict_json_summary(tmp_path, capsys) -> None:
+    """max_consecutive_skips 0 never stops: the run finishes with a NaN loss, and summary.json stays strict JSON
+    (null + "nonfinite") while launch's reader gives the NaN back."""
+    from mixprec.lab.launch import read_summary
+
+    run = tmp_path / "r"
+    assert train(run, "--steps", "3", "--lr", "1e30", "--max-consecutive-skips", "0") == 0
+    assert "final loss nan" in capsys.readouterr().out
+    raw = json.loads((run / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
+    assert raw["final_loss"] is None and raw["nonfinite"]["final_loss"] == "nan"
+    assert math.isnan(read_summary(str(run))["final_loss"]) and raw["skipped_steps"] == 2

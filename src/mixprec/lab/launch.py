@@ -42,6 +42,7 @@ from mixprec.lab.checkpoint import CHECKPOINT_NAME, remove_stale_temporaries
 from mixprec.lab.config import TrainConfig, config_to_toml
 from mixprec.lab.corpus import Corpus, check_corpus_source, load_corpus
 from mixprec.lab.data import check_corpus_fits
+from mixprec.lab.metrics import decode_row
 from mixprec.lab.model import GPTConfig
 from mixprec.lab.train import METRICS_NAME, SUMMARY_NAME, TrainingDiverged, check_resume, train_rank
 from mixprec.scaling.scaler import LossScaleFloorError
@@ -383,4 +384,4 @@ def read_summary(out_dir: str) -> dict[str, Any]:
     import json
 
     with open(os.path.join(out_dir, SUMMARY_NAME)) as fh:
-        return json.load(fh)
+        return decode_row(json.load(fh), os.path.join(out_dir, SUMMARY_NAME))

@@ -1,4 +1,5 @@
-"""The metrics log of a run (``metrics.jsonl``): one JSON object per line, written and read here only.
+"""The metrics log of a run (``metrics.jsonl``): one JSON object per line, written and read here only (and the
+same encoding for the run's ``summary.json``).
 
 Non-finite numbers are not JSON (``json.dumps`` would write the non-standard ``NaN``/``Infinity``): a row's
 NaN or +-inf float is written as ``null`` and named in the row's ``"nonfinite"`` object (field name ->
@@ -14,7 +15,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["METRICS_NAME", "NONFINITE_KEY", "encode_row", "read_numbered_rows", "read_rows"]
+__all__ = ["METRICS_NAME", "NONFINITE_KEY", "decode_row", "encode_row", "read_numbered_rows", "read_rows", "strict_row"]
 
 METRICS_NAME = "metrics.jsonl"
 NONFINITE_KEY = "nonfinite"
@@ -27,14 +28,33 @@ def _nonfinite_name(v: float) -> str:
     return "inf" if v > 0 else "-inf"
 
 
-def encode_row(row: dict[str, Any]) -> str:
-    """One line of strict JSON (no newline) for ``row``: non-finite floats become null and are named under
-    ``"nonfinite"``."""
+def strict_row(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with its non-finite top-level floats replaced by None and named under ``"nonfinite"``."""
     flagged = {k: _nonfinite_name(v) for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
     if flagged:
         row = {k: (None if k in flagged else v) for k, v in row.items()}
         row[NONFINITE_KEY] = flagged
-    return json.dumps(row, allow_nan=False)
+    return row
+
+
+def encode_row(row: dict[str, Any]) -> str:
+    """One line of strict JSON (no newline) for ``row``: non-finite floats become null and are named under
+    ``"nonfinite"``."""
+    return json.dumps(strict_row(row), allow_nan=False)
+
+
+def decode_row(row: dict[str, Any], where: str = "row") -> dict[str, Any]:
+    """Undo :func:`strict_row` in place (and return ``row``). Raises ValueError, naming ``where``, on a malformed
+    ``"nonfinite"`` entry."""
+    flagged = row.pop(NONFINITE_KEY, None)
+    if flagged is not None:
+        if not isinstance(flagged, dict) or not all(v in _NONFINITE_NAMES for v in flagged.values()):
+            raise ValueError(
+                f"{where}: {NONFINITE_KEY!r} must map field names to 'nan', 'inf' or '-inf'; got {flagged!r}"
+            )
+        for key, name in flagged.items():
+            row[key] = _NONFINITE_NAMES[name]
+    return row
 
 
 def read_rows(path: str) -> Iterator[dict[str, Any]]:
@@ -59,13 +79,4 @@ def read_numbered_rows(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
                 raise ValueError(f"{path}:{lineno}: not a JSON object ({exc.msg})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            flagged = row.pop(NONFINITE_KEY, None)
-            if flagged is not None:
-                if not isinstance(flagged, dict) or not all(v in _NONFINITE_NAMES for v in flagged.values()):
-                    raise ValueError(
-                        f"{path}:{lineno}: {NONFINITE_KEY!r} must map field names to 'nan', 'inf' or '-inf'; "
-                        f"got {flagged!r}"
-                    )
-                for key, name in flagged.items():
-                    row[key] = _NONFINITE_NAMES[name]
-            yield lineno, row
+            yield lineno, decode_row(row, f"{path}:{lineno}")

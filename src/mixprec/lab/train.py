@@ -70,7 +70,7 @@ from mixprec.lab.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkp
 from mixprec.lab.config import TrainConfig
 from mixprec.lab.corpus import Corpus, load_corpus
 from mixprec.lab.data import dropout_seed, eval_chunks, train_microbatches
-from mixprec.lab.metrics import METRICS_NAME, encode_row, read_rows
+from mixprec.lab.metrics import METRICS_NAME, encode_row, read_rows, strict_row
 from mixprec.lab.model import GPT, GPTConfig, Linear
 from mixprec.scaling import MasterWeightOptimizer, StaticLossScaler, Updater
 from mixprec.scaling.scaler import LossScaler
@@ -546,7 +546,7 @@ def train_rank(
     summary = summarize_run(cfg, metrics_path, parameters=parts.module.num_parameters(), corpus=corpus)
     summary.update(world_size=world_size, device=str(device))
     with open(os.path.join(cfg.out_dir, SUMMARY_NAME), "w") as fh:
-        json.dump(summary, fh, indent=2)
+        json.dump(strict_row(summary), fh, indent=2, allow_nan=False)  # a NaN final loss: null + "nonfinite"
         fh.write("\n")
     return summary
 
