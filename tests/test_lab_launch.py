@@ -142,3 +142,39 @@ def test_resume_accepts_a_checkpoint_from_before_a_field_existed() -> None:
     _check_resume_compatible(saved, cfg)
     with pytest.raises(ValueError, match="max_consecutive_skips: checkpoint 20, now 5"):
         _check_resume_compatible(saved, TrainConfig(max_consecutive_skips=5))
+
+
+def test_torchrun_ranks_meet_at_a_barrier_before_rank_0_writes_the_run_dir(tmp_path, monkeypatch) -> None:
+    """Under torchrun every rank checks the run directory before init_process_group; rank 0 must not write
+    config.toml until all of them are past init (NCCL's init does not wait for every rank): the order of calls
+    on rank 0 must be init, barrier, prepare_run_dir. One real gloo rank, torchrun's environment."""
+    import socket
+
+    import torch.distributed as dist
+
+    import mixprec.lab.launch as launch_mod
+    from mixprec.lab.config import TrainConfig
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    calls: list[str] = []
+
+    def spy(name, real):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(dist, "init_process_group", spy("init", dist.init_process_group))
+    monkeypatch.setattr(dist, "barrier", spy("barrier", dist.barrier))
+    monkeypatch.setattr(launch_mod, "prepare_run_dir", spy("prepare", launch_mod.prepare_run_dir))
+    monkeypatch.setattr(launch_mod, "train_rank", lambda *a, **k: calls.append("train"))
+    cfg = TrainConfig(out_dir=str(tmp_path / "r"), n_layer=1, n_embd=16, n_head=2, block_size=16, nproc=1)
+    launch_mod.launch(cfg)
+    assert calls[:4] == ["init", "barrier", "prepare", "barrier"] and calls[-1] == "train"
+    assert (tmp_path / "r" / "config.toml").exists()
