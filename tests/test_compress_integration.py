@@ -140,6 +140,33 @@ def test_reducer_state_dict_resumes_error_feedback_and_stochastic_stream(dist_ru
     assert saved["rounding"] == "stochastic" and saved["topology"] is None and saved["generator_device"] == "cpu"
 
 
+def _worker_failed_wait(rank: int, world: int) -> dict:
+    from mixprec.compress import NonFiniteError
+
+    reducer = Uint8Reducer(chunk_size=CHUNK, check_finite="raise")
+    bucket = _bucket(rank, 0)
+    bucket[7] = float("nan") if rank == 0 else bucket[7]
+    handle = reducer.all_reduce(bucket, None, average=True, key=0)
+    raised = []
+    for _ in range(2):  # the second wait raises again: the bucket was not reduced
+        try:
+            handle.wait()
+            raised.append("no error")
+        except NonFiniteError as exc:
+            raised.append(type(exc).__name__)
+    ok = _bucket(rank, 1)
+    reducer.all_reduce(ok, None, average=True, key=1).wait()  # the reducer still works
+    return {"raised": raised, "pending": len(reducer._pending), "ok": ok}
+
+
+def test_reducer_failed_wait_raises_again_and_the_reducer_recovers(dist_run) -> None:
+    res = dist_run(_worker_failed_wait, 2, timeout=60)
+    expected = ref_flat_all_reduce([_bucket(r, 1).numpy() for r in range(2)], CHUNK)[0][0]
+    for r in res:
+        assert r["raised"] == ["NonFiniteError", "NonFiniteError"] and r["pending"] == 0
+        np.testing.assert_array_equal(r["ok"].numpy(), expected)
+
+
 def test_factories_validate_options() -> None:
     with pytest.raises(ValueError, match="reducer 'uint8' is flat"):
         make_reducer("uint8", topology=Topology(2, 2))

@@ -21,6 +21,7 @@ from torch.distributed import ProcessGroup
 
 from mixprec._validate import check_positive_int
 from mixprec.comm.fp32_accumulate import DEFAULT_STOCHASTIC_SEED
+from mixprec.comm.handles import PendingReduction
 from mixprec.compress.collectives import (
     CompressedReduction,
     CompressionStats,
@@ -31,7 +32,7 @@ from mixprec.compress.collectives import (
 )
 from mixprec.compress.options import RankCompressors, Uint8Options, check_feedback_entry, load_feedback
 from mixprec.compress.topology import Topology
-from mixprec.parallel.reducers import _check_bucket, _check_shard_out, register_reducer
+from mixprec.parallel.reducers import check_bucket, check_shard_out, register_reducer
 
 __all__ = ["Uint8Reducer"]
 
@@ -105,8 +106,8 @@ class Uint8Reducer:
 
     def _finished(self, handle: _PendingBucket, stats: CompressionStats | None) -> None:
         self._pending.remove(handle)
-        self._free.append(handle.workspace)
-        if stats is not None:
+        if stats is not None:  # on failure the workspace is dropped (see _PendingBucket)
+            self._free.append(handle.workspace)
             self.last_stats[handle.key] = stats
             self.bytes_sent_total += stats.bytes_sent
 
@@ -114,39 +115,47 @@ class Uint8Reducer:
     def all_reduce(
         self, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
     ) -> _PendingBucket:
-        _check_bucket(bucket, group)
+        check_bucket(bucket, group)
         feedback = self._feedback_for(key)
         workspace = self._take_workspace()
-        reduction = start_compressed_all_reduce(
-            bucket,
-            group,
-            compressor=self._compressors.for_device(bucket.device),
-            average=average,
-            topology=self.topology,
-            error_feedback=feedback,
-            workspace=workspace,
-            shared_workspace=self._shared,
-        )
+        try:
+            reduction = start_compressed_all_reduce(
+                bucket,
+                group,
+                compressor=self._compressors.for_device(bucket.device),
+                average=average,
+                topology=self.topology,
+                error_feedback=feedback,
+                workspace=workspace,
+                shared_workspace=self._shared,
+            )
+        except (TypeError, ValueError):
+            self._free.append(workspace)  # refused before anything was sent: the buffers are idle
+            raise
         return self._track(reduction, workspace, key)
 
     def reduce_scatter(
         self, shard_out: torch.Tensor, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
     ) -> _PendingBucket:
-        world_size = _check_bucket(bucket, group)
-        _check_shard_out(shard_out, bucket, world_size)
+        world_size = check_bucket(bucket, group)
+        check_shard_out(shard_out, bucket, world_size)
         feedback = self._feedback_for(key)
         workspace = self._take_workspace()
-        reduction = start_compressed_reduce_scatter(
-            shard_out,
-            bucket,
-            group,
-            compressor=self._compressors.for_device(bucket.device),
-            average=average,
-            topology=self.topology,
-            error_feedback=feedback,
-            workspace=workspace,
-            shared_workspace=self._shared,
-        )
+        try:
+            reduction = start_compressed_reduce_scatter(
+                shard_out,
+                bucket,
+                group,
+                compressor=self._compressors.for_device(bucket.device),
+                average=average,
+                topology=self.topology,
+                error_feedback=feedback,
+                workspace=workspace,
+                shared_workspace=self._shared,
+            )
+        except (TypeError, ValueError):
+            self._free.append(workspace)  # refused before anything was sent: the buffers are idle
+            raise
         return self._track(reduction, workspace, key)
 
     def state_dict(self) -> dict[str, Any]:
@@ -192,26 +201,28 @@ class Uint8Reducer:
         )
 
 
-class _PendingBucket:
-    """A started bucket reduction holding one of the reducer's in-flight workspaces until it finishes."""
+class _PendingBucket(PendingReduction):
+    """A started bucket reduction holding one of the reducer's in-flight workspaces until it finishes.
+
+    A :class:`mixprec.comm.PendingReduction`: after a failed ``wait()`` every later one raises again (the
+    bucket is not reduced), and the workspace is dropped, never reused (the failed communication may still
+    be writing into it).
+    """
 
     def __init__(
         self, reduction: CompressedReduction, workspace: CompressionWorkspace, key: int, owner: Uint8Reducer
     ) -> None:
-        self._reduction: CompressedReduction | None = reduction
         self.workspace = workspace
         self.key = key
-        self._owner = owner
 
-    def wait(self) -> None:
-        reduction, self._reduction = self._reduction, None
-        if reduction is None:
-            return
-        stats = None
-        try:
-            stats = reduction.wait()
-        finally:
-            self._owner._finished(self, stats)
+        def finish() -> None:
+            stats = None
+            try:
+                stats = reduction.wait()
+            finally:
+                owner._finished(self, stats)
+
+        super().__init__(finish)
 
 
 def make_flat_uint8_reducer(**options: Any) -> Uint8Reducer:
