@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dist_reference import fp32_rank_order_sum
 from mixprec.comm import (
     _compat,
     all_reduce_fp32_accumulate,
@@ -34,12 +35,7 @@ def rank_input(rank: int, numel: int, dtype: torch.dtype, seed: int = 0) -> torc
 
 def reference_sum(inputs: list[torch.Tensor], *, average: bool) -> np.ndarray:
     """fp32 sum in rank order (numpy float32: one IEEE rounding per addition), fp32 division if averaging."""
-    acc = np.zeros(inputs[0].numel(), dtype=np.float32)
-    for x in inputs:
-        acc = acc + x.float().numpy()
-    if average:
-        acc = acc / np.float32(len(inputs))
-    return acc
+    return fp32_rank_order_sum(inputs, average=average).numpy()
 
 
 def _reduce_scatter_case(

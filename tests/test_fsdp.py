@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 import mixprec.fsdp
+from dist_reference import fp32_rank_order_sum
 from mixprec.parallel.fsdp2 import _decode_op
 
 
@@ -54,14 +54,12 @@ def _fsdp_case(rank: int, world_size: int, custom: bool, divide_factor: float | 
         per_rank.append([p.grad for p in m.parameters()])
     expected = []
     for i, g in enumerate(grads):
-        acc = np.zeros(g.numel(), dtype=np.float32)
-        for local in per_rank:
-            acc = acc + local[i].float().numpy().reshape(-1)
-        if divide_factor is None:
-            acc = acc / np.float32(world_size)
-        else:
-            acc = acc * np.float32(1.0 / divide_factor)
-        expected.append(torch.from_numpy(acc).to(torch.bfloat16).float().reshape(g.shape))
+        acc = fp32_rank_order_sum(
+            [local[i] for local in per_rank],
+            average=divide_factor is None,
+            factor=None if divide_factor is None else 1.0 / divide_factor,
+        )
+        expected.append(acc.to(torch.bfloat16).float().reshape(g.shape))
     return {"installed": installed, "grads": grads, "expected": expected}
 
 

@@ -10,19 +10,11 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 
 import mixprec.hooks
 from dist_reference import fp32_rank_order_sum
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _import_dynamo_before_forking() -> None:
-    """torch DDP's constructor imports torch._dynamo (about 3 s, 10 s with 4 ranks on 2 cores): import it
-    in the parent so that the forked ranks inherit it."""
-    import torch._dynamo  # noqa: F401
 
 
 def _model() -> torch.nn.Module:
@@ -49,12 +41,10 @@ def _torch_ddp_case(rank: int, world_size: int, use_hook: bool) -> dict[str, obj
         ddp.register_comm_hook(state=None, hook=mixprec.hooks.fp32_accumulate_hook)
     ddp(_batch(rank)).float().square().mean().backward()
     per_rank = [_local_grads(reference_model, r) for r in range(world_size)]
-    expected = []
-    for i, p in enumerate(model.parameters()):
-        acc = np.zeros(p.numel(), dtype=np.float32)
-        for grads in per_rank:
-            acc = acc + grads[i].float().numpy().reshape(-1)
-        expected.append(torch.from_numpy(acc / np.float32(world_size)).to(torch.bfloat16).reshape(p.shape))
+    expected = [
+        fp32_rank_order_sum([grads[i] for grads in per_rank], average=True).to(torch.bfloat16)
+        for i in range(len(per_rank[0]))
+    ]
     return {"grads": [p.grad.clone() for p in model.parameters()], "expected": expected}
 
 

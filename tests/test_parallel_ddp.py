@@ -13,11 +13,10 @@ import copy
 import math
 import warnings
 
-import numpy as np
 import pytest
 import torch
 
-from dist_reference import fp32_rank_order_sum, neighbours
+from dist_reference import fp32_rank_order_sum, gamma, neighbours
 from mixprec.parallel import (
     DistributedDataParallel,
     FP32AccumulateReducer,
@@ -27,18 +26,12 @@ from mixprec.parallel import (
 )
 from mixprec.scaling import DynamicLossScaler
 
-U32 = 2.0**-24
-
 
 @pytest.fixture(autouse=True, scope="module")
 def _import_optimizer_machinery_before_forking() -> None:
     """The first torch optimizer built in a process imports torch._dynamo (seconds). Build one here, in
     the parent, so that the forked ranks inherit the imported modules instead of each paying again."""
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-
-
-def gamma(n: int, u: float = U32) -> float:
-    return n * u / (1 - n * u)
 
 
 class TiedNet(torch.nn.Module):
@@ -73,11 +66,7 @@ def _local_loss(model: torch.nn.Module, rank: int, microbatch: int = 0) -> torch
 def _fp32_mean(per_rank: list[torch.Tensor], wire: torch.dtype) -> torch.Tensor:
     """What fp32_accumulate computes: local grads in the wire dtype, numpy float32 sum in rank order,
     fp32 division by the world size, one rounding to the wire dtype."""
-    acc = np.zeros(per_rank[0].numel(), dtype=np.float32)
-    for g in per_rank:
-        acc = acc + g.to(wire).float().numpy().reshape(-1)
-    acc = acc / np.float32(len(per_rank))
-    return torch.from_numpy(acc).to(wire).reshape(per_rank[0].shape)
+    return fp32_rank_order_sum([g.to(wire) for g in per_rank], average=True).to(wire)
 
 
 def _exact_case(rank: int, world_size: int, grad_dtype: torch.dtype | None, microbatches: int) -> dict[str, object]:
@@ -224,10 +213,16 @@ def test_parameters_and_buffers_are_broadcast_from_rank0(dist_run) -> None:
     results = dist_run(_broadcast_case, 3, timeout=60)
     torch.manual_seed(0)
     expected = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    expected[1].running_mean.fill_(0)
+    rank0 = [t.detach() for t in [*expected.parameters(), *expected.buffers()]]
+    assert len(rank0) == 7  # Linear weight, bias; BatchNorm weight, bias; running_mean, running_var, count
     for rank_tensors in results:
-        for t, e in zip(rank_tensors[:2], expected.parameters(), strict=False):
-            assert torch.equal(t, e.detach())
-        assert float(rank_tensors[4].abs().max()) == 0.0  # running_mean from rank 0
+        assert len(rank_tensors) == len(rank0)
+        for t, e in zip(rank_tensors, rank0, strict=True):
+            assert torch.equal(t, e)
+    # Rank 1 started from other weights: the broadcast really replaced them.
+    torch.manual_seed(1)
+    assert not torch.equal(torch.nn.Linear(4, 4).weight.detach(), results[1][0])
 
 
 def _events_case(rank: int, world_size: int, overlap: bool) -> list[tuple[str, int]]:
