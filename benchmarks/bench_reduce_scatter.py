@@ -14,6 +14,9 @@ Memory, per rank, two ways: "alloc" is the peak of torch's own allocator above t
 allocation events, mixprec.comm.measure_peak_allocated: what the function allocates through torch);
 "RSS" is the process's peak resident memory above its level before the call (/proc/self/clear_refs resets
 the peak), which also sees gloo's internal buffers but is coarser (page granularity, allocator caching).
+The mixprec "alloc" figure is with a preallocated receive buffer passed as ``scratch``; the next column
+adds that buffer back (scratch size + alloc) and measures a call that allocates its own (no ``scratch``),
+since the receive buffer is extra memory the caller pays for either way.
 
     python benchmarks/bench_reduce_scatter.py [--quick]
 """
@@ -107,6 +110,13 @@ def _bench_rank(rank: int, world_size: int, sizes: list[int], dtypes: list[str],
             x = torch.randn(numel, generator=torch.Generator().manual_seed(rank)).to(getattr(torch, dtype_name))
             row: dict = {"ranks": world_size, "elements": numel, "dtype": dtype_name}
             _measure_all(_methods(x, world_size), repeat, row)
+            # mixprec's extra memory counts its receive buffer: preallocated above (the "scratch" a caller
+            # keeps, e.g. the DDP wrapper's pool), or allocated inside the call when none is passed.
+            y = torch.empty(numel // world_size, dtype=x.dtype)
+            dist.barrier()
+            _, alloc = measure_peak_allocated(lambda: reduce_scatter_fp32_accumulate(y, x))  # noqa: B023
+            row["mixprec_noscratch_alloc_mib"] = alloc / MIB
+            row["scratch_mib"] = numel * x.element_size() / MIB
             out.append(row)
     return out
 
@@ -140,6 +150,7 @@ def main() -> None:
                     r0["mixprec_s"] / r0["native_s"],
                     r0["cast_s"] / r0["mixprec_s"],
                     f"{mem['native_alloc_mib']:.1f} / {mem['mixprec_alloc_mib']:.1f} / {mem['cast_alloc_mib']:.1f}",
+                    f"{mem['mixprec_alloc_mib'] + mem['scratch_mib']:.1f} / {mem['mixprec_noscratch_alloc_mib']:.1f}",
                     f"{mem['native_rss_mib']:.0f} / {mem['mixprec_rss_mib']:.0f} / {mem['cast_rss_mib']:.0f}",
                 ]
             )
@@ -156,6 +167,7 @@ def main() -> None:
                 "mixprec / native",
                 "cast-fp32 / mixprec",
                 "extra MiB, torch alloc (native / mixprec / cast)",
+                "mixprec extra MiB incl. receive buffer (scratch passed + its size / none passed)",
                 "extra MiB, peak RSS (native / mixprec / cast)",
             ],
             rows,
