@@ -44,11 +44,9 @@ class Bucket:
     offset: int  # start within the group's flat buffer, elements
     numel: int  # padded length, a multiple of lcm(world_size, 128)
     slots: list[ParamSlot] = field(default_factory=list)
-
-    @property
-    def used(self) -> int:
-        """Elements that belong to parameters (the rest is padding)."""
-        return sum(s.numel for s in self.slots)
+    # Elements that belong to parameters (the rest is padding): a running total, kept by build_layout as it
+    # adds slots, so that building a layout is linear in the number of parameters.
+    used: int = 0
 
     def shard_range(self, rank: int, world_size: int) -> tuple[int, int]:
         """[start, stop) of rank's shard, relative to the bucket."""
@@ -141,6 +139,7 @@ def build_layout(
             open_bucket[g] = bucket
         slot = ParamSlot(index, name, param.shape, bucket.index, bucket.used, numel)
         bucket.slots.append(slot)
+        bucket.used += numel
         slots[index] = slot
     for bucket in open_bucket.values():
         close(bucket)
