@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_reference import fp32_rank_order_sum
+from dist_reference import fp32_rank_order_sum, neighbours
 from mixprec.comm import (
     _compat,
     all_reduce_fp32_accumulate,
@@ -75,15 +75,16 @@ def test_reduce_scatter_is_the_fp32_sum_rounded_once(dist_run, world_size: int, 
         assert differing > 0.01 * SHARD * world_size
 
 
-@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_average_and_fp32_output(dist_run, world_size: int) -> None:
     for out_dtype in (torch.bfloat16, torch.float32):
         results = dist_run(_reduce_scatter_case, world_size, torch.bfloat16, True, out_dtype, timeout=120)
         assert all(r["bitwise_equal"] for r in results), out_dtype
 
 
-def test_fp32_inputs(dist_run) -> None:
-    results = dist_run(_reduce_scatter_case, 3, torch.float32, False, torch.float32, timeout=120)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_fp32_inputs(dist_run, world_size: int) -> None:
+    results = dist_run(_reduce_scatter_case, world_size, torch.float32, False, torch.float32, timeout=120)
     assert all(r["bitwise_equal"] for r in results)
 
 
@@ -183,19 +184,15 @@ def _stochastic_case(rank: int, world_size: int, draws: int) -> dict[str, torch.
     return {"exact": exact, "outcomes": torch.stack(outcomes), "mean": total_up / draws}
 
 
-def test_stochastic_rounding_is_unbiased(dist_run) -> None:
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_stochastic_rounding_is_unbiased(dist_run, world_size: int) -> None:
     """Each element is one of the two bf16 neighbours of the fp32 sum s, with mean s. Over K draws the
     mean's error, in ulps, has standard deviation at most 1/(2 sqrt K); summed over M elements the
     z-score sum / (sqrt(M) / (2 sqrt K)) exceeds 5 by chance with probability < 1e-6."""
     draws = 64
-    for r in dist_run(_stochastic_case, 3, draws, timeout=120):
+    for r in dist_run(_stochastic_case, world_size, draws, timeout=120):
         exact, outcomes = r["exact"], r["outcomes"]
-        nearest = exact.to(torch.bfloat16)
-        lo = torch.where(
-            nearest.float().abs() > exact.abs(), torch.nextafter(nearest, torch.zeros_like(nearest)), nearest
-        )
-        away = torch.where(exact < 0, -math.inf, math.inf).to(torch.bfloat16)
-        hi = torch.where(lo.float() == exact, lo, torch.nextafter(lo, away))
+        lo, hi = neighbours(exact, torch.bfloat16)
         assert bool(((outcomes == lo) | (outcomes == hi)).all())
         ulp = (hi.double() - lo.double()).abs()
         varying = ulp > 0
