@@ -8,6 +8,7 @@ whole tensor.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 
@@ -326,3 +327,81 @@ def test_a_skipped_steps_shards_are_discarded_at_update(dist_run) -> None:
         assert messages[0] == "skipped=True"
         assert "no reduced gradients since the last step" in messages[1]
         assert messages[2] == "finite=True"
+
+
+def _bf16_scaled_clipped(rank: int, world_size: int, steps: int) -> dict:
+    """bf16 model, ZeRO-1, loss scaler and clipping for several steps; on rank 0 also an independent
+    single-process reference of the same steps (torch SGD on full fp32 masters, numpy fp32 rank-order sums)."""
+    from mixprec.scaling import DynamicLossScaler
+    from mixprec.scaling.master import clip_coefficient
+
+    model = _mlp().to(torch.bfloat16)
+    reference_bf16 = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, bucket_size=300, sharded_optimizer=True)
+    opt = ddp.make_optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
+    scale = 2.0**12  # a power of two: unscaling is exact
+    scaler = DynamicLossScaler(init_scale=scale, growth_interval=10_000)
+    max_norm = 0.05
+    norms = []
+    for step in range(steps):
+        x, y = _batch(step)
+        opt.zero_grad()
+        out = ddp(x[_rows(rank, world_size)].to(torch.bfloat16)).float()
+        scaler.scale(torch.nn.functional.mse_loss(out, y[_rows(rank, world_size)])).backward()
+        scaler.unscale_(opt)
+        norms.append(opt.clip_grad_norm_(max_norm))
+        scaler.step(opt)
+        scaler.update()
+    result: dict = {"params": [p.detach().clone() for p in model.parameters()], "norms": norms}
+    if rank != 0:
+        return result
+
+    masters = [p.detach().float().clone().requires_grad_(True) for p in reference_bf16.parameters()]
+    ref_opt = torch.optim.SGD(masters, lr=0.05, momentum=0.9)
+    ref_norms = []
+    for step in range(steps):
+        x, y = _batch(step)
+        with torch.no_grad():
+            for p, m in zip(reference_bf16.parameters(), masters, strict=True):
+                p.copy_(m)  # the model the ranks ran: masters rounded once to bf16
+        per_rank = []
+        for r in range(world_size):
+            reference_bf16.zero_grad(set_to_none=True)
+            out = reference_bf16(x[_rows(r, world_size)].to(torch.bfloat16)).float()
+            (torch.nn.functional.mse_loss(out, y[_rows(r, world_size)]) * scale).backward()
+            per_rank.append([p.grad.clone() for p in reference_bf16.parameters()])
+        grads = [fp32_rank_order_sum([g[i] for g in per_rank], average=True) for i in range(len(masters))]
+        grads = [g * (1.0 / scale) for g in grads]  # exact: a power of two
+        exact_norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+        ref_norms.append(exact_norm)
+        # The same coefficient as the ranks' (from the norm they agreed on), so the steps can match exactly;
+        # that norm itself is checked against the fp64 norm in the test.
+        coef = clip_coefficient(norms[step], max_norm)
+        for m, g in zip(masters, grads, strict=True):
+            m.grad = g * coef
+        ref_opt.step()
+    result["reference"] = [m.detach().to(torch.bfloat16) for m in masters]
+    result["reference_norms"] = ref_norms
+    return result
+
+
+def test_bf16_sharded_with_scaler_and_clipping_matches_a_reference(dist_run) -> None:
+    """T6: 4 steps of bf16 ZeRO-1 training with a loss scaler and clipping at 2 ranks equal, bit for bit,
+    a single-process reference: local bf16 gradients, fp32 rank-order mean (never rounded to bf16: the
+    reduce-scatter writes fp32 shards), exact unscale, the ranks' clip coefficient, torch SGD with momentum
+    on fp32 masters, one rounding to bf16. The clip norm is checked separately: an fp32 sum of n squares
+    (each exact in fp64 to within u32) is within gamma_n relative of the fp64 norm, so the norm within
+    gamma_n as well (sqrt halves the relative error; the bound is loose)."""
+    steps = 4
+    results = dist_run(_bf16_scaled_clipped, 2, steps, timeout=120)
+    n = sum(p.numel() for p in _mlp().parameters())
+    r0 = results[0]
+    for got, exact in zip(r0["norms"], r0["reference_norms"], strict=True):
+        assert abs(float(got) - exact) <= gamma(n + 2) * exact
+        assert exact > 0.05  # the clip was active
+    initial = [p.detach().to(torch.bfloat16) for p in _mlp().parameters()]
+    assert all(not torch.equal(a, b) for a, b in zip(r0["params"], initial, strict=True))  # it did train
+    for r in results:
+        for a, b in zip(r["params"], r0["reference"], strict=True):
+            assert a.dtype == torch.bfloat16
+            assert torch.equal(a, b)
