@@ -274,6 +274,11 @@ def _bad_arguments(rank: int, world_size: int) -> list[str]:
     expect(TypeError, rs, out5, bf, average=1)
     expect(ValueError, all_reduce_fp32_accumulate, torch.zeros(7, dtype=bf16))
     expect(TypeError, all_reduce_fp32_accumulate, torch.zeros(8, dtype=torch.float64))
+    # all_reduce's errors name its own argument, tensor, not the reduce-scatter's input/output.
+    expect(ValueError, all_reduce_fp32_accumulate, torch.zeros(8), rounding="stochastic")
+    expect(ValueError, all_reduce_fp32_accumulate, torch.zeros(8, dtype=bf16), scratch=torch.empty(6, dtype=bf16))
+    t8 = torch.zeros(8, dtype=bf16)
+    expect(ValueError, all_reduce_fp32_accumulate, t8, scratch=t8)
     return errors
 
 
@@ -293,6 +298,9 @@ def test_bad_shapes_and_dtypes_raise_clear_errors(dist_run) -> None:
         "average must be a bool",
         "tensor.numel() = 7 is not divisible by the group size 2",
         "tensor must have dtype",
+        "rounding='stochastic' needs a float16/bfloat16 tensor; tensor is torch.float32",
+        "scratch must hold at least tensor.numel() = 8",
+        "scratch must not overlap tensor",
     ]
     assert len(messages) == len(expected_fragments)
     for message, fragment in zip(messages, expected_fragments, strict=True):

@@ -207,6 +207,6 @@ def test_bad_buckets_are_refused(dist_run) -> None:
     messages = dist_run(_bad_bucket, 2, timeout=60)[0]
     assert "not a multiple of lcm(world_size=2, 128) = 128" in messages[0]
     assert "1-D contiguous" in messages[1]
-    assert "float16, bfloat16 or float32" in messages[2]
+    assert "bucket must have dtype torch.float16 or torch.bfloat16 or torch.float32; got torch.float64" in messages[2]
     assert "shard_out must have dtype torch.bfloat16 or torch.float32" in messages[3]
     assert len(messages) == 4

@@ -29,11 +29,11 @@ import math
 import torch
 import torch.distributed as dist
 
-from mixprec._validate import check_choice
+from mixprec._validate import check_bool, check_choice, check_tensor
 from mixprec.comm._compat import all_gather_flat, overlaps, require_initialized
 from mixprec.comm.handles import PendingReduction
 from mixprec.comm.random import rank_generator
-from mixprec.comm.rounding import Rounding, round_into_
+from mixprec.comm.rounding import LOW_PRECISION_DTYPES, Rounding, round_into_
 
 __all__ = [
     "PendingReduction",
@@ -42,8 +42,8 @@ __all__ = [
     "reduce_scatter_scaled",
 ]
 
-_WIRE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+# Wire (input) dtypes of the fp32-accumulating collectives.
+WIRE_DTYPES = (*LOW_PRECISION_DTYPES, torch.float32)
 # Seed of the per-process default generator for rounding="stochastic" (plus the global rank), so runs
 # are reproducible when the caller passes no generator.
 DEFAULT_STOCHASTIC_SEED = 0x6D697870
@@ -51,14 +51,24 @@ DEFAULT_STOCHASTIC_SEED = 0x6D697870
 _SUM_BLOCK = 1 << 16
 
 
-def _check_contiguous(name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}; got {t.dtype}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
-    return t
+def _receive_buffer(
+    scratch: torch.Tensor | None, like: torch.Tensor, like_name: str, avoid: tuple[torch.Tensor, ...]
+) -> torch.Tensor:
+    """The all-to-all's receive buffer: ``scratch[:like.numel()]`` after checks (errors name ``like_name``,
+    the argument the caller passed), or a fresh one."""
+    numel = like.numel()
+    if scratch is None:
+        return torch.empty(numel, dtype=like.dtype, device=like.device)
+    check_tensor("scratch", scratch, (like.dtype,), contiguous=True)
+    if scratch.numel() < numel or scratch.device != like.device:
+        raise ValueError(
+            f"scratch must hold at least {like_name}.numel() = {numel} elements on {like.device}; "
+            f"got {scratch.numel()} on {scratch.device}"
+        )
+    recv = scratch.view(-1)[:numel]
+    if any(overlaps(recv, t) for t in avoid):
+        raise ValueError(f"scratch must not overlap {like_name}" + (" or output" if len(avoid) > 1 else ""))
+    return recv
 
 
 def _sum_shards_into(
@@ -176,14 +186,13 @@ def reduce_scatter_scaled(
     """:func:`reduce_scatter_fp32_accumulate` with an optional fp32 multiplier applied to the sum before the
     rounding (``ReduceOp.PREMUL_SUM`` semantics, for the FSDP2 hook): ``round(sum (/ P) * factor)``."""
     require_initialized("reduce_scatter_fp32_accumulate")
-    _check_contiguous("input", input, _WIRE_DTYPES)
-    _check_contiguous("output", output, (input.dtype, torch.float32))
+    check_tensor("input", input, WIRE_DTYPES, contiguous=True)
+    check_tensor("output", output, (input.dtype, torch.float32), contiguous=True)
     check_choice("rounding", rounding, ("nearest", "stochastic"))
-    if not isinstance(average, bool):
-        raise TypeError(f"average must be a bool; got {type(average).__name__}")
+    check_bool("average", average)
     if factor is not None and not math.isfinite(factor):
         raise ValueError(f"factor must be finite; got {factor!r}")
-    if rounding == "stochastic" and output.dtype not in _LOW_PRECISION:
+    if rounding == "stochastic" and output.dtype not in LOW_PRECISION_DTYPES:
         raise ValueError(f"rounding='stochastic' needs a float16/bfloat16 output; output is {output.dtype}")
     if output.device != input.device:
         raise ValueError(f"output is on {output.device} but input is on {input.device}")
@@ -197,18 +206,7 @@ def reduce_scatter_scaled(
     shard = numel // world_size
     if output.numel() != shard:
         raise ValueError(f"output must hold input.numel() / group size = {shard} elements; got {output.numel()}")
-    if scratch is None:
-        recv = torch.empty(numel, dtype=input.dtype, device=input.device)
-    else:
-        _check_contiguous("scratch", scratch, (input.dtype,))
-        if scratch.numel() < numel or scratch.device != input.device:
-            raise ValueError(
-                f"scratch must hold at least input.numel() = {numel} elements on {input.device}; "
-                f"got {scratch.numel()} on {scratch.device}"
-            )
-        recv = scratch.view(-1)[:numel]
-        if overlaps(recv, input) or overlaps(recv, output):
-            raise ValueError("scratch must not overlap input or output")
+    recv = _receive_buffer(scratch, input, "input", (input, output))
 
     work = dist.all_to_all_single(recv, input.view(-1), group=group, async_op=async_op)
 
@@ -258,7 +256,11 @@ def all_reduce_fp32_accumulate(
             ``wait()``.
     """
     require_initialized("all_reduce_fp32_accumulate")
-    _check_contiguous("tensor", tensor, _WIRE_DTYPES)
+    check_tensor("tensor", tensor, WIRE_DTYPES, contiguous=True)
+    check_choice("rounding", rounding, ("nearest", "stochastic"))
+    check_bool("average", average)
+    if rounding == "stochastic" and tensor.dtype not in LOW_PRECISION_DTYPES:
+        raise ValueError(f"rounding='stochastic' needs a float16/bfloat16 tensor; tensor is {tensor.dtype}")
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     flat = tensor.view(-1)
@@ -269,6 +271,8 @@ def all_reduce_fp32_accumulate(
         )
     shard = flat.numel() // world_size
     own = flat[rank * shard : (rank + 1) * shard]
+    # Checked here so that errors name ``tensor``, not the reduce-scatter's input/output.
+    recv = _receive_buffer(scratch, flat, "tensor", (flat,))
     pending = reduce_scatter_fp32_accumulate(
         own,
         flat,
@@ -276,7 +280,7 @@ def all_reduce_fp32_accumulate(
         average=average,
         async_op=async_op,
         rounding=rounding,
-        scratch=scratch,
+        scratch=recv,
         generator=generator,
     )
 

@@ -27,7 +27,9 @@ __all__ = ["Rounding", "round_into_", "stochastic_round"]
 
 Rounding = Literal["nearest", "stochastic"]
 _ROUNDINGS = ("nearest", "stochastic")
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+# The dtypes a stochastic or nearest rounding from fp32 targets; also the wire dtypes mixprec accumulates
+# in fp32 (shared by mixprec.comm and mixprec.parallel).
+LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
 # 2**16 elements: round_to's float64 temporaries stay at a few MiB.
 _BLOCK = 1 << 16
 
@@ -57,7 +59,7 @@ def stochastic_round(
     Returns:
         ``out`` (or a new tensor) holding, element by element, one of the two neighbours of ``x`` in ``dtype``.
     """
-    check_dtype("dtype", dtype, _LOW_PRECISION)
+    check_dtype("dtype", dtype, LOW_PRECISION_DTYPES)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor; got {type(x).__name__}")
     if out is None:
@@ -86,7 +88,7 @@ def round_into_(
     if rounding == "nearest" or out.dtype == src.dtype:
         out.copy_(src)
         return
-    check_dtype("out.dtype (for stochastic rounding)", out.dtype, _LOW_PRECISION)
+    check_dtype("out.dtype (for stochastic rounding)", out.dtype, LOW_PRECISION_DTYPES)
     flat_src = src.reshape(-1)
     if out.is_contiguous():
         flat_out = out.view(-1)

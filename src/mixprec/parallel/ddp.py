@@ -70,9 +70,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec._validate import check_dtype, check_positive_int
+from mixprec._validate import check_bool, check_dtype, check_positive_int
 from mixprec.comm._compat import require_initialized
+from mixprec.comm.fp32_accumulate import WIRE_DTYPES
 from mixprec.comm.handles import wait_all
+from mixprec.comm.rounding import LOW_PRECISION_DTYPES
 from mixprec.parallel.buckets import BucketLayout, build_layout
 from mixprec.parallel.reducers import GradReducer, ReductionHandle, make_reducer
 
@@ -80,7 +82,7 @@ __all__ = ["REDUCER_STATE_FORMAT", "DistributedDataParallel", "NonFiniteBucket",
 
 REDUCER_STATE_FORMAT = "mixprec.ddp_reducer/1"
 
-_GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_GRAD_DTYPES = WIRE_DTYPES
 
 
 class NonFiniteGradientWarning(RuntimeWarning):
@@ -142,13 +144,9 @@ class DistributedDataParallel(torch.nn.Module):
         check_positive_int("bucket_size", bucket_size)
         if grad_dtype is not None:
             check_dtype("grad_dtype", grad_dtype, _GRAD_DTYPES)
-        for flag_name, flag in (
-            ("overlap", overlap),
-            ("sharded_optimizer", sharded_optimizer),
-            ("check_finite", check_finite),
-        ):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{flag_name} must be a bool; got {type(flag).__name__}")
+        check_bool("overlap", overlap)
+        check_bool("sharded_optimizer", sharded_optimizer)
+        check_bool("check_finite", check_finite)
         if isinstance(reduce, str):
             self.reducer: GradReducer = make_reducer(reduce, **(reduce_options or {}))
         elif isinstance(reduce, GradReducer):
@@ -447,7 +445,7 @@ class DistributedDataParallel(torch.nn.Module):
             from mixprec.parallel.zero import ShardedOptimizer
 
             return ShardedOptimizer(self, optimizer_cls, groups, **optimizer_kwargs)
-        if any(p.dtype in (torch.float16, torch.bfloat16) for g in groups for p in g["params"]):
+        if any(p.dtype in LOW_PRECISION_DTYPES for g in groups for p in g["params"]):
             from mixprec.scaling import MasterWeightOptimizer
 
             return MasterWeightOptimizer(groups, optimizer_cls, **optimizer_kwargs)

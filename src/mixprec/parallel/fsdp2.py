@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from mixprec._validate import check_choice
 from mixprec.comm.fp32_accumulate import reduce_scatter_scaled
+from mixprec.comm.rounding import Rounding
 
 __all__ = ["FP32AccumulateReduceScatter", "use_fp32_accumulation"]
 
@@ -64,12 +65,15 @@ class FP32AccumulateReduceScatter(_fsdp_base()):  # type: ignore[misc]
         generator: random stream for stochastic rounding (None = mixprec's seeded per-process default).
     """
 
-    def __init__(self, *, rounding: str = "nearest", generator: torch.Generator | None = None) -> None:
+    def __init__(self, *, rounding: Rounding = "nearest", generator: torch.Generator | None = None) -> None:
         self.rounding = check_choice("rounding", rounding, ("nearest", "stochastic"))
         self.generator = generator
         self._scratch: torch.Tensor | None = None
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """FSDP2's hook for allocating the reduce-scatter's input and output buffers: an uninitialised tensor
+        of ``size`` (no padding or alignment needed here: the collective takes any contiguous tensor whose
+        length FSDP has padded to a multiple of the group size)."""
         return torch.empty(*size, dtype=dtype, device=device)
 
     def _scratch_for(self, input_tensor: torch.Tensor) -> torch.Tensor:
@@ -122,7 +126,7 @@ class _CompletedWork:
 
 
 def use_fp32_accumulation(
-    module: torch.nn.Module, *, rounding: str = "nearest", generator: torch.Generator | None = None
+    module: torch.nn.Module, *, rounding: Rounding = "nearest", generator: torch.Generator | None = None
 ) -> int:
     """Make every ``fully_shard``-ed submodule of ``module`` (itself included) reduce-scatter its gradients
     with :class:`FP32AccumulateReduceScatter`. Returns how many FSDP modules were set.

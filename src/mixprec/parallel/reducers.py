@@ -48,15 +48,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from mixprec._validate import check_choice, check_positive_int
+from mixprec._validate import check_choice, check_positive_int, check_tensor
 from mixprec.comm._compat import reduce_scatter_flat
 from mixprec.comm.fp32_accumulate import (
     DEFAULT_STOCHASTIC_SEED,
+    WIRE_DTYPES,
     all_reduce_fp32_accumulate,
     reduce_scatter_fp32_accumulate,
 )
 from mixprec.comm.handles import PendingReduction
 from mixprec.comm.random import rank_generator
+from mixprec.comm.rounding import Rounding
 
 __all__ = [
     "BUCKET_ALIGNMENT",
@@ -124,12 +126,14 @@ def _after_work(work: Any, then: Callable[[], None] | None = None, *, keep: Any 
 
 
 def check_bucket(bucket: torch.Tensor, group: ProcessGroup | None) -> int:
-    if not isinstance(bucket, torch.Tensor):
-        raise TypeError(f"bucket must be a torch.Tensor; got {type(bucket).__name__}")
+    """Check a reducer's bucket (see the module docstring's contract); returns the group size.
+
+    TypeError: not a tensor, or not fp16/bf16/fp32. ValueError: not 1-D contiguous, or a length that is not
+    a multiple of ``lcm(world_size, 128)``.
+    """
+    check_tensor("bucket", bucket, WIRE_DTYPES)
     if bucket.dim() != 1 or not bucket.is_contiguous():
         raise ValueError(f"bucket must be a 1-D contiguous tensor; got shape {tuple(bucket.shape)}")
-    if bucket.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"bucket must be float16, bfloat16 or float32; got {bucket.dtype}")
     world_size = dist.get_world_size(group)
     multiple = bucket_multiple(world_size)
     if bucket.numel() % multiple:
@@ -141,10 +145,9 @@ def check_bucket(bucket: torch.Tensor, group: ProcessGroup | None) -> int:
 
 
 def check_shard_out(shard_out: torch.Tensor, bucket: torch.Tensor, world_size: int) -> None:
-    if not isinstance(shard_out, torch.Tensor):
-        raise TypeError(f"shard_out must be a torch.Tensor; got {type(shard_out).__name__}")
-    if shard_out.dtype not in (bucket.dtype, torch.float32):
-        raise TypeError(f"shard_out must have dtype {bucket.dtype} or torch.float32; got {shard_out.dtype}")
+    """Check a reduce-scatter's output: dtype ``bucket.dtype`` or fp32 (TypeError), contiguous with
+    ``len(bucket) / world_size`` elements (ValueError)."""
+    check_tensor("shard_out", shard_out, (bucket.dtype, torch.float32))
     if shard_out.numel() != bucket.numel() // world_size or not shard_out.is_contiguous():
         raise ValueError(
             f"shard_out must be contiguous with len(bucket) / world_size = {bucket.numel() // world_size} "
@@ -217,7 +220,7 @@ class FP32AccumulateReducer:
     """
 
     def __init__(
-        self, *, rounding: str = "nearest", seed: int = DEFAULT_STOCHASTIC_SEED, max_in_flight: int = 2
+        self, *, rounding: Rounding = "nearest", seed: int = DEFAULT_STOCHASTIC_SEED, max_in_flight: int = 2
     ) -> None:
         self.rounding = check_choice("rounding", rounding, ("nearest", "stochastic"))
         if isinstance(seed, bool) or not isinstance(seed, int):

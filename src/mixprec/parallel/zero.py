@@ -62,6 +62,20 @@ class ShardedOptimizer:
         param_groups: list[dict[str, Any]],
         **optimizer_kwargs: Any,
     ) -> None:
+        """Build the fp32 masters of this rank's shard and the inner optimizer over them (local, no collective).
+
+        Args:
+            ddp: the wrapper, built with ``sharded_optimizer=True`` (else ValueError).
+            optimizer_cls: a torch optimizer class, or any callable taking param groups and keyword options;
+                elementwise optimizers only (see the module docstring).
+            param_groups: dicts ``{"params": [module parameters], **options}``; each trainable parameter at
+                most once (ValueError otherwise, or for a tensor that is not one of the module's trainable
+                parameters). Parameters in no group are not updated: they keep their values.
+            **optimizer_kwargs: default options for ``optimizer_cls`` (lr, betas, weight_decay, ...).
+
+        Memory: ``4 * shard`` bytes of fp32 masters (the masters are exact copies of this rank's part of the
+        parameters), plus the inner optimizer's state, created on its first step.
+        """
         if not ddp.sharded or ddp.shard_grads is None:
             raise ValueError("ShardedOptimizer needs DistributedDataParallel(..., sharded_optimizer=True)")
         self.ddp = ddp
