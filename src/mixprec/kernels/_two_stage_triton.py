@@ -4,7 +4,9 @@ Main loop per (BLOCK_M, BLOCK_N) tile: ``block = tl.dot(a, b, out_dtype=tl.float
 tensor cores chain the block's MMAs through an fp16 accumulator, starting from zero), then
 ``acc += block.to(tl.float32)`` in fp32 registers. Loads of A and B rows/columns past M/N wrap around (their
 results are never stored); K is masked only when it is not a multiple of BLOCK_K. Element offsets are int64,
-so operands with M*K, K*N or M*N >= 2**31 elements index correctly.
+so operands with M*K, K*N or M*N >= 2**31 elements index correctly; the per-block pointer step
+``BLOCK_K * stride_k`` is still computed in int32 (Triton passes strides below 2**31 as int32), which limits the
+K-direction strides to below 2**31 / BLOCK_K (a transposed operand with more than ~33M rows at BLOCK_K 64).
 
 BLOCK_K is fixed by the caller (``mixprec.kernels.BLOCK_K`` by default); the autotuner chooses only the M/N tiles,
 warps and stages, which do not change the result (each output's K blocks are summed in the same order).
