@@ -3,10 +3,10 @@
 from mixprec.comm.agree import agree_any, collective_device, is_distributed
 from mixprec.comm.fp32_accumulate import (
     DEFAULT_STOCHASTIC_SEED,
-    PendingReduction,
     all_reduce_fp32_accumulate,
     reduce_scatter_fp32_accumulate,
 )
+from mixprec.comm.handles import PendingReduction, wait_all
 from mixprec.comm.memory import measure_peak_allocated
 from mixprec.comm.random import rank_generator
 from mixprec.comm.rounding import round_into_, stochastic_round
@@ -23,4 +23,5 @@ __all__ = [
     "reduce_scatter_fp32_accumulate",
     "round_into_",
     "stochastic_round",
+    "wait_all",
 ]

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from mixprec._validate import check_bool, check_choice, check_tensor
 from mixprec.comm._compat import all_gather_flat, overlaps, require_initialized
 from mixprec.comm.handles import PendingReduction
+from mixprec.comm.padding import round_up
 from mixprec.comm.random import rank_generator
 from mixprec.comm.rounding import LOW_PRECISION_DTYPES, Rounding, round_into_
 
@@ -201,7 +202,7 @@ def reduce_scatter_scaled(
     if numel % world_size:
         raise ValueError(
             f"input.numel() = {numel} is not divisible by the group size {world_size}: pad the input to a "
-            f"multiple of {world_size} (e.g. to {-(-numel // world_size) * world_size})"
+            f"multiple of {world_size} (e.g. to {round_up(numel, world_size)})"
         )
     shard = numel // world_size
     if output.numel() != shard:

@@ -17,7 +17,12 @@ import torch
 
 from mixprec._validate import check_positive_int, check_tensor
 
-__all__ = ["pad_flat"]
+__all__ = ["pad_flat", "round_up"]
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` (>= 1) that is >= ``n`` (>= 0): the padded length."""
+    return -(-n // multiple) * multiple
 
 
 def pad_flat(
@@ -46,7 +51,7 @@ def pad_flat(
     check_tensor("tensor", tensor)
     multiple = check_positive_int("multiple", multiple)
     numel = tensor.numel()
-    padded = -(-numel // multiple) * multiple
+    padded = round_up(numel, multiple)
     if tensor.is_contiguous() and padded == numel:
         return tensor.view(-1), _nothing
     if callable(buffer):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mixprec._validate import check_positive_int
+from mixprec.comm.padding import round_up
 from mixprec.parallel.reducers import bucket_multiple
 
 __all__ = ["Bucket", "BucketLayout", "ParamSlot", "ShardPiece", "build_layout"]
@@ -118,7 +119,7 @@ def build_layout(
     slots: list[ParamSlot | None] = [None] * len(named_params)
 
     def close(bucket: Bucket) -> None:
-        bucket.numel = max(multiple, -(-bucket.used // multiple) * multiple)
+        bucket.numel = max(multiple, round_up(bucket.used, multiple))
         group_numel[bucket.group] += bucket.numel
 
     for index in reversed(range(len(named_params))):
