@@ -58,6 +58,7 @@ class _HookContext:
     """Per process and group: the buffer pool and the in-order issue of the all-gathers."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.owner: object = None  # the group this context belongs to (kept alive: see _context)
         self.pool = _BufferPool()
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         # Called from the hook on the autograd thread, by every rank of the group at its first bucket.
@@ -82,17 +83,21 @@ class _HookContext:
                 self._next_gather += 1
 
 
-_CONTEXTS: dict[tuple[int, int | None], _HookContext] = {}
+_CONTEXTS: dict[tuple[int, int], _HookContext] = {}
 _CONTEXTS_LOCK = threading.Lock()
 
 
 def _context(group: dist.ProcessGroup | None) -> _HookContext:
-    # Keyed by pid: a forked child must not inherit its parent's sequence numbers or buffers.
-    key = (os.getpid(), None if group is None else id(group))
+    # Keyed by pid (a forked child must not inherit its parent's sequence numbers or buffers) and by the
+    # group object itself, the default one resolved: a re-initialised default group gets a new context. The
+    # context keeps its group alive, so the id cannot be reused by another group meanwhile.
+    resolved = group if group is not None else dist.group.WORLD
+    key = (os.getpid(), id(resolved))
     with _CONTEXTS_LOCK:
         ctx = _CONTEXTS.get(key)
         if ctx is None:
             ctx = _CONTEXTS[key] = _HookContext(group)
+            ctx.owner = resolved
         return ctx
 
 
