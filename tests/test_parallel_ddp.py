@@ -9,6 +9,7 @@ Two kinds of reference:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import warnings
@@ -623,3 +624,40 @@ def test_native_reducer_leaves_the_local_gradient_in_sharded_mode(dist_run) -> N
     """M5: param.grad views the bucket in sharded mode and must keep the local, unreduced gradient, so the
     native reducer pre-divides a copy, not the bucket."""
     assert all(dist_run(_native_sharded_local_grads, 2, timeout=60))
+
+
+def _widening_case(rank: int, world_size: int, microbatches: int) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = TiedNet().to(torch.bfloat16)
+    reference_model = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, bucket_size=200, grad_dtype=torch.float32)
+    for mb in range(microbatches):
+        ctx = ddp.no_sync() if mb < microbatches - 1 else contextlib.nullcontext()
+        with ctx:
+            _local_loss(ddp, rank, mb).backward()
+    # Reference: each microbatch's bf16 gradient on its own, widened and added in fp32 in microbatch order
+    # (the buffer), then the fp32 rank-order mean, rounded once to bf16.
+    per_rank: dict[str, list[torch.Tensor]] = {}
+    for r in range(world_size):
+        window: dict[str, list[torch.Tensor]] = {}
+        for mb in range(microbatches):
+            ref = copy.deepcopy(reference_model)
+            _local_loss(ref, r, mb).backward()
+            for name, p in ref.named_parameters():
+                window.setdefault(name, []).append(p.grad if p.grad is not None else torch.zeros_like(p))
+        for name, grads in window.items():
+            per_rank.setdefault(name, []).append(fp32_rank_order_sum(grads))
+    expected = {name: fp32_rank_order_sum(gs, average=True).to(torch.bfloat16) for name, gs in per_rank.items()}
+    return {
+        "grads": {name: p.grad.clone() for name, p in model.named_parameters()},
+        "expected": expected,
+    }
+
+
+def test_no_sync_with_fp32_buffers_for_bf16_params_accumulates_in_fp32(dist_run) -> None:
+    """The other direction of M4: bf16 parameters with grad_dtype=float32 accumulate the microbatches in the
+    fp32 buffer (the wider dtype), not in bf16 param.grad: equal bit for bit to the fp32 reference."""
+    for r in dist_run(_widening_case, 2, 3, timeout=120):
+        for name, g in r["grads"].items():
+            assert g.dtype == torch.bfloat16
+            assert torch.equal(g, r["expected"][name]), name

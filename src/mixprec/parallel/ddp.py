@@ -41,11 +41,15 @@ from the parameter dtype, ``param.grad`` is a separate tensor in the parameter d
 parameters become views of flat buffers (do not call ``.to()``/``.half()`` on the module afterwards) and
 the fp32 gradient shard holds ``1/world_size`` of the elements.
 
-With ``grad_dtype`` different from the parameter dtype, microbatches under ``no_sync()`` accumulate in
-``param.grad``, in the parameter's dtype, as without the wrapper; the synced backward rounds the window's
-total into the bucket once (one rounding to the wire dtype per step, not one per microbatch). Without
-sharding, ``param.grad`` then receives the reduced gradient in place (the same tensor, no allocation per
-step once it exists).
+With ``grad_dtype`` different from the parameter dtype, microbatches under ``no_sync()`` accumulate in the
+wider of the two dtypes. A narrower wire (fp32 parameters, bf16 ``grad_dtype``): in ``param.grad``, in the
+parameter's dtype, as without the wrapper; the synced backward rounds the window's total into the bucket
+once (one rounding to the wire dtype per step, not one per microbatch). A wider buffer (bf16 parameters,
+fp32 ``grad_dtype``): in the buffer, in fp32; ``param.grad`` is None between microbatches, so
+``optimizer.zero_grad()`` does not discard them before the window's synced backward, and
+``ddp.zero_grad_buffers()`` does (the sharded optimizer's ``zero_grad`` calls it). Without sharding,
+``param.grad`` then receives the reduced gradient in the parameter's dtype, in a tensor reused from step to
+step.
 
 Not supported: reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``; a
 clear error says so), sparse gradients, parameters on several devices.
@@ -192,6 +196,15 @@ class DistributedDataParallel(torch.nn.Module):
             start = b.offset + slot.start
             self._grad_views.append(self._grad_buffers[b.group][start : start + slot.numel].view(slot.shape))
         self._direct = [p.dtype == v.dtype for p, v in zip(self._params, self._grad_views, strict=True)]
+        # A gradient buffer wider than the parameter (fp32 for fp16/bf16 parameters) accumulates the microbatches
+        # itself, in its dtype; otherwise param.grad accumulates them in the parameter's dtype and the synced
+        # backward rounds the total into the buffer once. Either way, the wider of the two dtypes accumulates.
+        self._widen = [
+            not d and v.dtype.itemsize > p.dtype.itemsize
+            for p, v, d in zip(self._params, self._grad_views, self._direct, strict=True)
+        ]
+        # Reused param.grad tensors for the reduced gradient when it is not a view of the buffer.
+        self._grad_out: list[torch.Tensor | None] = [None] * len(self._params)
 
         # Sharded mode: parameters become views of flat buffers laid out like the gradients, so the
         # all-gather after the optimizer step writes straight into them; fp32 gradient shards receive
@@ -289,6 +302,12 @@ class DistributedDataParallel(torch.nn.Module):
                 if not _same_memory(grad, view):
                     view.copy_(grad)
                     param.grad = view
+            elif self._widen[i]:
+                if self._fresh[i]:
+                    view.copy_(grad)  # exact widening
+                else:
+                    view.add_(grad)  # microbatch accumulation in the wider buffer dtype
+                param.grad = None
             elif self._require_sync:
                 # param.grad holds the whole accumulation window in the parameter's dtype (autograd added the
                 # microbatches there): one rounding to the wire dtype per step, not one per microbatch.
@@ -383,7 +402,12 @@ class DistributedDataParallel(torch.nn.Module):
                     elif grad is not None and grad.shape == view.shape and grad.is_contiguous():
                         grad.copy_(view)  # the reduced gradient, in the parameter's dtype, in the same tensor
                     else:
-                        param.grad = view.to(param.dtype)
+                        out = self._grad_out[i]
+                        if out is None:
+                            out = self._grad_out[i] = view.to(param.dtype)
+                        else:
+                            out.copy_(view)
+                        param.grad = out
             self._grads_reduced = True
             self._fresh = [True] * len(self._params)
             finished = True
@@ -413,6 +437,15 @@ class DistributedDataParallel(torch.nn.Module):
             elif not _same_memory(grad, view):
                 view.copy_(grad)
                 param.grad = view
+        elif self._widen[i]:
+            if self._fresh[i]:
+                # Nothing accumulated in this window: the slot takes what param.grad holds (torch semantics:
+                # an un-zeroed gradient is reduced again), or zero.
+                if grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(grad)
+                param.grad = None
         elif grad is None:
             view.zero_()
         else:
