@@ -15,6 +15,7 @@ from mixprec.compress import (
     ErrorFeedback,
     MinMaxUInt8,
     Topology,
+    Uint8Options,
     compressed_all_reduce,
     compressed_reduce_scatter,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "NonFiniteGradientWarning",
     "ShardedOptimizer",
     "Topology",
+    "Uint8Options",
     "all_reduce_fp32_accumulate",
     "bounds",
     "compressed_all_reduce",

@@ -155,11 +155,6 @@ def check_shard_out(shard_out: torch.Tensor, bucket: torch.Tensor, world_size: i
         )
 
 
-# Old private names, still imported by mixprec.compress.reducers.
-_check_bucket = check_bucket
-_check_shard_out = check_shard_out
-
-
 class NativeReducer:
     """The backend's own collective in the bucket dtype (torch DDP's behaviour); stateless.
 

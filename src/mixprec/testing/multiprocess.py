@@ -68,6 +68,11 @@ def _child(
             timeout=timedelta(seconds=timeout_s),
         )
         try:
+            # gloo's connectFullMesh can return on one rank before its peer's side of the handshake is done;
+            # a rank whose fn needs no collective would then exit and fail the peer's init with "Connection
+            # closed by peer" (seen about once in 200 groups). No rank leaves this barrier before all have
+            # finished init.
+            dist.barrier()
             result = fn(rank, world_size, *args, **kwargs)
         finally:
             # A failing rank must not leave its peers waiting on a barrier that never comes; tearing
