@@ -7,24 +7,10 @@ import math
 import pytest
 import torch
 
+from dist_reference import neighbours
 from mixprec.comm import round_into_, stochastic_round
 
 LOW = [torch.float16, torch.bfloat16]
-
-
-def _neighbours(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(toward-zero, away-from-zero) neighbours of fp32 ``x`` in ``dtype``, from torch's cast and nextafter.
-
-    Independent of the implementation (which works from frexp in float64).
-    """
-    nearest = x.to(dtype)
-    zero = torch.zeros_like(nearest)
-    overshoot = nearest.float().abs() > x.abs()
-    toward = torch.where(overshoot, torch.nextafter(nearest, zero), nearest)
-    away_dir = torch.where(x < 0, torch.full_like(nearest, -math.inf), torch.full_like(nearest, math.inf))
-    exact = toward.float() == x
-    away = torch.where(exact, toward, torch.nextafter(toward, away_dir))
-    return toward, away
 
 
 def _samples(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -37,13 +23,13 @@ def _samples(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", LOW)
-def test_only_the_two_neighbours(dtype: torch.dtype) -> None:
+def test_only_the_twoneighbours(dtype: torch.dtype) -> None:
     x = _samples(100_000, dtype)
     # Subnormals of the target and values just below its overflow threshold too.
     tiny = torch.finfo(dtype).tiny
     x = torch.cat([x, torch.linspace(-4 * tiny, 4 * tiny, 1001), torch.tensor([torch.finfo(dtype).max * 0.999])])
     gen = torch.Generator().manual_seed(1)
-    lo, hi = _neighbours(x, dtype)
+    lo, hi = neighbours(x, dtype)
     for _ in range(3):
         r = stochastic_round(x, dtype, generator=gen)
         assert r.dtype == dtype
@@ -60,7 +46,7 @@ def test_unbiased_over_many_draws(dtype: torch.dtype) -> None:
     """
     m, k = 20_000, 50
     x = _samples(m, dtype, seed=2)[16:]
-    lo, hi = _neighbours(x, dtype)
+    lo, hi = neighbours(x, dtype)
     ulp = (hi.float() - lo.float()).abs()
     keep = ulp > 0
     x, lo, ulp = x[keep], lo[keep], ulp[keep]
@@ -101,7 +87,7 @@ def test_special_values_and_overflow(dtype: torch.dtype) -> None:
     else:
         expected = x.clone()
         expected[5:] = r[5:].float()  # bf16 holds 1e30: checked by the neighbour test below
-        lo, hi = _neighbours(x[5:], dtype)
+        lo, hi = neighbours(x[5:], dtype)
         assert bool(((r[5:] == lo) | (r[5:] == hi)).all())
     assert torch.equal(torch.signbit(r[:2]), torch.tensor([False, True]))
     torch.testing.assert_close(r.float(), expected, equal_nan=True, rtol=0, atol=0)
@@ -117,7 +103,7 @@ def test_reproducible_with_a_seed_and_blockwise() -> None:
     out = torch.empty((x.numel() // 7, 7), dtype=torch.bfloat16).t()  # non-contiguous destination
     src = x[: out.numel()].reshape(out.shape)
     round_into_(out, src, rounding="stochastic", generator=torch.Generator().manual_seed(7))
-    lo, hi = _neighbours(src.contiguous(), torch.bfloat16)
+    lo, hi = neighbours(src.contiguous(), torch.bfloat16)
     assert bool(((out == lo) | (out == hi)).all())
 
 

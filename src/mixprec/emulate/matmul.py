@@ -39,9 +39,10 @@ gives +0).
 
 Cost: one fp64 ``baddbmm`` of a ``k_group``-wide slice plus 5 elementwise passes over the accumulator per group,
 on row tiles that stay in cache (on a CPU, tiles small enough that each op runs single-threaded, spread over a
-thread pool). At M=N=K=1024 "fp16/16" measured 13-20x a plain fp32 ``torch.matmul`` on a 2-core CPU
-(benchmarks/RESULTS.md). The alignment model materialises the products of a group (``rows x k_group x N``) and is
-another ~20x slower on a CPU: use it on row subsets or on a GPU. Works on any device torch supports (fp64 on CUDA).
+thread pool). At M=N=K=1024 "fp16/16" measured 23x (1 thread) to 44x (2 threads) the time of a plain fp32
+``torch.matmul`` on a quiet 2-core CPU (benchmarks/RESULTS.md). The alignment model materialises the products of
+a group (``rows x k_group x N``) and is another 10-20x slower on a CPU: use it on row subsets or on a GPU. Works
+on any device torch supports (fp64 on CUDA).
 """
 
 from __future__ import annotations
