@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import mixprec.hooks
 from dist_reference import fp32_rank_order_sum
@@ -127,3 +128,16 @@ def test_hook_is_asynchronous_and_exact_over_steps(dist_run) -> None:
         for grads, expected in zip(r["grads"], r["expected"], strict=True):
             for g, e in zip(grads, expected, strict=True):
                 assert torch.equal(g, e)
+
+
+def _after_a_subgroup_case(rank: int, world_size: int) -> dict[str, object]:
+    # Rank 2 is not in this subgroup, so ranks hold different numbers of process groups: the hook's own extra
+    # group for the world must still rendezvous (a hashed, count-dependent name hung here).
+    dist.new_group(ranks=[0, 1])
+    return _torch_ddp_case(rank, world_size, True)
+
+
+def test_hook_works_when_ranks_hold_different_numbers_of_groups(dist_run) -> None:
+    for r in dist_run(_after_a_subgroup_case, 3, timeout=60):
+        for g, e in zip(r["grads"], r["expected"], strict=True):
+            assert torch.equal(g, e)

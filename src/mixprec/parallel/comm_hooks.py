@@ -61,8 +61,16 @@ class _HookContext:
         self.owner: object = None  # the group this context belongs to (kept alive: see _context)
         self.pool = _BufferPool()
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        # Called from the hook on the autograd thread, by every rank of the group at its first bucket.
-        self.gather_group = dist.new_group(ranks=ranks, use_local_synchronization=True)
+        # Called from the hook on the autograd thread, by every rank of the group at its first bucket. For the
+        # whole world, a plain new_group: its name comes from a counter every rank advances alike. The locally
+        # synchronised form (needed when only the group's ranks get here) hashes the ranks with the count of
+        # groups this process belongs to, which differs between ranks when some hold subgroups that others do
+        # not: then the ranks would rendezvous under different names and hang. So on a proper subgroup, every
+        # rank of it must belong to the same number of process groups (documented on the hook).
+        if len(ranks) == dist.get_world_size():
+            self.gather_group = dist.new_group(ranks=ranks)
+        else:
+            self.gather_group = dist.new_group(ranks=ranks, use_local_synchronization=True)
         self._lock = threading.Lock()
         self._calls = 0  # hook calls so far: the sequence number of the next bucket
         self._next_gather = 0  # sequence number of the next all-gather to start
@@ -101,6 +109,11 @@ def _context(group: dist.ProcessGroup | None) -> _HookContext:
         return ctx
 
 
+def _sync_stream(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def fp32_accumulate_hook(
     state: dist.ProcessGroup | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
@@ -120,6 +133,11 @@ def fp32_accumulate_hook(
 
     Returns at once; the future completes when the bucket is reduced (torch DDP waits for it at the end
     of backward).
+
+    On a subgroup (``state`` not spanning the world), the ranks of that group must each belong to the same
+    number of process groups when the hook first runs (the extra group is created with local
+    synchronisation, whose rendezvous name depends on that count). On CUDA the callbacks synchronise their
+    stream before they hand buffers back or complete the future (not yet run on a GPU).
     """
     if state is not None and not isinstance(state, dist.ProcessGroup):
         raise TypeError(f"state must be a torch.distributed ProcessGroup or None; got {type(state).__name__}")
@@ -149,6 +167,7 @@ def fp32_accumulate_hook(
         try:
             fut.wait()
             copy_back()
+            _sync_stream(buffer.device)  # callbacks run on a pool stream: finish before the buffers are reused
             for buf in padded_copy:
                 ctx.pool.give(buf)
             result.set_result(buffer)
@@ -160,6 +179,7 @@ def fp32_accumulate_hook(
         try:
             fut.wait()
             _sum_shards_into(own, recv.view(world_size, shard), average=True, rounding="nearest", generator=None)
+            _sync_stream(buffer.device)
             ctx.pool.give(recv)
         except BaseException as exc:  # the buffer may still be written: it is not returned to the pool
             error = exc
