@@ -405,3 +405,18 @@ def test_bf16_sharded_with_scaler_and_clipping_matches_a_reference(dist_run) -> 
         for a, b in zip(r["params"], r0["reference"], strict=True):
             assert a.dtype == torch.bfloat16
             assert torch.equal(a, b)
+
+
+def _set_after_build(rank: int, world_size: int) -> list[torch.Tensor]:
+    model = _mlp()
+    ddp = DistributedDataParallel(model, bucket_size=300, sharded_optimizer=True)
+    opt = ddp.make_optimizer(torch.optim.SGD, [{"params": list(model[4].parameters())}], lr=0.1)
+    with torch.no_grad():
+        model[0].weight.fill_(0.25)  # in no group, changed after the optimizer took its masters
+    _train(ddp, opt, rank, world_size, range(2), None)
+    return [model[0].weight.detach().clone()]
+
+
+def test_parameters_in_no_group_keep_values_set_after_the_optimizer_was_built(dist_run) -> None:
+    for (weight,) in dist_run(_set_after_build, 2, timeout=60):
+        assert bool((weight == 0.25).all())  # the step's all-gather used to write the old snapshot back

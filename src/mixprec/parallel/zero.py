@@ -106,6 +106,9 @@ class ShardedOptimizer:
         self._all_pieces: list[tuple[int, ShardPiece]] = [
             (bucket.index, piece) for bucket in layout.buckets for piece in layout.pieces(bucket, rank)
         ]
+        # Pieces of parameters in no group: no optimizer owns them, so before each all-gather their masters are
+        # refreshed from the parameters (a value the user set after building the optimizer must survive).
+        self._ungrouped = [(k, piece) for k, piece in self._all_pieces if group_of.get(piece.slot.index) is None]
         self._pieces: list[tuple[int, ShardPiece]] = []  # (bucket, piece), in inner-optimizer order
         piece_params: list[list[torch.Tensor]] = [[] for _ in param_groups]
         unsorted: list[tuple[int, int, ShardPiece]] = []
@@ -132,9 +135,10 @@ class ShardedOptimizer:
         self.optimizer = optimizer_cls(inner_groups, **optimizer_kwargs)
         self._grads_prepared = False
 
-    def _refresh_masters_from_params(self) -> None:
-        """Copy this rank's part of every parameter (exactly: fp32 holds fp16/bf16/fp32) into the masters."""
-        for k, piece in self._all_pieces:
+    def _refresh_masters_from_params(self, pieces: list[tuple[int, ShardPiece]] | None = None) -> None:
+        """Copy this rank's part of every parameter, or of ``pieces``, into the masters (exactly: fp32 holds
+        fp16/bf16/fp32)."""
+        for k, piece in self._all_pieces if pieces is None else pieces:
             start = self.ddp._shard_base[k] + piece.shard_offset
             param = self.ddp._params[piece.slot.index]
             self.master[start : start + piece.numel].copy_(
@@ -224,6 +228,8 @@ class ShardedOptimizer:
     def _gather_params(self) -> None:
         ddp = self.ddp
         ws, rank = ddp.world_size, ddp.rank
+        if self._ungrouped:
+            self._refresh_masters_from_params(self._ungrouped)
         works = []
         for b in ddp.layout.buckets:
             size = b.numel // ws
