@@ -669,3 +669,21 @@ def test_topology_validation(monkeypatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     with pytest.raises(ValueError, match="does not divide the world size 8"):
         Topology.from_env(8)
+
+
+def _one_rank_narrow_output(rank: int, world_size: int) -> tuple[bool, str]:
+    t = torch.full((2048,), 1e6, dtype=torch.float32)
+    out = torch.empty(2048, dtype=torch.float16)  # 1e6 is beyond fp16's range: the copy overflows
+    stats = compressed_reduce_scatter(out, t, compressor=MinMaxUInt8(check_finite="flag"), average=True)
+    try:
+        compressed_reduce_scatter(out, t, compressor=MinMaxUInt8(check_finite="raise"), average=True)
+        raised = "no error"
+    except Exception as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    return stats.found_nonfinite, raised
+
+
+def test_one_rank_reduce_scatter_flags_overflow_into_a_narrower_output(dist_run) -> None:
+    found, raised = dist_run(_one_rank_narrow_output, 1, timeout=60)[0]
+    assert found
+    assert raised.startswith("NonFiniteError") and "overflow" in raised, raised

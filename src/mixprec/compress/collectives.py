@@ -557,10 +557,12 @@ def _single_rank(
     def finish() -> CompressionStats:
         if output is not None:
             output.view(-1).copy_(tensor.reshape(-1))
-        found = not bool(torch.isfinite(tensor).all())
+        bad_input = not bool(torch.isfinite(tensor).all())
+        # A narrower output (fp32 input, fp16 output) can overflow in the copy: that is overflow, not bad input.
+        found = bad_input or (output is not None and not bool(torch.isfinite(output).all()))
         stats = CompressionStats(tensor.numel(), 1, 0, 0, 0, 0, 0, 0, found)
         # group, not None: a one-rank subgroup of a larger world must not enter a world-wide agreement
-        return _conclude(found, lambda: found, group, comp, ef, stats, what)
+        return _conclude(found, lambda: bad_input, group, comp, ef, stats, what)
 
     return CompressedReduction(finish)
 

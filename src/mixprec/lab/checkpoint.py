@@ -13,6 +13,7 @@ Only tensors and plain containers of numbers, strings, booleans and None are sto
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 from typing import Any
 
@@ -70,7 +71,10 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu", *, mmap
     Raises ValueError when it is missing or not a checkpoint."""
     if not os.path.isfile(path):
         raise ValueError(f"no checkpoint at {path!r}")
-    state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except (RuntimeError, pickle.UnpicklingError, EOFError) as exc:  # torn, foreign or not a torch file
+        raise ValueError(f"{path!r} is not a readable mixprec train checkpoint ({type(exc).__name__}: {exc})") from None
     if not isinstance(state, dict) or "step" not in state:
         raise ValueError(f"{path!r} is not a mixprec train checkpoint (no 'step' entry)")
     return state

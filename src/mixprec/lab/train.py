@@ -282,8 +282,31 @@ def check_resume(cfg: TrainConfig, corpus: Corpus | None = None) -> None:
         raise ValueError(f"--resume: no checkpoint at {path!r}")
     state = load_train_checkpoint(path, mmap=True)
     _check_resume_compatible(state["config"], cfg)
+    for entry in state.get("reducer_states") or []:
+        _check_legacy_reducer_state(entry)
     if corpus is not None:
         _check_same_corpus(state, corpus)
+
+
+def _is_legacy_reducer_state(entry: dict[str, Any]) -> bool:
+    """A rank's reducer state as written before DistributedDataParallel.reducer_state_dict() existed (the raw
+    reducer dict, without the wrapper's "format" envelope)."""
+    return isinstance(entry, dict) and "format" not in entry
+
+
+def _check_legacy_reducer_state(entry: dict[str, Any]) -> None:
+    """Such an old entry is skipped on resume when it holds no state that matters (round-to-nearest, no
+    tensors: nothing to restore, the resumed run stays bit-exact); otherwise the resume is refused
+    (ValueError), since its generator or residual layout cannot be loaded into the current reducers."""
+    if not _is_legacy_reducer_state(entry):
+        return
+    holds_tensors = any(isinstance(v, torch.Tensor | dict | list) for v in entry.values())
+    if entry.get("rounding") != "nearest" or holds_tensors:
+        raise ValueError(
+            "cannot resume: this checkpoint was written by an older mixprec whose per-rank reducer state "
+            "(a stochastic-rounding stream or error-feedback residuals) the current reducers cannot load; "
+            "start a new run in another --out-dir"
+        )
 
 
 def _check_same_corpus(state: dict[str, Any], corpus: Corpus) -> None:
@@ -370,7 +393,10 @@ def _load_into(parts: _Parts, state: dict[str, Any], rank: int, device: torch.de
     if state["scaler"]:
         parts.scaler.load_state_dict(state["scaler"])
     if parts.wrapper is not None and "reducer_states" in state:
-        parts.wrapper.load_reducer_state_dict(_to_device(state["reducer_states"][rank], torch.device("cpu")))
+        entry = state["reducer_states"][rank]
+        _check_legacy_reducer_state(entry)
+        if not _is_legacy_reducer_state(entry):  # an old round-to-nearest entry holds nothing to restore
+            parts.wrapper.load_reducer_state_dict(_to_device(entry, torch.device("cpu")))
 
 
 def _truncate_metrics(path: str, before_step: int) -> None:
