@@ -602,11 +602,20 @@ def start_compressed_all_reduce(
             check_topology(topology, group)
         return _single_rank(tensor, None, group, comp, error_feedback, "compressed_all_reduce")
     hier = resolve_topology(topology, group) if topology is not None else None
+    return _start_holding(
+        own,
+        lambda inflight: _start_all_reduce(
+            tensor, group, comp, average, hier, error_feedback, inflight, shared_ws.scratch, world
+        ),
+    )
+
+
+def _start_holding(own: CompressionWorkspace, start: Callable[[Scratch], CompressedReduction]) -> CompressedReduction:
+    """Run ``start`` on ``own``'s in-flight buffers, claimed until the returned reduction's ``wait()`` ends
+    (released at once if ``start`` raises)."""
     inflight = own._claim("workspace")
     try:
-        reduction = _start_all_reduce(
-            tensor, group, comp, average, hier, error_feedback, inflight, shared_ws.scratch, world
-        )
+        reduction = start(inflight)
     except BaseException:
         own._release()
         raise
@@ -797,16 +806,12 @@ def start_compressed_reduce_scatter(
             check_topology(topology, group)
         return _single_rank(tensor, output, group, comp, error_feedback, "compressed_reduce_scatter")
     hier = resolve_topology(topology, group) if topology is not None else None
-    inflight = own._claim("workspace")
-    try:
-        reduction = _start_reduce_scatter(
+    return _start_holding(
+        own,
+        lambda inflight: _start_reduce_scatter(
             output, tensor, group, comp, average, hier, error_feedback, inflight, shared_ws.scratch, world
-        )
-    except BaseException:
-        own._release()
-        raise
-    reduction._release = own._release
-    return reduction
+        ),
+    )
 
 
 def _start_reduce_scatter(

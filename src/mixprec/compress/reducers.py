@@ -14,6 +14,7 @@ fp32 sum, re-quantization and all-gather run in the handle's ``wait()``.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -116,37 +117,26 @@ class Uint8Reducer:
         self, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
     ) -> _PendingBucket:
         check_bucket(bucket, group)
-        feedback = self._feedback_for(key)
-        workspace = self._take_workspace()
-        try:
-            reduction = start_compressed_all_reduce(
-                bucket,
-                group,
-                compressor=self._compressors.for_device(bucket.device),
-                average=average,
-                topology=self.topology,
-                error_feedback=feedback,
-                workspace=workspace,
-                shared_workspace=self._shared,
-            )
-        except (TypeError, ValueError):
-            self._free.append(workspace)  # refused before anything was sent: the buffers are idle
-            raise
-        return self._track(reduction, workspace, key)
+        return self._start(key, bucket.device, average, lambda **kw: start_compressed_all_reduce(bucket, group, **kw))
 
     def reduce_scatter(
         self, shard_out: torch.Tensor, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
     ) -> _PendingBucket:
         world_size = check_bucket(bucket, group)
         check_shard_out(shard_out, bucket, world_size)
+        return self._start(
+            key, bucket.device, average, lambda **kw: start_compressed_reduce_scatter(shard_out, bucket, group, **kw)
+        )
+
+    def _start(
+        self, key: int, device: torch.device, average: bool, start: Callable[..., CompressedReduction]
+    ) -> _PendingBucket:
+        """Start one bucket's collective with this reducer's options, feedback and a pooled workspace."""
         feedback = self._feedback_for(key)
         workspace = self._take_workspace()
         try:
-            reduction = start_compressed_reduce_scatter(
-                shard_out,
-                bucket,
-                group,
-                compressor=self._compressors.for_device(bucket.device),
+            reduction = start(
+                compressor=self._compressors.for_device(device),
                 average=average,
                 topology=self.topology,
                 error_feedback=feedback,
