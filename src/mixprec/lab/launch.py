@@ -43,8 +43,14 @@ from mixprec.lab.config import TrainConfig, config_to_toml
 from mixprec.lab.corpus import Corpus, check_corpus_source, load_corpus
 from mixprec.lab.data import check_corpus_fits
 from mixprec.lab.metrics import decode_row
-from mixprec.lab.model import GPTConfig
-from mixprec.lab.train import METRICS_NAME, SUMMARY_NAME, TrainingDiverged, check_resume, train_rank
+from mixprec.lab.train import (
+    METRICS_NAME,
+    SUMMARY_NAME,
+    TrainingDiverged,
+    check_resume,
+    gpt_config,
+    train_rank,
+)
 from mixprec.scaling.scaler import LossScaleFloorError
 
 __all__ = ["GRACE_S", "PEER_FAILURE_EXIT", "TrainingFailed", "check_run", "launch", "torchrun_env"]
@@ -90,14 +96,7 @@ def check_run(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> None:
     check_capabilities(cfg)
     corpus = load_corpus(cfg.corpus)
     check_corpus_fits(corpus, block_size=cfg.block_size)
-    GPTConfig(
-        vocab_size=corpus.vocab_size,
-        block_size=cfg.block_size,
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        n_embd=cfg.n_embd,
-        dropout=cfg.dropout,
-    )
+    gpt_config(cfg, corpus.vocab_size)
     check_run_dir(cfg, resume=resume, overwrite=overwrite, corpus=corpus)
 
 

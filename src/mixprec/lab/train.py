@@ -110,21 +110,24 @@ class _Parts:
 
 
 # ---------------------------------------------------------------------------------------------- building
+def gpt_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
+    """The model shape of ``cfg`` for a corpus of ``vocab_size`` characters (validated by GPTConfig)."""
+    return GPTConfig(
+        vocab_size=vocab_size,
+        block_size=cfg.block_size,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_embd=cfg.n_embd,
+        dropout=cfg.dropout,
+    )
+
+
 def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPT:
     """The GPT of ``cfg``: initialised in fp32 on the CPU from ``seed`` (same weights on every device), then
     moved to ``device``, rounded to the precision's dtype, and given emulated linears when ``linear_mode`` asks."""
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(cfg.seed)
-    model = GPT(
-        GPTConfig(
-            vocab_size=vocab_size,
-            block_size=cfg.block_size,
-            n_layer=cfg.n_layer,
-            n_head=cfg.n_head,
-            n_embd=cfg.n_embd,
-            dropout=cfg.dropout,
-        )
-    )
+    model = GPT(gpt_config(cfg, vocab_size))
     torch.random.set_rng_state(gen_state)
     model.to(device=device, dtype=_DTYPES[cfg.precision])
     if cfg.linear_mode != "off":
