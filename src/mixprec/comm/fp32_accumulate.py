@@ -29,12 +29,13 @@ import math
 import torch
 import torch.distributed as dist
 
-from mixprec._validate import check_bool, check_choice, check_tensor
 from mixprec.comm._compat import all_gather_flat, overlaps, require_initialized
 from mixprec.comm.handles import PendingReduction
 from mixprec.comm.padding import round_up
-from mixprec.comm.random import rank_generator
-from mixprec.comm.rounding import LOW_PRECISION_DTYPES, Rounding, round_into_
+from mixprec.core.dtypes import LOW_PRECISION_DTYPES, WIRE_DTYPES, Rounding
+from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rank_generator
+from mixprec.core.stochastic import round_into_
+from mixprec.core.validate import check_bool, check_choice, check_tensor
 
 __all__ = [
     "PendingReduction",
@@ -43,11 +44,6 @@ __all__ = [
     "reduce_scatter_scaled",
 ]
 
-# Wire (input) dtypes of the fp32-accumulating collectives.
-WIRE_DTYPES = (*LOW_PRECISION_DTYPES, torch.float32)
-# Seed of the per-process default generator for rounding="stochastic" (plus the global rank), so runs
-# are reproducible when the caller passes no generator.
-DEFAULT_STOCHASTIC_SEED = 0x6D697870
 # Elements per block of the fp32 sum (256 KiB of fp32: the accumulator and the widened addend fit in L2).
 _SUM_BLOCK = 1 << 16
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from mixprec._validate import check_positive_int, check_tensor
+from mixprec.core.validate import check_positive_int, check_tensor
 
 __all__ = ["pad_flat", "round_up"]
 

@@ -10,12 +10,11 @@ from typing import Any
 
 import torch
 
-from mixprec._validate import check_bool, check_choice, check_positive_int
-from mixprec.comm.fp32_accumulate import DEFAULT_STOCHASTIC_SEED
-from mixprec.comm.random import rank_generator
 from mixprec.compress.collectives import ErrorFeedback
 from mixprec.compress.quantize import MinMaxUInt8
 from mixprec.compress.topology import Topology, check_topology
+from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rank_generator
+from mixprec.core.validate import check_bool, check_choice, check_positive_int
 
 __all__ = ["Uint8Options"]
 

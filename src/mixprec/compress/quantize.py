@@ -59,9 +59,9 @@ from typing import Literal
 
 import torch
 
-from mixprec._validate import check_choice, check_dtype, check_positive_int, check_tensor
-from mixprec.comm.rounding import Rounding
 from mixprec.compress._scratch import Scratch
+from mixprec.core.dtypes import Rounding
+from mixprec.core.validate import check_choice, check_dtype, check_positive_int, check_tensor
 
 __all__ = ["HEADER_BYTES_PER_CHUNK", "MinMaxUInt8", "NonFiniteError"]
 

@@ -13,6 +13,7 @@ fp32 sum, re-quantization and all-gather run in the handle's ``wait()``.
 
 from __future__ import annotations
 
+import inspect
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -20,9 +21,8 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from mixprec._validate import check_positive_int
-from mixprec.comm.fp32_accumulate import DEFAULT_STOCHASTIC_SEED
 from mixprec.comm.handles import PendingReduction
+from mixprec.comm.reducer import check_bucket, check_shard_out, register_reducer
 from mixprec.compress.collectives import (
     CompressedReduction,
     CompressionStats,
@@ -33,7 +33,8 @@ from mixprec.compress.collectives import (
 )
 from mixprec.compress.options import RankCompressors, Uint8Options, check_feedback_entry, load_feedback
 from mixprec.compress.topology import Topology
-from mixprec.parallel.reducers import check_bucket, check_shard_out, register_reducer
+from mixprec.core.random import DEFAULT_STOCHASTIC_SEED
+from mixprec.core.validate import check_positive_int
 
 __all__ = ["Uint8Reducer"]
 
@@ -229,5 +230,9 @@ def make_hierarchical_uint8_reducer(**options: Any) -> Uint8Reducer:
     return Uint8Reducer(**options)
 
 
+# The factories take Uint8Reducer's keywords; their signature says so, so that make_reducer can name a
+# wrong option before any reducer is built.
+make_flat_uint8_reducer.__signature__ = inspect.signature(Uint8Reducer)  # type: ignore[attr-defined]
+make_hierarchical_uint8_reducer.__signature__ = inspect.signature(Uint8Reducer)  # type: ignore[attr-defined]
 register_reducer("uint8", make_flat_uint8_reducer)
 register_reducer("uint8_hierarchical", make_hierarchical_uint8_reducer)

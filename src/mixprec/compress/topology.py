@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mixprec._validate import check_positive_int
+from mixprec.core.validate import check_positive_int
 
 __all__ = ["Topology"]
 

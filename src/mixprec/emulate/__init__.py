@@ -1,6 +1,7 @@
 """Precision emulation: bit-exact rounding to low-precision formats and matmuls with modelled accumulators."""
 
-from mixprec.emulate.formats import FORMAT_PRESETS, FloatFormat, get_format
+from mixprec.core.formats import FORMAT_PRESETS, FloatFormat, get_format
+from mixprec.core.rounding import ROUNDING_MODES, round_to, round_to_
 from mixprec.emulate.linear import EmulatedLinear, LinearSwap, emulate_linear_layers
 from mixprec.emulate.matmul import (
     MATMUL_PRESETS,
@@ -11,7 +12,6 @@ from mixprec.emulate.matmul import (
     get_matmul_model,
     matmul,
 )
-from mixprec.emulate.rounding import ROUNDING_MODES, round_to, round_to_
 
 __all__ = [
     "FORMAT_PRESETS",

@@ -25,8 +25,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.utils import parametrize
 
+from mixprec.core.rounding import round_to, round_to_
 from mixprec.emulate.matmul import MatmulModel, _matmul_model, get_matmul_model
-from mixprec.emulate.rounding import round_to, round_to_
 
 __all__ = ["EmulatedLinear", "LinearSwap", "emulate_linear_layers"]
 

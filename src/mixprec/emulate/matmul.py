@@ -55,9 +55,8 @@ from typing import Any
 
 import torch
 
-from mixprec._validate import check_choice, check_fraction, check_positive_float, check_positive_int, check_tensor
-from mixprec.emulate.formats import FORMAT_PRESETS, FloatFormat, get_format
-from mixprec.emulate.rounding import (
+from mixprec.core.formats import FORMAT_PRESETS, FloatFormat, get_format
+from mixprec.core.rounding import (
     _fix_overflow_,
     _flush_subnormals_,
     _nearest_magic_,
@@ -65,6 +64,7 @@ from mixprec.emulate.rounding import (
     round_to,
     round_to_,
 )
+from mixprec.core.validate import check_choice, check_fraction, check_positive_float, check_positive_int, check_tensor
 
 __all__ = [
     "MATMUL_PRESETS",

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mixprec._validate import check_dtype, check_tensor
+from mixprec.core.validate import check_dtype, check_tensor
 
 if TYPE_CHECKING:
     from mixprec.emulate import MatmulModel

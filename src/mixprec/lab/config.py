@@ -19,8 +19,8 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
-from mixprec._validate import check_choice, check_positive_float, check_positive_int
-from mixprec.comm.rounding import Rounding
+from mixprec.core.dtypes import Rounding
+from mixprec.core.validate import check_choice, check_positive_float, check_positive_int
 from mixprec.scaling.advisor import advise
 from mixprec.scaling.scaler import DynamicLossScaler, LossScaler, OnMinScale, StaticLossScaler
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec._validate import check_positive_int
+from mixprec.core.validate import check_positive_int
 
 __all__ = ["GPT", "Embedding", "GPTConfig", "LayerNorm", "Linear"]
 

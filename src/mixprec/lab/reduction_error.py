@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec._validate import check_choice, check_positive_float, check_positive_int
+from mixprec.core.validate import check_choice, check_positive_float, check_positive_int
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -192,7 +192,7 @@ def fp32_accumulate_reduce(
     if wire is None:
         return acc
     if rounding == "stochastic":
-        from mixprec.comm.rounding import stochastic_round
+        from mixprec.core.stochastic import stochastic_round
 
         return stochastic_round(acc, wire, generator=generator).float()
     return _round(acc, wire)

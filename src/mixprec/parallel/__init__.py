@@ -1,13 +1,8 @@
 """Data parallelism: gradient reducers, the bucketed wrapper, the sharded optimizer and DDP hooks."""
 
-from mixprec.parallel.buckets import Bucket, BucketLayout, ParamSlot, ShardPiece, build_layout
-from mixprec.parallel.comm_hooks import fp32_accumulate_hook
-from mixprec.parallel.ddp import DistributedDataParallel, NonFiniteBucket, NonFiniteGradientWarning
-from mixprec.parallel.reducers import (
+from mixprec.comm.reducer import (
     BUCKET_ALIGNMENT,
-    FP32AccumulateReducer,
     GradReducer,
-    NativeReducer,
     ReductionHandle,
     bucket_multiple,
     check_bucket,
@@ -16,6 +11,10 @@ from mixprec.parallel.reducers import (
     register_reducer,
     registered_reducers,
 )
+from mixprec.parallel.buckets import Bucket, BucketLayout, ParamSlot, ShardPiece, build_layout
+from mixprec.parallel.comm_hooks import fp32_accumulate_hook
+from mixprec.parallel.ddp import DistributedDataParallel, NonFiniteBucket, NonFiniteGradientWarning
+from mixprec.parallel.reducers import FP32AccumulateReducer, NativeReducer
 from mixprec.parallel.zero import CHECKPOINT_FORMAT, ShardedOptimizer
 
 __all__ = [

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mixprec._validate import check_positive_int
 from mixprec.comm.padding import round_up
-from mixprec.parallel.reducers import bucket_multiple
+from mixprec.comm.reducer import bucket_multiple
+from mixprec.core.validate import check_positive_int
 
 __all__ = ["Bucket", "BucketLayout", "ParamSlot", "ShardPiece", "build_layout"]
 

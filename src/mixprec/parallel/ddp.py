@@ -74,13 +74,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec._validate import check_bool, check_dtype, check_positive_int
 from mixprec.comm._compat import require_initialized
-from mixprec.comm.fp32_accumulate import WIRE_DTYPES
 from mixprec.comm.handles import wait_all
-from mixprec.comm.rounding import LOW_PRECISION_DTYPES
+from mixprec.comm.reducer import GradReducer, ReductionHandle, make_reducer
+from mixprec.core.dtypes import LOW_PRECISION_DTYPES, WIRE_DTYPES
+from mixprec.core.validate import check_bool, check_dtype, check_positive_int
 from mixprec.parallel.buckets import BucketLayout, build_layout
-from mixprec.parallel.reducers import GradReducer, ReductionHandle, make_reducer
 
 __all__ = ["REDUCER_STATE_FORMAT", "DistributedDataParallel", "NonFiniteBucket", "NonFiniteGradientWarning"]
 

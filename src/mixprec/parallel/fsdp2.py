@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec._validate import check_choice
 from mixprec.comm.fp32_accumulate import reduce_scatter_scaled
-from mixprec.comm.rounding import Rounding
+from mixprec.core.dtypes import Rounding
+from mixprec.core.validate import check_choice
 
 __all__ = ["FP32AccumulateReduceScatter", "use_fp32_accumulation"]
 

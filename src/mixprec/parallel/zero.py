@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from mixprec._validate import check_norm_type, check_positive_float
 from mixprec.comm._compat import all_gather_flat
 from mixprec.comm.objects import gather_objects
+from mixprec.core.validate import check_norm_type, check_positive_float
 from mixprec.parallel.buckets import ShardPiece
 from mixprec.scaling.master import clip_coefficient
 

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from mixprec._validate import check_positive_float, check_positive_int
+from mixprec.core.validate import check_positive_float, check_positive_int
 
 __all__ = ["Advice", "Finding", "advise", "rescale_for_dp"]
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mixprec._validate import check_dtype, check_positive_float
+from mixprec.core.validate import check_dtype, check_positive_float
 
 __all__ = ["GradRangeReport", "GradientStats", "grad_range_report"]
 

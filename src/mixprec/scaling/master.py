@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mixprec._validate import check_norm_type, check_positive_float
+from mixprec.core.validate import check_norm_type, check_positive_float
 
 __all__ = ["MasterWeightOptimizer", "clip_coefficient", "clip_grad_norm_", "grad_norm"]
 

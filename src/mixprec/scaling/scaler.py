@@ -37,8 +37,8 @@ from typing import Any, Literal, overload
 import torch
 import torch.distributed as dist
 
-from mixprec._validate import check_choice, check_fraction, check_positive_float, check_positive_int
 from mixprec.comm.agree import agree_any
+from mixprec.core.validate import check_choice, check_fraction, check_positive_float, check_positive_int
 
 __all__ = ["DynamicLossScaler", "LossScaleFloorError", "LossScaler", "StaticLossScaler"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mixprec._validate import check_positive_float, check_positive_int
+from mixprec.core.validate import check_positive_float, check_positive_int
 from mixprec.scaling.master import clip_grad_norm_, grad_norm
 from mixprec.scaling.scaler import LossScaler, StaticLossScaler
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from mixprec._validate import check_positive_float, check_positive_int
+from mixprec.core.validate import check_positive_float, check_positive_int
 
 __all__ = ["RankFailedError", "run_distributed"]
 

@@ -21,7 +21,11 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["rank_generator"]
+__all__ = ["DEFAULT_STOCHASTIC_SEED", "rank_generator"]
+
+# Seed of the per-process default generator for rounding="stochastic" (plus the global rank), so runs
+# are reproducible when the caller passes no generator.
+DEFAULT_STOCHASTIC_SEED = 0x6D697870
 
 # (pid, seed, device, rank) -> generator. A few entries per process (one per seed and device in use).
 _GENERATORS: dict[tuple[int, int, torch.device, int], torch.Generator] = {}

@@ -16,20 +16,14 @@ MiB whatever the size of ``x``.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-from mixprec._validate import check_choice, check_dtype
-from mixprec.emulate.rounding import round_to
+from mixprec.core.dtypes import LOW_PRECISION_DTYPES, ROUNDINGS, Rounding
+from mixprec.core.rounding import round_to
+from mixprec.core.validate import check_choice, check_dtype
 
-__all__ = ["Rounding", "round_into_", "stochastic_round"]
+__all__ = ["round_into_", "stochastic_round"]
 
-Rounding = Literal["nearest", "stochastic"]
-_ROUNDINGS = ("nearest", "stochastic")
-# The dtypes a stochastic or nearest rounding from fp32 targets; also the wire dtypes mixprec accumulates
-# in fp32 (shared by mixprec.comm and mixprec.parallel).
-LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
 # 2**16 elements: round_to's float64 temporaries stay at a few MiB.
 _BLOCK = 1 << 16
 
@@ -82,7 +76,7 @@ def round_into_(
     ``rounding="nearest"`` is torch's cast (round to nearest, ties to even). ``"stochastic"`` needs a
     float16/bfloat16 ``out``; see the module docstring for the rule. ``out`` must not overlap ``src``.
     """
-    check_choice("rounding", rounding, _ROUNDINGS)
+    check_choice("rounding", rounding, ROUNDINGS)
     if out.shape != src.shape:
         raise ValueError(f"out has shape {tuple(out.shape)} but src has {tuple(src.shape)}")
     if rounding == "nearest" or out.dtype == src.dtype:

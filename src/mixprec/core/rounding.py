@@ -43,8 +43,8 @@ from typing import Literal
 
 import torch
 
-from mixprec._validate import check_choice, check_tensor
-from mixprec.emulate.formats import FloatFormat, get_format
+from mixprec.core.formats import FloatFormat, get_format
+from mixprec.core.validate import check_choice, check_tensor
 
 __all__ = ["ROUNDING_MODES", "Rounding", "round_to", "round_to_"]
 
