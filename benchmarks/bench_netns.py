@@ -178,7 +178,8 @@ def worker(cfg: dict) -> None:
     from datetime import timedelta
 
     from mixprec.comm import all_reduce_fp32_accumulate
-    from mixprec.compress import CompressionWorkspace, MinMaxUInt8, Topology, compressed_all_reduce
+    from mixprec.compress import MinMaxUInt8, Topology, compressed_all_reduce
+    from mixprec.compress.collectives import CompressionWorkspace
 
     rank, world, per_node = cfg["rank"], cfg["world"], cfg["per_node"]
     local = rank % per_node

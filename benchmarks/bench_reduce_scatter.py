@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 
 from _common import machine_header, markdown_table
-from mixprec.comm import measure_peak_allocated, reduce_scatter_fp32_accumulate
-from mixprec.comm._compat import reduce_scatter_flat
+from mixprec.comm import reduce_scatter_fp32_accumulate
+from mixprec.comm.compat import reduce_scatter_flat
+from mixprec.comm.memory import measure_peak_allocated
 from mixprec.testing import run_distributed
 
 MIB = 1 << 20

@@ -13,12 +13,8 @@ import torch
 import torch.distributed as dist
 
 from dist_reference import fp32_rank_order_sum, neighbours
-from mixprec.comm import (
-    _compat,
-    all_reduce_fp32_accumulate,
-    measure_peak_allocated,
-    reduce_scatter_fp32_accumulate,
-)
+from mixprec.comm import all_reduce_fp32_accumulate, compat, reduce_scatter_fp32_accumulate
+from mixprec.comm.memory import measure_peak_allocated
 
 WORLD_SIZES = [2, 3, 4]
 WIRE = [torch.bfloat16, torch.float16]
@@ -54,7 +50,7 @@ def _reduce_scatter_case(
     }
     if out_dtype == dtype and not average:
         native = torch.empty(SHARD, dtype=dtype)
-        _compat.reduce_scatter_flat(native, inputs[rank].clone(), None)
+        compat.reduce_scatter_flat(native, inputs[rank].clone(), None)
         result["native_differs"] = int((native != expected).sum())
     return result
 
@@ -160,13 +156,13 @@ def test_compat_falls_back_to_the_old_names(monkeypatch) -> None:
     monkeypatch.delattr(dist, "all_gather_single", raising=False)
     monkeypatch.delattr(dist, "reduce_scatter_single", raising=False)
     try:
-        reloaded = importlib.reload(_compat)
+        reloaded = importlib.reload(compat)
         assert reloaded._ALL_GATHER is dist.all_gather_into_tensor
         assert reloaded._REDUCE_SCATTER is dist.reduce_scatter_tensor
     finally:
         monkeypatch.undo()
-        importlib.reload(_compat)
-    assert _compat._ALL_GATHER is dist.all_gather_single
+        importlib.reload(compat)
+    assert compat._ALL_GATHER is dist.all_gather_single
 
 
 def _stochastic_case(rank: int, world_size: int, draws: int) -> dict[str, torch.Tensor]:
@@ -216,7 +212,7 @@ def _memory_case(rank: int, world_size: int, numel: int) -> dict[str, int]:
     def cast_then_reduce() -> None:
         # What a user does without mixprec: an fp32 copy of the whole input, then fp32 reduce-scatter.
         out_f = torch.empty(shard, dtype=torch.float32)
-        _compat.reduce_scatter_flat(out_f, x.float(), None)
+        compat.reduce_scatter_flat(out_f, x.float(), None)
         out.copy_(out_f)
 
     _, cast = measure_peak_allocated(cast_then_reduce)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dist_reference import neighbours
-from mixprec.comm import round_into_, stochastic_round
+from mixprec.comm import stochastic_round
+from mixprec.core.stochastic import round_into_
 
 LOW = [torch.float16, torch.bfloat16]
 

@@ -19,7 +19,6 @@ from compress_reference import (
     ref_hierarchical_reduce_scatter,
 )
 from mixprec.compress import (
-    CompressionWorkspace,
     ErrorFeedback,
     MinMaxUInt8,
     NonFiniteError,
@@ -29,6 +28,7 @@ from mixprec.compress import (
     start_compressed_all_reduce,
     start_compressed_reduce_scatter,
 )
+from mixprec.compress.collectives import CompressionWorkspace
 
 CHUNK = 256
 N = 12 * 1024  # divisible by 2, 3 and 4; parts of 6144/4096/3072 elements: whole and partial chunks
@@ -236,7 +236,7 @@ def test_hierarchical_2x2_bit_for_bit_and_within_bound(dist_run) -> None:
 def _count_wire_bytes(log: list[tuple[str, tuple[int, ...], torch.dtype, int]]) -> None:
     """Wrap the collectives the compressed schemes hand their buffers to (in this forked rank only) and log
     (kind, ranks of the group, dtype, bytes this rank sends to the other ranks) for each call."""
-    import mixprec.comm._compat as compat
+    import mixprec.comm.compat as compat
 
     real_a2a, real_gather, real_all_reduce = dist.all_to_all_single, compat._ALL_GATHER, dist.all_reduce
 

@@ -19,8 +19,10 @@ from compress_reference import (
     ref_hierarchical_all_reduce,
     ref_hierarchical_reduce_scatter,
 )
-from mixprec.compress import ErrorFeedback, Topology, Uint8Options, Uint8Reducer, uint8_compress_hook
-from mixprec.parallel import DistributedDataParallel, make_reducer
+from mixprec.comm import make_reducer
+from mixprec.compress import ErrorFeedback, Topology, Uint8Options, Uint8Reducer
+from mixprec.integrations.ddp_uint8 import uint8_compress_hook
+from mixprec.parallel import DistributedDataParallel
 
 CHUNK = 256
 BUCKET = 3 * 1024  # a multiple of lcm(world_size, 128) for 2, 3 and 4 ranks

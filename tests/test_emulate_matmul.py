@@ -9,16 +9,8 @@ import pytest
 import torch
 
 from emulate_reference import ref_matmul_element
-from mixprec.emulate import (
-    MATMUL_PRESETS,
-    TENSOR_CORE_ALIGN_BITS,
-    MatmulModel,
-    bounds,
-    get_format,
-    get_matmul_model,
-    matmul,
-    round_to,
-)
+from mixprec.emulate import MATMUL_PRESETS, MatmulModel, bounds, get_format, get_matmul_model, matmul, round_to
+from mixprec.emulate.matmul import TENSOR_CORE_ALIGN_BITS
 
 
 def test_hand_worked_2048_plus_ones():

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import mixprec.fsdp
 from dist_reference import fp32_rank_order_sum
-from mixprec.parallel.fsdp2 import _decode_op
+from mixprec.integrations.fsdp2 import _decode_op
 
 
 @pytest.fixture(autouse=True, scope="module")

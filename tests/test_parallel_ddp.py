@@ -18,13 +18,9 @@ import pytest
 import torch
 
 from dist_reference import fp32_rank_order_sum, gamma, neighbours
-from mixprec.parallel import (
-    DistributedDataParallel,
-    FP32AccumulateReducer,
-    NonFiniteGradientWarning,
-    bucket_multiple,
-    build_layout,
-)
+from mixprec.comm.reducer import bucket_multiple
+from mixprec.parallel import DistributedDataParallel, FP32AccumulateReducer, NonFiniteGradientWarning
+from mixprec.parallel.buckets import build_layout
 from mixprec.scaling import DynamicLossScaler
 
 
@@ -529,7 +525,7 @@ class _FailingReducer:
     """fp32_accumulate, except that the handle of bucket ``fail_key`` raises after its reduction finished."""
 
     def __init__(self, fail_key: int) -> None:
-        from mixprec.parallel import make_reducer
+        from mixprec.comm import make_reducer
 
         self.inner = make_reducer("fp32_accumulate")
         self.fail_key = fail_key

@@ -7,16 +7,10 @@ import torch
 import torch.distributed as dist
 
 from dist_reference import U32, UBF16, fp32_rank_order_sum, gamma
+from mixprec.comm import GradReducer, make_reducer, register_reducer, registered_reducers
 from mixprec.comm import reducer as reducer_registry
-from mixprec.parallel import (
-    FP32AccumulateReducer,
-    GradReducer,
-    NativeReducer,
-    bucket_multiple,
-    make_reducer,
-    register_reducer,
-    registered_reducers,
-)
+from mixprec.comm.reducer import bucket_multiple
+from mixprec.parallel import FP32AccumulateReducer, NativeReducer
 
 
 def test_registry_names_and_errors(monkeypatch) -> None:

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from dist_reference import U32, fp32_rank_order_sum, gamma
-from mixprec.parallel import CHECKPOINT_FORMAT, DistributedDataParallel, ShardedOptimizer
+from mixprec.parallel import DistributedDataParallel, ShardedOptimizer
+from mixprec.parallel.zero import CHECKPOINT_FORMAT
 
 GLOBAL_BATCH = 24
 

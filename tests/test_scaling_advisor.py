@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from mixprec import GradientStats, advise, grad_range_report, rescale_for_dp
 from mixprec.cli.main import main
+from mixprec.scaling import GradientStats, advise, grad_range_report, rescale_for_dp
 
 
 def codes(advice):

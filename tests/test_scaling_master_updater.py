@@ -8,14 +8,8 @@ import math
 import pytest
 import torch
 
-from mixprec import (
-    DynamicLossScaler,
-    MasterWeightOptimizer,
-    StaticLossScaler,
-    Updater,
-    clip_grad_norm_,
-    grad_norm,
-)
+from mixprec import DynamicLossScaler, MasterWeightOptimizer, StaticLossScaler, Updater
+from mixprec.scaling import clip_grad_norm_, grad_norm
 
 U32 = 2.0**-24  # unit roundoff of fp32
 

@@ -11,6 +11,6 @@
 passed to ``FSDPModule.set_custom_reduce_scatter`` directly.
 """
 
-from mixprec.parallel.fsdp2 import FP32AccumulateReduceScatter, use_fp32_accumulation
+from mixprec.integrations.fsdp2 import FP32AccumulateReduceScatter, use_fp32_accumulation
 
 __all__ = ["FP32AccumulateReduceScatter", "use_fp32_accumulation"]

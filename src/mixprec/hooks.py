@@ -10,10 +10,10 @@ bucket is averaged with the wire in the gradient dtype and the sum in fp32 (one 
 
     ddp.register_comm_hook(mixprec.hooks.Uint8HookState(error_feedback=True), mixprec.hooks.uint8_compress_hook)
 
-The hook functions live in ``mixprec.parallel`` (process-group plumbing); this module re-exports them.
+The hooks live in :mod:`mixprec.integrations`; this module is their one public path.
 """
 
-from mixprec.compress.hooks import Uint8HookState, uint8_compress_hook
-from mixprec.parallel.comm_hooks import fp32_accumulate_hook
+from mixprec.integrations.ddp_fp32 import fp32_accumulate_hook
+from mixprec.integrations.ddp_uint8 import Uint8HookState, uint8_compress_hook
 
 __all__ = ["Uint8HookState", "fp32_accumulate_hook", "uint8_compress_hook"]

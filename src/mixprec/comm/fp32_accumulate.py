@@ -29,7 +29,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from mixprec.comm._compat import all_gather_flat, overlaps, require_initialized
+from mixprec.comm.compat import all_gather_flat, overlaps, require_initialized
 from mixprec.comm.handles import PendingReduction
 from mixprec.comm.padding import round_up
 from mixprec.core.dtypes import LOW_PRECISION_DTYPES, WIRE_DTYPES, Rounding
@@ -38,10 +38,10 @@ from mixprec.core.stochastic import round_into_
 from mixprec.core.validate import check_bool, check_choice, check_tensor
 
 __all__ = [
-    "PendingReduction",
     "all_reduce_fp32_accumulate",
     "reduce_scatter_fp32_accumulate",
     "reduce_scatter_scaled",
+    "sum_shards_into",
 ]
 
 # Elements per block of the fp32 sum (256 KiB of fp32: the accumulator and the widened addend fit in L2).
@@ -68,7 +68,7 @@ def _receive_buffer(
     return recv
 
 
-def _sum_shards_into(
+def sum_shards_into(
     output: torch.Tensor,
     shards: torch.Tensor,
     *,
@@ -210,7 +210,7 @@ def reduce_scatter_scaled(
     def finish() -> None:
         if work is not None:
             work.wait()
-        _sum_shards_into(
+        sum_shards_into(
             output,
             recv.view(world_size, shard),
             average=average,

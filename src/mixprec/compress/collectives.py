@@ -72,13 +72,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec.comm._compat import all_gather_flat, require_initialized
 from mixprec.comm.agree import agree_any
+from mixprec.comm.compat import all_gather_flat, require_initialized
 from mixprec.comm.fp32_accumulate import reduce_scatter_fp32_accumulate
 from mixprec.comm.padding import pad_flat
+from mixprec.comm.topology import HierarchicalGroups, check_topology, resolve_topology
 from mixprec.compress._scratch import Scratch
 from mixprec.compress.quantize import FLOAT_DTYPES, HEADER_BYTES_PER_CHUNK, MinMaxUInt8, NonFiniteError
-from mixprec.compress.topology import HierarchicalGroups, check_topology, resolve_topology
 from mixprec.core.validate import check_bool, check_tensor
 
 __all__ = [

@@ -23,6 +23,7 @@ from torch.distributed import ProcessGroup
 
 from mixprec.comm.handles import PendingReduction
 from mixprec.comm.reducer import check_bucket, check_shard_out, register_reducer
+from mixprec.comm.topology import Topology
 from mixprec.compress.collectives import (
     CompressedReduction,
     CompressionStats,
@@ -32,7 +33,6 @@ from mixprec.compress.collectives import (
     start_compressed_reduce_scatter,
 )
 from mixprec.compress.options import RankCompressors, Uint8Options, check_feedback_entry, load_feedback
-from mixprec.compress.topology import Topology
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED
 from mixprec.core.validate import check_positive_int
 

@@ -5,7 +5,6 @@ from mixprec.core.rounding import ROUNDING_MODES, round_to, round_to_
 from mixprec.emulate.linear import EmulatedLinear, LinearSwap, emulate_linear_layers
 from mixprec.emulate.matmul import (
     MATMUL_PRESETS,
-    TENSOR_CORE_ALIGN_BITS,
     ErrorBounds,
     MatmulModel,
     bounds,
@@ -17,7 +16,6 @@ __all__ = [
     "FORMAT_PRESETS",
     "MATMUL_PRESETS",
     "ROUNDING_MODES",
-    "TENSOR_CORE_ALIGN_BITS",
     "EmulatedLinear",
     "ErrorBounds",
     "FloatFormat",

@@ -36,7 +36,7 @@ def reduction_available(name: str) -> str | None:
         return f"reduce={name!r} needs mixprec.parallel.DistributedDataParallel, which is not available yet"
     if name == "native":
         return None
-    registered = _attr("mixprec.parallel", "registered_reducers")
+    registered = _attr("mixprec.comm", "registered_reducers")
     if name.startswith("uint8"):
         try:
             importlib.import_module("mixprec.compress")

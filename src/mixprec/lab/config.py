@@ -305,7 +305,7 @@ class TrainConfig:
         return "dynamic" if self.precision == "fp16" else "none"
 
     def advice(self) -> Any:
-        """The loss-scale advisor's verdict on (GBS, MBS, ranks, loss scale); see :func:`mixprec.advise`."""
+        """The loss-scale advisor's verdict on (GBS, MBS, ranks, loss scale); see :func:`mixprec.scaling.advise`."""
         scale = 1.0 if self.resolved_loss_scaler == "none" else self.loss_scale
         return advise(self.global_batch_size, self.micro_batch_size, self.nproc, scale)
 

@@ -1,54 +1,24 @@
-"""Data parallelism: gradient reducers, the bucketed wrapper, the sharded optimizer and DDP hooks."""
+"""Data parallelism: the bucketed wrapper, the ZeRO-1 sharded optimizer and the built-in reducers.
 
-from mixprec.comm.reducer import (
-    BUCKET_ALIGNMENT,
-    GradReducer,
-    ReductionHandle,
-    bucket_multiple,
-    check_bucket,
-    check_shard_out,
-    make_reducer,
-    register_reducer,
-    registered_reducers,
-)
-from mixprec.parallel.buckets import Bucket, BucketLayout, ParamSlot, ShardPiece, build_layout
-from mixprec.parallel.comm_hooks import fp32_accumulate_hook
+* :class:`DistributedDataParallel`: gradients in contiguous buckets, each reduced (``reduce="native"``,
+  ``"fp32_accumulate"``, a compressed reducer, or any :class:`mixprec.comm.GradReducer`) as soon as
+  backward has produced it.
+* :class:`ShardedOptimizer`: fp32 master shards per rank (ZeRO-1), built by ``make_optimizer``.
+* :class:`NativeReducer`, :class:`FP32AccumulateReducer`: the reducers registered as ``"native"`` and
+  ``"fp32_accumulate"``.
+
+Hooks for torch's own DDP and FSDP2 are in :mod:`mixprec.hooks` and :mod:`mixprec.fsdp`.
+"""
+
 from mixprec.parallel.ddp import DistributedDataParallel, NonFiniteBucket, NonFiniteGradientWarning
 from mixprec.parallel.reducers import FP32AccumulateReducer, NativeReducer
-from mixprec.parallel.zero import CHECKPOINT_FORMAT, ShardedOptimizer
+from mixprec.parallel.zero import ShardedOptimizer
 
 __all__ = [
-    "BUCKET_ALIGNMENT",
-    "CHECKPOINT_FORMAT",
-    "Bucket",
-    "BucketLayout",
     "DistributedDataParallel",
-    "FP32AccumulateReduceScatter",
     "FP32AccumulateReducer",
-    "GradReducer",
     "NativeReducer",
     "NonFiniteBucket",
     "NonFiniteGradientWarning",
-    "ParamSlot",
-    "ReductionHandle",
-    "ShardPiece",
     "ShardedOptimizer",
-    "bucket_multiple",
-    "build_layout",
-    "check_bucket",
-    "check_shard_out",
-    "fp32_accumulate_hook",
-    "make_reducer",
-    "register_reducer",
-    "registered_reducers",
-    "use_fp32_accumulation",
 ]
-
-
-def __getattr__(name: str) -> object:
-    # The FSDP2 names import torch.distributed.fsdp (~0.7 s): load them on first use only.
-    if name in ("FP32AccumulateReduceScatter", "use_fp32_accumulation"):
-        from mixprec.parallel import fsdp2
-
-        return getattr(fsdp2, name)
-    raise AttributeError(f"module 'mixprec.parallel' has no attribute {name!r}")

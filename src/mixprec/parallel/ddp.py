@@ -74,7 +74,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec.comm._compat import require_initialized
+from mixprec.comm.compat import require_initialized
 from mixprec.comm.handles import wait_all
 from mixprec.comm.reducer import GradReducer, ReductionHandle, make_reducer
 from mixprec.core.dtypes import LOW_PRECISION_DTYPES, WIRE_DTYPES

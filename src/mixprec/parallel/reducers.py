@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from mixprec.comm._compat import reduce_scatter_flat
+from mixprec.comm.compat import reduce_scatter_flat
 from mixprec.comm.fp32_accumulate import all_reduce_fp32_accumulate, reduce_scatter_fp32_accumulate
 from mixprec.comm.handles import PendingReduction
 from mixprec.comm.reducer import ReductionHandle, after_work, check_bucket, check_shard_out, register_reducer

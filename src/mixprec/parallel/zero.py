@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from mixprec.comm._compat import all_gather_flat
+from mixprec.comm.compat import all_gather_flat
 from mixprec.comm.objects import gather_objects
 from mixprec.core.validate import check_norm_type, check_positive_float
 from mixprec.parallel.buckets import ShardPiece
@@ -204,7 +204,7 @@ class ShardedOptimizer:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the fp32 gradient shards so the global norm is at most ``max_norm``; returns the norm before.
 
-        Same rule as :func:`mixprec.clip_grad_norm_`: a non-finite norm leaves gradients untouched (the
+        Same rule as :func:`mixprec.scaling.clip_grad_norm_`: a non-finite norm leaves gradients untouched (the
         loss scaler skips that step). Call it after ``scaler.unscale_(opt)``.
         """
         check_positive_float("max_norm", max_norm)

@@ -3,7 +3,7 @@
 :func:`fp32_accumulate_hook` for ``torch.nn.parallel.DistributedDataParallel.register_comm_hook``: each
 gradient bucket is all-reduced the way :func:`mixprec.comm.all_reduce_fp32_accumulate` does it (wire in
 the bucket dtype, fp32 sum in rank order, one rounding) and averaged, as torch's default hook averages. The
-FSDP2 counterpart is in :mod:`mixprec.parallel.fsdp2`.
+FSDP2 counterpart is in :mod:`mixprec.integrations.fsdp2`.
 
 Asynchronous: the hook starts the ``all_to_all_single`` and returns at once, so backward goes on while the
 bucket travels. When the all-to-all completes, a callback (on the backend's thread) sums this rank's shard
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec.comm._compat import all_gather_flat
-from mixprec.comm.fp32_accumulate import _sum_shards_into
+from mixprec.comm.compat import all_gather_flat
+from mixprec.comm.fp32_accumulate import sum_shards_into
 from mixprec.comm.padding import pad_flat
 
 __all__ = ["fp32_accumulate_hook"]
@@ -178,7 +178,7 @@ def fp32_accumulate_hook(
         error: BaseException | None = None
         try:
             fut.wait()
-            _sum_shards_into(own, recv.view(world_size, shard), average=True, rounding="nearest", generator=None)
+            sum_shards_into(own, recv.view(world_size, shard), average=True, rounding="nearest", generator=None)
             _sync_stream(buffer.device)
             ctx.pool.give(recv)
         except BaseException as exc:  # the buffer may still be written: it is not returned to the pool
