@@ -25,14 +25,17 @@ class PendingReduction:
 
     Args:
         finish: called once by the first ``wait()``; it blocks until the communication is done and runs the
-            local work that completes the result (e.g. the fp32 sum and the rounding).
+            local work that completes the result (e.g. the fp32 sum and the rounding). What it returns
+            (None for most collectives; per-call statistics for the compressed ones) is what every
+            successful ``wait()`` returns.
 
-    ``wait()`` may be called any number of times: after a success it returns at once; after a failure it
-    raises the stored exception again (the output is not valid).
+    ``wait()`` may be called any number of times: after a success it returns the same result at once; after
+    a failure it raises the stored exception again (the output is not valid).
     """
 
-    def __init__(self, finish: Callable[[], None]) -> None:
-        self._finish: Callable[[], None] | None = finish
+    def __init__(self, finish: Callable[[], Any]) -> None:
+        self._finish: Callable[[], Any] | None = finish
+        self._result: Any = None
         self._error: BaseException | None = None
         self._running = False
 
@@ -43,23 +46,24 @@ class PendingReduction:
         handle._finish = None
         return handle
 
-    def wait(self) -> None:
+    def wait(self) -> Any:
         if self._error is not None:
             raise self._error
         finish = self._finish
         if finish is None:
-            return
+            return self._result
         if self._running:
             raise RuntimeError("PendingReduction.wait() called again from inside its own finishing work")
         self._running = True
         try:
-            finish()
+            self._result = finish()
         except BaseException as exc:
             self._error = exc
             raise
         finally:
             self._running = False
         self._finish = None
+        return self._result
 
     def is_completed(self) -> bool:
         """True once ``wait()`` has finished successfully (the local work runs only inside ``wait()``)."""
