@@ -1,4 +1,6 @@
-"""GPU check of the two-stage fp16 kernel (seed 003) and of the emulator's accumulator models, in one run.
+"""GPU check of the two-stage fp16 kernel and of the emulator's accumulator models, in one run.
+
+The kernel follows "Improving FP16/16 matmul accuracy with two-stage accumulation" (spatters/mma-matmul).
 
 1. Correctness: ``two_stage_matmul`` with a fixed K block against the emulator's model of that block size
    (fp16 MMAs of K=16 chained in an fp16 accumulator inside a block, promoted to fp32 per block), on odd shapes
@@ -232,7 +234,7 @@ def hardware_errors(quick: bool) -> tuple[dict[str, Any], str]:
     results: dict[str, Any] = {"size": size}
     outs: dict[str, torch.Tensor] = {}
     outs["cuBLAS fp16/32, fp16 out (torch.matmul)"] = (a @ b).double()
-    # fp32 output of the fp16 GEMM, as seed 003's cublasGemmEx FP16/32 (newer torch: mm(out_dtype=))
+    # fp32 output of the fp16 GEMM, as the two-stage write-up's cublasGemmEx FP16/32 (newer torch: mm(out_dtype=))
     with contextlib.suppress(Exception):
         outs["cuBLAS fp16/32, fp32 out (mm out_dtype)"] = torch.mm(a, b, out_dtype=torch.float32).double()
     # fp16 values are exact in TF32, so a TF32 tensor-core GEMM of the widened data is an fp16/32 GEMM with fp32
@@ -301,7 +303,7 @@ def hardware_errors(quick: bool) -> tuple[dict[str, Any], str]:
         + markdown_table(
             ["kernel", "p50 vs f64", "p99 vs f64", "max vs f64", "p50 vs fp32 ref", "max vs fp32 ref"], rows
         )
-        + "\n\nMedian-error ratios (vs the fp32 reference, as seed 003 measured):\n\n"
+        + "\n\nMedian-error ratios (vs the fp32 reference, as the two-stage write-up measured):\n\n"
         + markdown_table(["ratio", "seed claims", "measured"], ratios)
         + f"\n\nfp8 e4m3 GEMM accumulation error at K={size} (vs float64 of the fp8 inputs; DeepSeek-V3 claims ~2% "
         "maximum relative error without promotion):\n\n"
