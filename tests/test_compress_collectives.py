@@ -28,7 +28,7 @@ from mixprec.compress import (
     start_compressed_all_reduce,
     start_compressed_reduce_scatter,
 )
-from mixprec.compress.collectives import CompressionWorkspace
+from mixprec.compress.state import CompressionWorkspace
 
 CHUNK = 256
 N = 12 * 1024  # divisible by 2, 3 and 4; parts of 6144/4096/3072 elements: whole and partial chunks
@@ -87,9 +87,9 @@ def _hier_chunk_ids(n: int, nodes: int, per_node: int, chunk: int) -> np.ndarray
 
 # ---------------------------------------------------------------------------------------------- workers
 def monkeypatch_segment(elements: int) -> None:
-    import mixprec.compress.collectives as collectives
+    import mixprec.compress.flat as flat
 
-    collectives._SEGMENT_ELEMENTS = elements  # inside a forked rank only
+    flat._SEGMENT_ELEMENTS = elements  # inside a forked rank only
 
 
 def _worker_main(rank: int, world: int, topology: Topology | None, segment: int | None = None) -> dict:

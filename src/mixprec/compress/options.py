@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from mixprec.comm.topology import Topology, check_topology
-from mixprec.compress.collectives import ErrorFeedback
 from mixprec.compress.quantize import MinMaxUInt8
+from mixprec.compress.state import ErrorFeedback
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rank_generator
 from mixprec.core.validate import check_bool, check_choice, check_positive_int
 

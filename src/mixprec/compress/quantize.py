@@ -60,15 +60,17 @@ from typing import Literal
 import torch
 
 from mixprec.compress._scratch import Scratch
-from mixprec.core.dtypes import Rounding
-from mixprec.core.validate import check_choice, check_dtype, check_positive_int, check_tensor
+from mixprec.core.dtypes import LOW_PRECISION_DTYPES, ROUNDINGS, Rounding
+from mixprec.core.validate import check_bool, check_choice, check_dtype, check_positive_int, check_tensor
 
 __all__ = ["HEADER_BYTES_PER_CHUNK", "MinMaxUInt8", "NonFiniteError"]
 
 CheckFinite = Literal["raise", "flag"]
 
 HEADER_BYTES_PER_CHUNK = 8  # fp32 min + fp32 max
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# What the quantizer encodes and decodes to; fp32 first, as the error messages list it.
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, *LOW_PRECISION_DTYPES)
+CHECK_FINITE: tuple[str, ...] = ("raise", "flag")
 _FP32_MAX = torch.finfo(torch.float32).max
 # Below this range the fp32 step R/255 would be subnormal (losing relative precision) and 255/R may overflow.
 _WIDE_BELOW = 255.0 * torch.finfo(torch.float32).tiny
@@ -118,11 +120,11 @@ class MinMaxUInt8:
         check_finite: CheckFinite = "raise",
     ) -> None:
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
-        self.rounding: Rounding = check_choice("rounding", rounding, ("nearest", "stochastic"))
+        self.rounding: Rounding = check_choice("rounding", rounding, ROUNDINGS)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
         self.generator = generator
-        self.check_finite: CheckFinite = check_choice("check_finite", check_finite, ("raise", "flag"))
+        self.check_finite: CheckFinite = check_choice("check_finite", check_finite, CHECK_FINITE)
         self._scratch = Scratch()
 
     def __repr__(self) -> str:
@@ -157,10 +159,10 @@ class MinMaxUInt8:
             ValueError: stochastic rounding with a ``generator`` on another device than the tensor.
         """
         x = check_tensor("tensor", tensor, FLOAT_DTYPES).reshape(1, -1)
-        self._check_generator_device(x.device)
+        self.check_generator_device(x.device)
         numel = x.shape[1]
         out = self._check_buffer("out", out, numel, x.device, allocate=True)
-        bad = self._encode_rows(x, out.view(1, -1))
+        bad = self._encode_rows(x, out.view(1, -1), None)
         if bad and self.check_finite == "raise":
             raise NonFiniteError(
                 f"tensor holds NaN or Inf in {bad} of its {self.num_chunks(numel)} chunks of {self.chunk_size} "
@@ -194,7 +196,7 @@ class MinMaxUInt8:
                     f"out must be a contiguous {dtype} tensor of {numel} elements on {buffer.device}; "
                     f"got {out.dtype} with {out.numel()} elements on {out.device}"
                 )
-        self._decode_rows(buffer.view(1, -1), numel, out.view(1, numel))
+        self._decode_rows(buffer.view(1, -1), numel, out.view(1, numel), False)
         return out.view(-1)
 
     def header(self, buffer: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,11 +213,12 @@ class MinMaxUInt8:
         mins, maxs = self.header(buffer, numel)
         return bool(mins.isnan().any() or maxs.isnan().any())
 
-    # ------------------------------------------------------------------ internals
-    def _check_generator_device(self, device: torch.device) -> None:
-        """Stochastic rounding draws its uniforms on ``device`` with ``self.generator``: they must match
-        (torch raises an obscure error for a CPU generator and CUDA output, and a CUDA generator cannot
-        draw CPU numbers).
+    # ------------------------------------------------------------------ row API (the collectives' building blocks)
+    def check_generator_device(self, device: torch.device) -> None:
+        """ValueError unless stochastic rounding's ``generator`` (if any) can draw on ``device``.
+
+        Torch raises an obscure error for a CPU generator and CUDA output, and a CUDA generator cannot draw
+        CPU numbers; a collective calls this before it sends anything.
         """
         gen = self.generator
         if gen is None or self.rounding != "stochastic":
@@ -228,6 +231,73 @@ class MinMaxUInt8:
                 f"generator is on {gen.device} but the tensor is on {device}: stochastic rounding draws on the "
                 "tensor's device; pass a generator created there (e.g. mixprec.comm.rank_generator(seed, device))"
             )
+
+    def encode_rows(self, x: torch.Tensor, out: torch.Tensor, *, uniforms: torch.Tensor | None = None) -> int:
+        """Encode each row of ``x`` into the matching row of ``out``, each row as :meth:`encode` would.
+
+        Never raises for NaN/Inf: flagged chunks are counted (``check_finite`` is the caller's business).
+
+        Args:
+            x: [R, L] fp32/fp16/bf16; rows may be strided, each row's elements contiguous. Not modified.
+            out: [R, encoded_nbytes(L)] uint8 on ``x``'s device, each row's bytes contiguous.
+            uniforms: for stochastic rounding, [R, L] fp32 draws in [0, 1) on ``x``'s device to use instead
+                of drawing ``R * L`` from ``generator`` (in row-major order); ignored for nearest rounding.
+
+        Returns:
+            The number of chunks flagged non-finite (over all rows).
+        """
+        self._check_rows("x", x, FLOAT_DTYPES, None)
+        rows, length = x.shape
+        self._check_rows("out", out, (torch.uint8,), (rows, self.encoded_nbytes(length)), x.device)
+        if uniforms is not None:
+            self._check_rows("uniforms", uniforms, (torch.float32,), (rows, length), x.device)
+        self.check_generator_device(x.device)
+        return self._encode_rows(x, out, uniforms)
+
+    def decode_rows(self, buffers: torch.Tensor, length: int, out: torch.Tensor, *, reduce: bool = False) -> int:
+        """Decode each row of ``buffers`` into the matching row of ``out``, or sum the decoded rows.
+
+        Each decoded row is exactly what :meth:`decode` gives in fp32. With ``reduce=True`` the rows are
+        summed in fp32, in row order (``((dec_0 + dec_1) + dec_2) + ...``), into ``out``; else each row is
+        rounded once to ``out``'s dtype. Flagged chunks decode to NaN.
+
+        Args:
+            buffers: [R, encoded_nbytes(length)] uint8, each row's bytes contiguous.
+            length: elements per row, int >= 0.
+            out: [R, length] fp32/fp16/bf16 (rows may be strided, each row contiguous); with ``reduce``,
+                a contiguous 1-D fp32 tensor of ``length`` elements. On ``buffers``' device.
+            reduce: sum the rows instead of decoding each into its own row.
+
+        Returns:
+            The number of flagged (non-finite) chunks seen (over all rows).
+        """
+        length = check_positive_int("length", length, minimum=0)
+        self._check_rows("buffers", buffers, (torch.uint8,), (None, self.encoded_nbytes(length)))
+        if reduce:
+            check_tensor("out", out, (torch.float32,), contiguous=True, device=buffers.device)
+            if out.shape != (length,):
+                raise ValueError(f"out must be 1-D with {length} elements when reduce=True; got {tuple(out.shape)}")
+        else:
+            self._check_rows("out", out, FLOAT_DTYPES, (buffers.shape[0], length), buffers.device)
+        return self._decode_rows(buffers, length, out, check_bool("reduce", reduce))
+
+    # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _check_rows(
+        name: str,
+        t: torch.Tensor,
+        dtypes: tuple[torch.dtype, ...],
+        shape: tuple[int | None, int] | None,
+        device: torch.device | None = None,
+    ) -> None:
+        """``t`` is a 2-D tensor of ``dtypes``, of ``shape`` (None: any rows), whose rows are contiguous."""
+        check_tensor(name, t, dtypes, device=device)
+        rows, cols = shape if shape is not None else (None, None)
+        if t.dim() != 2 or (rows is not None and t.shape[0] != rows) or (cols is not None and t.shape[1] != cols):
+            want = "2-D" if shape is None else f"of shape [{'R' if rows is None else rows}, {cols}]"
+            raise ValueError(f"{name} must be {want}; got shape {tuple(t.shape)}")
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"each row of {name} must be contiguous; got strides {t.stride()}")
 
     def _check_buffer(
         self, name: str, buffer: torch.Tensor | None, numel: int, device: torch.device | None, *, allocate: bool
@@ -275,10 +345,8 @@ class MinMaxUInt8:
         rng = maxs.double() - mins.double()
         return rng, (rng > _FP32_MAX) | ((rng > 0) & (rng < _WIDE_BELOW))  # NaN: neither
 
-    def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, *, uniforms: torch.Tensor | None = None) -> int:
-        """Encode each row of ``x`` [R, L] (any float dtype, last dim contiguous) into the matching row of
-        ``out`` [R, encoded_nbytes(L)] (uint8, last dim contiguous). Returns the number of non-finite chunks.
-        For stochastic rounding, ``uniforms`` [R, L] (fp32 in [0, 1)) replaces this call's own draws.
+    def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, uniforms: torch.Tensor | None) -> int:
+        """:meth:`encode_rows` on checked arguments.
 
         Works on super-blocks of about ``_SUPER`` elements (all rows at once): a min/max pass that pulls them
         into the last-level cache, the fp64 chunk scalars, then the code pass block by block in L2.
@@ -358,12 +426,8 @@ class MinMaxUInt8:
                 codes[r, a:b].zero_()
         return n_bad
 
-    def _decode_rows(self, buf: torch.Tensor, length: int, out: torch.Tensor, *, reduce: bool = False) -> int:
-        """Decode each row of ``buf`` [R, encoded_nbytes(length)] into ``out`` [R, length] (any float dtype,
-        rows contiguous), or with ``reduce=True`` sum the decoded rows in fp32, in row order, into ``out``
-        [length] (fp32): ``out = ((dec_0 + dec_1) + dec_2) + ...``, each ``dec_r`` exactly what
-        :meth:`decode` gives in fp32. Returns the number of flagged (non-finite) chunks seen.
-        """
+    def _decode_rows(self, buf: torch.Tensor, length: int, out: torch.Tensor, reduce: bool) -> int:
+        """:meth:`decode_rows` on checked arguments."""
         rows = buf.shape[0]
         chunks = self.num_chunks(length)
         device = buf.device
@@ -374,8 +438,6 @@ class MinMaxUInt8:
         rng, wide = self._scalars(mins, hdr[:, 1])
         step = (rng / 255.0).float()  # NaN for flagged chunks: they decode to NaN
         n_bad = int(mins.isnan().sum())
-        if reduce and out.dtype != torch.float32:
-            raise TypeError(f"internal: a reducing decode needs an fp32 output; got {out.dtype}")
         per_block = max(1, _BLOCK // (rows * self.chunk_size))
         code_blocks = self._blocks(buf[:, hb:], per_block)
         out_blocks = self._blocks(out.view(1, -1) if reduce else out, per_block)

@@ -24,15 +24,9 @@ from torch.distributed import ProcessGroup
 from mixprec.comm.handles import PendingReduction
 from mixprec.comm.reducer import check_bucket, check_shard_out, register_reducer
 from mixprec.comm.topology import Topology
-from mixprec.compress.collectives import (
-    CompressedReduction,
-    CompressionStats,
-    CompressionWorkspace,
-    ErrorFeedback,
-    start_compressed_all_reduce,
-    start_compressed_reduce_scatter,
-)
+from mixprec.compress.collectives import start_compressed_all_reduce, start_compressed_reduce_scatter
 from mixprec.compress.options import RankCompressors, Uint8Options, check_feedback_entry, load_feedback
+from mixprec.compress.state import CompressionStats, CompressionWorkspace, ErrorFeedback
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED
 from mixprec.core.validate import check_positive_int
 
@@ -101,7 +95,7 @@ class Uint8Reducer:
             return None
         return self._feedback.setdefault(key, ErrorFeedback())
 
-    def _track(self, reduction: CompressedReduction, workspace: CompressionWorkspace, key: int) -> _PendingBucket:
+    def _track(self, reduction: PendingReduction, workspace: CompressionWorkspace, key: int) -> _PendingBucket:
         handle = _PendingBucket(reduction, workspace, key, self)
         self._pending.append(handle)
         return handle
@@ -130,7 +124,7 @@ class Uint8Reducer:
         )
 
     def _start(
-        self, key: int, device: torch.device, average: bool, start: Callable[..., CompressedReduction]
+        self, key: int, device: torch.device, average: bool, start: Callable[..., PendingReduction]
     ) -> _PendingBucket:
         """Start one bucket's collective with this reducer's options, feedback and a pooled workspace."""
         feedback = self._feedback_for(key)
@@ -201,7 +195,7 @@ class _PendingBucket(PendingReduction):
     """
 
     def __init__(
-        self, reduction: CompressedReduction, workspace: CompressionWorkspace, key: int, owner: Uint8Reducer
+        self, reduction: PendingReduction, workspace: CompressionWorkspace, key: int, owner: Uint8Reducer
     ) -> None:
         self.workspace = workspace
         self.key = key

@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from mixprec.comm.topology import check_topology
-from mixprec.compress.collectives import CompressionStats, CompressionWorkspace, ErrorFeedback, compressed_all_reduce
+from mixprec.compress.collectives import compressed_all_reduce
 from mixprec.compress.options import RankCompressors, Uint8Options, check_feedback_entry, load_feedback
 from mixprec.compress.quantize import MinMaxUInt8
+from mixprec.compress.state import CompressionStats, CompressionWorkspace, ErrorFeedback
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED
 from mixprec.core.validate import check_positive_int
 
