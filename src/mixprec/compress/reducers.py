@@ -69,8 +69,6 @@ class Uint8Reducer:
             topology=topology,
             seed=seed,
         )
-        self.chunk_size, self.rounding, self.error_feedback = chunk_size, rounding, error_feedback
-        self.check_finite, self.topology, self.seed = check_finite, topology, seed
         self.max_in_flight = check_positive_int("max_in_flight", max_in_flight)
         self._compressors = RankCompressors(self.options)
         self._feedback: dict[int, ErrorFeedback] = {}
@@ -91,7 +89,7 @@ class Uint8Reducer:
     def _feedback_for(self, key: int) -> ErrorFeedback | None:
         if isinstance(key, bool) or not isinstance(key, int) or key < 0:
             raise ValueError(f"key must be an int >= 0; got {key!r}")
-        if not self.error_feedback:
+        if not self.options.error_feedback:
             return None
         return self._feedback.setdefault(key, ErrorFeedback())
 
@@ -133,7 +131,7 @@ class Uint8Reducer:
             reduction = start(
                 compressor=self._compressors.for_device(device),
                 average=average,
-                topology=self.topology,
+                topology=self.options.topology,
                 error_feedback=feedback,
                 workspace=workspace,
                 shared_workspace=self._shared,
@@ -168,7 +166,7 @@ class Uint8Reducer:
         feedback = state.get("error_feedback", {})
         if not isinstance(feedback, dict):
             raise TypeError(f"state['error_feedback'] must be a dict; got {type(feedback).__name__}")
-        if feedback and not self.error_feedback:
+        if feedback and not self.options.error_feedback:
             raise ValueError("state holds error-feedback residuals but this reducer has error_feedback=False")
         loaded = {
             key: load_feedback(check_feedback_entry("state['error_feedback']", key, entry))
@@ -179,10 +177,11 @@ class Uint8Reducer:
         self._feedback = loaded
 
     def __repr__(self) -> str:
-        kind = "flat" if self.topology is None else f"hierarchical {self.topology!r}"
+        opts = self.options
+        kind = "flat" if opts.topology is None else f"hierarchical {opts.topology!r}"
         return (
-            f"Uint8Reducer({kind}, chunk_size={self.chunk_size}, rounding={self.rounding!r}, "
-            f"error_feedback={self.error_feedback}, check_finite={self.check_finite!r})"
+            f"Uint8Reducer({kind}, chunk_size={opts.chunk_size}, rounding={opts.rounding!r}, "
+            f"error_feedback={opts.error_feedback}, check_finite={opts.check_finite!r})"
         )
 
 
