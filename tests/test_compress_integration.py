@@ -351,3 +351,11 @@ def test_error_feedback_state_rejects_bad_input() -> None:
     assert torch.equal(fb.worker, torch.ones(4)) and fb.server is None
     fb.reset()
     assert not fb.worker.any()
+
+
+def test_seed_outside_torchs_range_is_refused_at_construction() -> None:
+    # Not first at the first reduction, inside a backward hook.
+    for seed in (2**64, -(2**63) - 1):
+        with pytest.raises(ValueError, match=r"seed must lie in torch's seed range \[-2\*\*63, 2\*\*64\)"):
+            Uint8Options(seed=seed)
+    assert Uint8Options(seed=2**64 - 1).seed == 2**64 - 1

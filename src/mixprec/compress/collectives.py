@@ -70,14 +70,16 @@ class _Call:
         (released at once if ``pipeline`` raises); ``wait()`` finishes it and concludes."""
         inflight = self.workspace.claim("workspace")
         try:
-            finish = pipeline(inflight)
+            with torch.no_grad():  # a tensor that requires grad is reduced like any other, as dist.all_reduce does
+                finish = pipeline(inflight)
         except BaseException:
             self.workspace.release()
             raise
 
         def wait() -> CompressionStats:
             try:
-                traffic = finish()
+                with torch.no_grad():
+                    traffic = finish()
             finally:
                 self.workspace.release()
             return self.conclude(traffic, numel, fp32_baseline)
@@ -118,7 +120,8 @@ class _Call:
 
         def wait() -> CompressionStats:
             if output is not None:
-                output.view(-1).copy_(tensor.reshape(-1))
+                with torch.no_grad():
+                    output.view(-1).copy_(tensor.reshape(-1))
             bad_input = not bool(torch.isfinite(tensor).all())
             # A narrower output (fp32 input, fp16 output) can overflow in the copy: overflow, not bad input.
             found = bad_input or (output is not None and not bool(torch.isfinite(output).all()))
@@ -131,6 +134,7 @@ def _preamble(
     what: str,
     tensor: torch.Tensor,
     output: torch.Tensor | None,
+    scatter: bool,
     group: dist.ProcessGroup | None,
     compressor: MinMaxUInt8 | None,
     average: bool,
@@ -140,11 +144,11 @@ def _preamble(
     shared_workspace: CompressionWorkspace | None,
 ) -> _Call:
     """Validate a call (ValueError/TypeError naming the argument; RuntimeError without a process group) and
-    resolve its compressor, workspaces and topology. ``output`` is given for a reduce-scatter only."""
+    resolve its compressor, workspaces and topology. ``output`` is checked for a reduce-scatter (``scatter``)."""
     require_initialized(what)
-    check_tensor("tensor", tensor, FLOAT_DTYPES)
-    if output is not None:
-        check_tensor("output", output, FLOAT_DTYPES)
+    _check_data("tensor", tensor)
+    if scatter:
+        _check_data("output", output)
     comp = _compressor(compressor)
     check_bool("average", average)
     if error_feedback is not None and not isinstance(error_feedback, ErrorFeedback):
@@ -154,8 +158,8 @@ def _preamble(
     comp.check_generator_device(tensor.device)
     own = _workspace("workspace", workspace)
     shared = own if shared_workspace is None else _workspace("shared_workspace", shared_workspace)
-    world = dist.get_world_size(group)
-    if output is not None:
+    world = check_group(group)
+    if scatter:
         numel = tensor.numel()
         if numel % world:
             raise ValueError(
@@ -170,6 +174,21 @@ def _preamble(
     elif topology is not None:
         hier = resolve_topology(topology, group)
     return _Call(what, group, comp, world if average else None, error_feedback, own, shared.scratch, world, hier)
+
+
+def check_group(group: Any) -> int:
+    """``group`` is None or a process group this rank belongs to (TypeError/ValueError); its size."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns on ranks outside it
+        raise ValueError("group: this rank is not a member of it (new_group returned GroupMember.NON_GROUP_MEMBER)")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None; got {type(group).__name__}")
+    return dist.get_world_size(group)
+
+
+def _check_data(name: str, tensor: Any) -> None:
+    check_tensor(name, tensor, FLOAT_DTYPES)
+    if tensor.is_meta:
+        raise ValueError(f"{name} is on the meta device: it holds no data to reduce (materialize it first)")
 
 
 def _compressor(compressor: MinMaxUInt8 | None) -> MinMaxUInt8:
@@ -220,6 +239,7 @@ def start_compressed_all_reduce(
         "compressed_all_reduce",
         tensor,
         None,
+        False,
         group,
         compressor,
         average,
@@ -334,6 +354,7 @@ def start_compressed_reduce_scatter(
         "compressed_reduce_scatter",
         tensor,
         output,
+        True,
         group,
         compressor,
         average,

@@ -54,6 +54,8 @@ class Uint8Options:
             check_topology(self.topology)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int; got {type(self.seed).__name__}")
+        if not -(2**63) <= self.seed < 2**64:  # refused here, not first inside a backward hook
+            raise ValueError(f"seed must lie in torch's seed range [-2**63, 2**64); got {self.seed}")
 
     def saved(self) -> dict[str, Any]:
         """The options that change results and residual sizes, as saved in a state dict."""

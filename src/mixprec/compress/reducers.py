@@ -24,7 +24,7 @@ from torch.distributed import ProcessGroup
 from mixprec.comm.handles import PendingReduction
 from mixprec.comm.reducer import check_bucket, check_shard_out, register_reducer
 from mixprec.comm.topology import Topology
-from mixprec.compress.collectives import start_compressed_all_reduce, start_compressed_reduce_scatter
+from mixprec.compress.collectives import check_group, start_compressed_all_reduce, start_compressed_reduce_scatter
 from mixprec.compress.options import RankCompressors, Uint8Options, check_feedback_entry, load_feedback
 from mixprec.compress.state import CompressionStats, CompressionWorkspace, ErrorFeedback
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED
@@ -109,12 +109,14 @@ class Uint8Reducer:
     def all_reduce(
         self, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
     ) -> _PendingBucket:
+        check_group(group)
         check_bucket(bucket, group)
         return self._start(key, bucket.device, average, lambda **kw: start_compressed_all_reduce(bucket, group, **kw))
 
     def reduce_scatter(
         self, shard_out: torch.Tensor, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
     ) -> _PendingBucket:
+        check_group(group)
         world_size = check_bucket(bucket, group)
         check_shard_out(shard_out, bucket, world_size)
         return self._start(
