@@ -1,55 +1,16 @@
 """8-bit min-max quantization of gradients (after Bagua's ByteGrad), with a documented wire format.
 
-Wire format of one encoded tensor of ``n`` elements, cut into ``C = ceil(n / chunk_size)`` chunks (the last
-one may be shorter), as ONE contiguous uint8 buffer of ``8 * C + n`` bytes:
+:class:`MinMaxUInt8` cuts a tensor into chunks of ``chunk_size`` elements and encodes each as its fp32
+(min, max) and one uint8 code per element: ONE contiguous uint8 buffer of ``8 * C + n`` bytes (all mins,
+all maxs, then the codes). Codes round to nearest or stochastically (unbiased, from a given generator).
+Per element, ``|decode(encode(x)) - x| <= k * step + 6.1 u R + 1.1 u M + 2**-150`` with ``R`` the chunk's
+range, ``step = R / 255``, ``M`` its largest magnitude, ``u = 2**-24``, ``k = 1/2`` (nearest) or 1
+(stochastic). A chunk holding NaN/Inf is flagged (``min = max = NaN``) and decodes to NaN.
 
-    bytes [0, 4C)        min of each chunk, float32, little-endian (the machine's byte order)
-    bytes [4C, 8C)       max of each chunk, float32
-    bytes [8C, 8C + n)   one uint8 code per element, in element order
-
-A chunk with ``min == max`` has step 0: every code is 0 and decodes exactly to ``min`` (so an all-zero
-chunk decodes to zeros; only the sign of a zero is not kept, -0.0 decodes to +0.0). A chunk that held NaN
-or +-Inf has ``min = max = NaN`` in the header and zero codes; it decodes to NaN (see ``check_finite``).
-
-Arithmetic (fp32 fast path; ``u = 2**-24``). Per chunk, from the fp32 header, in fp64:
-``R = max - min``, ``scale = fl32(255 / R)`` (0 when R = 0), ``step = fl32(R / 255)``. Per element:
-
-    encode:  d = fl32(x - min)       # offset first: d is in [0, R] and has relative error <= u
-             q = fl32(d * scale)     # in [0, 255 (1 + 3u)]
-             code = rne(q)                      (nearest: round half to even)
-                  = floor(q) + [U < q - floor(q)], clamped to 255   (stochastic, U ~ uniform [0, 1))
-    decode:  y = fl32(fl32(code * step) + min), then one rounding to the output dtype.
-
-Subtracting the offset first is what keeps large offsets harmless: the naive ``x * scale - min * scale``
-cancels two numbers of size ``|min| * scale`` and loses ``u * |min| / R`` codes, which is the whole code
-range once ``|min| > R / u``. Here ``x - min`` is exact when ``min/2 <= x <= 2 min`` (Sterbenz) and
-otherwise off by at most ``u * (x - min) <= u * R``, i.e. at most ``255 u`` codes. Doing the subtraction in
-fp64 would gain nothing measurable and double the memory traffic.
-
-Chunks whose fp32 scalars would be inexact or overflow, ``R > float32 max`` (``x - min`` could overflow)
-or ``0 < R < 255 * float32 tiny`` (``step`` would be subnormal, ``scale`` may overflow), take a float64
-path for that chunk only (rare: only values near the fp32 limits). The result of each chunk depends only
-on that chunk's values.
-
-Error bound, per element, with ``R = max - min``, ``step = R / 255``, ``M = max(|min|, |max|)``:
-
-    |decode(encode(x)) - x| <= k * step + 6.1 u R + 1.1 u M + 2**-150
-
-``k = 1/2`` for nearest, ``k = 1`` for stochastic. The ``6.1 u R`` term collects the fp32 roundings of d,
-scale and q (3u relative on q, i.e. at most ``765 u`` codes) and of ``step`` and ``code * step`` (2u R); the
-``1.1 u M`` term is the final addition of ``min``, which must round to fp32 like any fp32 number of size M;
-``2**-150`` is half the smallest fp32 subnormal (the float64 path's last rounding). For a float16/bfloat16
-output add one more rounding, ``u_out * (M + step) + tiny_out / 2`` (``u_out = 2**-11`` / ``2**-8``).
-
-Stochastic rounding is unbiased: ``P(code = floor(q) + 1) = frac(q)`` exactly up to the 2**-24 granularity
-of ``torch.rand``, so ``E[code] = q`` within ``2**-24`` codes and ``E[decoded] - x`` is bounded by the
-arithmetic terms above (``6.1 u R + 1.1 u M``), not by the step. Its variance per element is at most
-``step**2 / 4``.
-
-Speed: everything is vectorized torch on preallocated buffers, in blocks of ``_BLOCK`` elements that stay
-in the L2 cache (five full-size passes over memory would otherwise dominate); rounding uses the 2**23
-trick (adding 2**23 to q in [0, 256) leaves rne(q) in the low byte of the float's bit pattern), because
-torch's float32 -> uint8 cast is not vectorized on CPU while int32 -> uint8 is.
+``encode``/``decode`` work on one tensor; the row API (:meth:`MinMaxUInt8.encode_rows`,
+:meth:`MinMaxUInt8.decode_rows`, :meth:`MinMaxUInt8.check_generator_device`) on the rows of a 2-D view, which
+is what the compressed collectives are built from. The wire format, the arithmetic (offset first; a float64
+path near the fp32 limits), the derivation of the bound and the speed tricks: ``docs/compress.md``.
 """
 
 from __future__ import annotations
@@ -90,7 +51,7 @@ class NonFiniteError(ValueError):
 class MinMaxUInt8:
     """Per-chunk min-max 8-bit quantizer: ``encode(tensor) -> uint8 buffer``, ``decode(buffer, numel, dtype)``.
 
-    The format, the arithmetic and the error bound are in this module's docstring.
+    The format, the arithmetic and the error bound: ``docs/compress.md``.
 
     Args:
         chunk_size: elements per (min, max) pair, int >= 1. Smaller chunks track the local range more

@@ -1,7 +1,7 @@
 """The ``"uint8"`` and ``"uint8_hierarchical"`` gradient reducers for mixprec's DistributedDataParallel.
 
-Registered with :func:`mixprec.parallel.register_reducer` when :mod:`mixprec.compress` is imported (which
-``make_reducer`` does on first use of a ``uint8`` name)::
+Registered with :func:`mixprec.comm.register_reducer` when :mod:`mixprec.compress` is imported (importing
+``mixprec`` does)::
 
     ddp = DistributedDataParallel(model, reduce="uint8", reduce_options={"error_feedback": True})
     ddp = DistributedDataParallel(model, reduce="uint8_hierarchical")   # topology from LOCAL_WORLD_SIZE
