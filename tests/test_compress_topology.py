@@ -17,6 +17,9 @@ from mixprec.compress import MinMaxUInt8, Topology, compressed_all_reduce
 
 def _subgroup_timeouts(rank: int, world: int) -> list[timedelta | None]:
     groups = resolve_topology(Topology(2, 2), None)
+    # No rank leaves before every rank has finished connecting the new groups (a rank leaving mid-handshake
+    # fails its peers' connect with "Connection closed by peer").
+    dist.barrier()
     return [group_timeout(None), group_timeout(groups.intra), group_timeout(groups.inter)]
 
 
