@@ -133,9 +133,10 @@ class _Call:
 def _preamble(
     what: str,
     tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
     output: torch.Tensor | None,
     scatter: bool,
-    group: dist.ProcessGroup | None,
     compressor: MinMaxUInt8 | None,
     average: bool,
     topology: Any,
@@ -238,15 +239,15 @@ def start_compressed_all_reduce(
     call = _preamble(
         "compressed_all_reduce",
         tensor,
-        None,
-        False,
         group,
-        compressor,
-        average,
-        topology,
-        error_feedback,
-        workspace,
-        shared_workspace,
+        output=None,
+        scatter=False,
+        compressor=compressor,
+        average=average,
+        topology=topology,
+        error_feedback=error_feedback,
+        workspace=workspace,
+        shared_workspace=shared_workspace,
     )
     if call.world == 1:
         return call.single_rank(tensor, None)
@@ -353,15 +354,15 @@ def start_compressed_reduce_scatter(
     call = _preamble(
         "compressed_reduce_scatter",
         tensor,
-        output,
-        True,
         group,
-        compressor,
-        average,
-        topology,
-        error_feedback,
-        workspace,
-        shared_workspace,
+        output=output,
+        scatter=True,
+        compressor=compressor,
+        average=average,
+        topology=topology,
+        error_feedback=error_feedback,
+        workspace=workspace,
+        shared_workspace=shared_workspace,
     )
     if call.world == 1:
         return call.single_rank(tensor, output)
