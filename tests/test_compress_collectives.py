@@ -23,12 +23,13 @@ from mixprec.compress import (
     MinMaxUInt8,
     NonFiniteError,
     Topology,
+    Uint8Reducer,
     compressed_all_reduce,
     compressed_reduce_scatter,
     start_compressed_all_reduce,
     start_compressed_reduce_scatter,
 )
-from mixprec.compress.collectives import CompressionWorkspace
+from mixprec.compress.state import CompressionWorkspace
 
 CHUNK = 256
 N = 12 * 1024  # divisible by 2, 3 and 4; parts of 6144/4096/3072 elements: whole and partial chunks
@@ -87,9 +88,9 @@ def _hier_chunk_ids(n: int, nodes: int, per_node: int, chunk: int) -> np.ndarray
 
 # ---------------------------------------------------------------------------------------------- workers
 def monkeypatch_segment(elements: int) -> None:
-    import mixprec.compress.collectives as collectives
+    import mixprec.compress.flat as flat
 
-    collectives._SEGMENT_ELEMENTS = elements  # inside a forked rank only
+    flat._SEGMENT_ELEMENTS = elements  # inside a forked rank only
 
 
 def _worker_main(rank: int, world: int, topology: Topology | None, segment: int | None = None) -> dict:
@@ -687,3 +688,58 @@ def test_one_rank_reduce_scatter_flags_overflow_into_a_narrower_output(dist_run)
     found, raised = dist_run(_one_rank_narrow_output, 1, timeout=60)[0]
     assert found
     assert raised.startswith("NonFiniteError") and "overflow" in raised, raised
+
+
+def _worker_hostile_args(rank: int, world: int) -> dict:
+    comp = MinMaxUInt8(chunk_size=CHUNK)
+    cases = [
+        lambda: compressed_all_reduce(torch.randn(8), "x", compressor=comp),
+        lambda: compressed_reduce_scatter(torch.empty(4), torch.randn(8), 1, compressor=comp),
+        lambda: compressed_all_reduce(torch.randn(8), dist.GroupMember.NON_GROUP_MEMBER, compressor=comp),
+        lambda: compressed_reduce_scatter(None, torch.randn(8), compressor=comp),
+        lambda: compressed_all_reduce(torch.empty(8, device="meta"), compressor=comp),
+        lambda: compressed_reduce_scatter(torch.empty(4, device="meta"), torch.randn(8), compressor=comp),
+        lambda: Uint8Reducer().all_reduce(torch.randn(256), "x", average=True, key=0),
+        lambda: compressed_all_reduce(torch.randn(8).to(torch.float8_e4m3fn), compressor=comp),
+        lambda: compressed_all_reduce(torch.randn(8, dtype=torch.complex64), compressor=comp),
+        lambda: compressed_all_reduce(torch.randn(8), compressor=comp, average="False"),
+    ]
+    caught = []
+    for case in cases:
+        try:
+            case()
+            caught.append("no error")
+        except (TypeError, ValueError) as exc:
+            caught.append(f"{type(exc).__name__}: {exc}")
+    # A tensor that requires grad is reduced like any other, as torch.distributed.all_reduce does.
+    leaf = _input(rank).requires_grad_()
+    compressed_all_reduce(leaf, compressor=comp)
+    shard = torch.empty(N // world, requires_grad=True)
+    compressed_reduce_scatter(shard, _input(rank).requires_grad_(), compressor=comp)
+    dist.barrier()
+    return {"caught": caught, "leaf": leaf.detach(), "shard": shard.detach()}
+
+
+def test_hostile_arguments_get_one_clear_error(dist_run) -> None:
+    res = dist_run(_worker_hostile_args, 2, timeout=60)
+    expected = [
+        "TypeError: group must be a torch.distributed.ProcessGroup or None; got str",
+        "TypeError: group must be a torch.distributed.ProcessGroup or None; got int",
+        "ValueError: group: this rank is not a member of it",
+        "TypeError: output must be a torch.Tensor; got NoneType",
+        "ValueError: tensor is on the meta device",
+        "ValueError: output is on the meta device",
+        "TypeError: group must be a torch.distributed.ProcessGroup or None; got str",
+        "TypeError: tensor must have dtype torch.float32 or torch.float16 or torch.bfloat16; got torch.float8_e4m3fn",
+        "TypeError: tensor must have dtype torch.float32 or torch.float16 or torch.bfloat16; got torch.complex64",
+        "TypeError: average must be a bool (True or False); got str 'False'",
+    ]
+    caught = res[0]["caught"]
+    assert len(caught) == len(expected)
+    for got, want in zip(caught, expected):
+        assert got.startswith(want), (got, want)
+    ref, _ = ref_flat_all_reduce(_inputs(2), CHUNK)
+    shards = ref_flat_reduce(_inputs(2), CHUNK, divisor=2)
+    for r in range(2):
+        np.testing.assert_array_equal(res[r]["leaf"].numpy(), ref[0])
+        np.testing.assert_array_equal(res[r]["shard"].numpy(), shards[r])

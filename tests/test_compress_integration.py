@@ -351,3 +351,44 @@ def test_error_feedback_state_rejects_bad_input() -> None:
     assert torch.equal(fb.worker, torch.ones(4)) and fb.server is None
     fb.reset()
     assert not fb.worker.any()
+
+
+def test_seed_outside_torchs_range_is_refused_at_construction() -> None:
+    # Not first at the first reduction, inside a backward hook.
+    for seed in (2**64, -(2**63) - 1):
+        with pytest.raises(ValueError, match=r"seed must lie in torch's seed range \[-2\*\*63, 2\*\*64\)"):
+            Uint8Options(seed=seed)
+    assert Uint8Options(seed=2**64 - 1).seed == 2**64 - 1
+
+
+def _worker_nan_does_not_stick(rank: int, world: int, topology: Topology | None) -> dict:
+    def reducer() -> Uint8Reducer:
+        return Uint8Reducer(chunk_size=CHUNK, error_feedback=True, rounding="stochastic", topology=topology)
+
+    used = reducer()
+    for step in range(2):  # residuals hold something before the bad step
+        used.all_reduce(_bucket(rank, 0, step), None, average=True, key=0).wait()
+    bad = _bucket(rank, 0, 2)
+    if rank == 0:
+        bad[-1] = float("nan")  # where a data-parallel wrapper keeps its bucket padding
+    used.all_reduce(bad, None, average=True, key=0).wait()
+    flagged = used.last_stats[0].found_nonfinite
+    residuals = used.state_dict()["error_feedback"][0]
+    # After the bad step the reducer must reduce exactly as a fresh one whose stream is at the same point.
+    fresh = reducer()
+    fresh.load_state_dict({"generator_state": used.state_dict()["generator_state"]})
+    after, expected = _bucket(rank, 0, 3), _bucket(rank, 0, 3)
+    used.all_reduce(after, None, average=True, key=0).wait()
+    fresh.all_reduce(expected, None, average=True, key=0).wait()
+    return {
+        "flagged": flagged,
+        "zero": all(not r.any() for r in residuals.values()),
+        "same": torch.equal(after, expected),
+        "finite": bool(torch.isfinite(after).all()) and not used.last_stats[0].found_nonfinite,
+    }
+
+
+@pytest.mark.parametrize("world, topology", [(2, None), (4, Topology(2, 2))])
+def test_nan_in_a_bucket_does_not_stick_in_the_reducers_residuals(dist_run, world, topology) -> None:
+    for r in dist_run(_worker_nan_does_not_stick, world, topology, timeout=120):
+        assert r == {"flagged": True, "zero": True, "same": True, "finite": True}

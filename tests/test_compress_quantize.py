@@ -233,3 +233,53 @@ def test_bad_arguments() -> None:
     sq = MinMaxUInt8(chunk_size=CHUNK, rounding="stochastic", generator=torch.Generator())
     with pytest.raises(ValueError, match="generator is on cpu but the tensor is on meta"):
         sq.encode(torch.empty(10, device="meta"))
+
+
+def test_row_api_matches_encode_and_decode_row_by_row() -> None:
+    rows, length = 3, 2 * CHUNK + 37
+    g = torch.Generator().manual_seed(21)
+    base = torch.randn(rows, length + 5, generator=g) * torch.tensor([[1.0], [1e3], [1e-3]])
+    x = base[:, 2 : 2 + length]  # strided rows, each row contiguous
+    q = MinMaxUInt8(chunk_size=CHUNK)
+    out = torch.empty(rows, q.encoded_nbytes(length), dtype=torch.uint8)
+    x[1, 7] = float("nan")
+    assert q.encode_rows(x, out) == 1  # the flagged chunk is counted, not raised
+    for r in range(rows):
+        expected = MinMaxUInt8(chunk_size=CHUNK, check_finite="flag").encode(x[r])
+        assert torch.equal(out[r], expected)
+    decoded = torch.empty(rows, length, dtype=torch.bfloat16)
+    assert q.decode_rows(out, length, decoded) == 1
+    for r in range(rows):
+        torch.testing.assert_close(decoded[r], q.decode(out[r], length, torch.bfloat16), rtol=0, atol=0, equal_nan=True)
+    # reduce=True: the fp32 sum of the decoded rows, in row order
+    keep = out[[0, 2]]
+    summed = torch.empty(length)
+    assert q.decode_rows(keep, length, summed, reduce=True) == 0
+    assert torch.equal(summed, q.decode(keep[0], length) + q.decode(keep[1], length))
+    # stochastic rounding with given uniforms: the same codes as encode drawing those uniforms itself
+    sq = MinMaxUInt8(chunk_size=CHUNK, rounding="stochastic", generator=torch.Generator().manual_seed(5))
+    uniforms = torch.rand(1, length, generator=torch.Generator().manual_seed(5))
+    one = torch.empty(1, q.encoded_nbytes(length), dtype=torch.uint8)
+    sq.encode_rows(x[:1], one, uniforms=uniforms)
+    assert torch.equal(one[0], sq.encode(x[0]))
+
+
+def test_row_api_refuses_bad_shapes_and_dtypes() -> None:
+    q = MinMaxUInt8(chunk_size=CHUNK)
+    x = torch.randn(2, 300)
+    out = torch.empty(2, q.encoded_nbytes(300), dtype=torch.uint8)
+    for call, exc, match in [
+        (lambda: q.encode_rows(x[0], out), ValueError, r"x must be 2-D; got shape \(300,\)"),
+        (lambda: q.encode_rows(x.double(), out), TypeError, "x must have dtype"),
+        (lambda: q.encode_rows(x, out[:1]), ValueError, r"out must be of shape \[2, 316\]"),
+        (lambda: q.encode_rows(x.t().contiguous().t(), out), ValueError, "each row of x must be contiguous"),
+        (lambda: q.encode_rows(x, out, uniforms=torch.rand(2, 299)), ValueError, r"uniforms must be of shape"),
+        (lambda: q.decode_rows(out, 301, torch.empty(2, 301)), ValueError, r"buffers must be of shape \[R, 317\]"),
+        (lambda: q.decode_rows(out, 300, torch.empty(3, 300)), ValueError, r"out must be of shape \[2, 300\]"),
+        (lambda: q.decode_rows(out, 300, torch.empty(300).half(), reduce=True), TypeError, "torch.float32"),
+        (lambda: q.decode_rows(out, 300, torch.empty(2, 300), reduce=True), ValueError, "out must be 1-D"),
+        (lambda: q.decode_rows(out, 300, torch.empty(300), reduce=1), TypeError, "reduce must be a bool"),
+        (lambda: q.decode_rows(out, -1, torch.empty(2, 0)), ValueError, "length must be an int >= 0"),
+    ]:
+        with pytest.raises(exc, match=match):
+            call()

@@ -2,20 +2,23 @@
 
 Ranks are numbered node-major, as torchrun assigns them: ``rank = node * ranks_per_node + local``. From a
 :class:`Topology` the intra-node groups (one per node) and the inter-node groups (one per local index: the
-ranks with the same local rank on every node) are created once with ``dist.new_group`` and cached per
-(process group, topology): every rank creates every subgroup, in the same order, the first time a
-topology is used, so the first hierarchical call must be made by all ranks of the default group
-together. A 2-D ``DeviceMesh`` with dims ``("node", "local")`` supplies its own groups instead.
+ranks with the same local rank on every node) are created once with :func:`mixprec.comm.groups.new_group`
+(the default group's timeout, not torch's 30 minutes) and cached per (process group, topology): every rank
+creates every subgroup, in the same order, the first time a topology is used, so the first hierarchical
+call must be made by all ranks of the default group together. A 2-D ``DeviceMesh`` with dims
+``("node", "local")`` supplies its own groups instead.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
+from mixprec.comm.groups import new_group
 from mixprec.core.validate import check_positive_int
 
 __all__ = ["Topology"]
@@ -146,22 +149,30 @@ def resolve_topology(topology: object, group: dist.ProcessGroup | None) -> Hiera
         return _from_mesh(topology)
     if not isinstance(topology, Topology):  # check_topology raised already; for the type checker
         raise TypeError(f"topology must be a mixprec.compress.Topology; got {type(topology).__name__}")
-    parent = dist.distributed_c10d._get_default_group()
+    parent = dist.group.WORLD
     key = (id(parent), topology.nodes, topology.ranks_per_node)
     cached = _CACHE.get(key)
     if cached is not None:
         return cached[1]
     n = topology.ranks_per_node
-    intra, _ = dist.new_subgroups_by_enumeration(
-        [[node * n + local for local in range(n)] for node in range(topology.nodes)]
-    )
-    inter, _ = dist.new_subgroups_by_enumeration(
-        [[node * n + local for node in range(topology.nodes)] for local in range(n)]
-    )
     rank = dist.get_rank()
+    intra = _own_subgroup([[node * n + local for local in range(n)] for node in range(topology.nodes)], rank)
+    inter = _own_subgroup([[node * n + local for node in range(topology.nodes)] for local in range(n)], rank)
     groups = HierarchicalGroups(intra, inter, topology.nodes, n, rank // n, rank % n)
     _CACHE[key] = (parent, groups)
     return groups
+
+
+def _own_subgroup(partition: Sequence[Sequence[int]], rank: int) -> dist.ProcessGroup:
+    """Create every group of ``partition`` (a collective call: all ranks, same order) and return ``rank``'s."""
+    own = None
+    for ranks in partition:
+        group = new_group(ranks)
+        if rank in ranks:
+            own = group
+    if own is None:  # the partitions above cover every rank of the default group
+        raise RuntimeError(f"internal: rank {rank} is in no group of {partition}")
+    return own
 
 
 def _from_mesh(mesh: Any) -> HierarchicalGroups:

@@ -11,9 +11,6 @@
 
 from mixprec.comm.topology import Topology
 from mixprec.compress.collectives import (
-    CompressedReduction,
-    CompressionStats,
-    ErrorFeedback,
     compressed_all_reduce,
     compressed_reduce_scatter,
     start_compressed_all_reduce,
@@ -22,9 +19,9 @@ from mixprec.compress.collectives import (
 from mixprec.compress.options import Uint8Options
 from mixprec.compress.quantize import MinMaxUInt8, NonFiniteError
 from mixprec.compress.reducers import Uint8Reducer  # registers "uint8" and "uint8_hierarchical"
+from mixprec.compress.state import CompressionStats, ErrorFeedback
 
 __all__ = [
-    "CompressedReduction",
     "CompressionStats",
     "ErrorFeedback",
     "MinMaxUInt8",

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from mixprec.comm.topology import Topology, check_topology
-from mixprec.compress.collectives import ErrorFeedback
-from mixprec.compress.quantize import MinMaxUInt8
+from mixprec.compress.quantize import CHECK_FINITE, MinMaxUInt8
+from mixprec.compress.state import ErrorFeedback
+from mixprec.core.dtypes import ROUNDINGS
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rank_generator
 from mixprec.core.validate import check_bool, check_choice, check_positive_int
 
@@ -46,13 +47,15 @@ class Uint8Options:
 
     def __post_init__(self) -> None:
         check_positive_int("chunk_size", self.chunk_size)
-        check_choice("rounding", self.rounding, ("nearest", "stochastic"))
+        check_choice("rounding", self.rounding, ROUNDINGS)
         check_bool("error_feedback", self.error_feedback)
-        check_choice("check_finite", self.check_finite, ("raise", "flag"))
+        check_choice("check_finite", self.check_finite, CHECK_FINITE)
         if self.topology is not None:
             check_topology(self.topology)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int; got {type(self.seed).__name__}")
+        if not -(2**63) <= self.seed < 2**64:  # refused here, not first inside a backward hook
+            raise ValueError(f"seed must lie in torch's seed range [-2**63, 2**64); got {self.seed}")
 
     def saved(self) -> dict[str, Any]:
         """The options that change results and residual sizes, as saved in a state dict."""

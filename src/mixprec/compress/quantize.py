@@ -1,55 +1,16 @@
 """8-bit min-max quantization of gradients (after Bagua's ByteGrad), with a documented wire format.
 
-Wire format of one encoded tensor of ``n`` elements, cut into ``C = ceil(n / chunk_size)`` chunks (the last
-one may be shorter), as ONE contiguous uint8 buffer of ``8 * C + n`` bytes:
+:class:`MinMaxUInt8` cuts a tensor into chunks of ``chunk_size`` elements and encodes each as its fp32
+(min, max) and one uint8 code per element: ONE contiguous uint8 buffer of ``8 * C + n`` bytes (all mins,
+all maxs, then the codes). Codes round to nearest or stochastically (unbiased, from a given generator).
+Per element, ``|decode(encode(x)) - x| <= k * step + 6.1 u R + 1.1 u M + 2**-150`` with ``R`` the chunk's
+range, ``step = R / 255``, ``M`` its largest magnitude, ``u = 2**-24``, ``k = 1/2`` (nearest) or 1
+(stochastic). A chunk holding NaN/Inf is flagged (``min = max = NaN``) and decodes to NaN.
 
-    bytes [0, 4C)        min of each chunk, float32, little-endian (the machine's byte order)
-    bytes [4C, 8C)       max of each chunk, float32
-    bytes [8C, 8C + n)   one uint8 code per element, in element order
-
-A chunk with ``min == max`` has step 0: every code is 0 and decodes exactly to ``min`` (so an all-zero
-chunk decodes to zeros; only the sign of a zero is not kept, -0.0 decodes to +0.0). A chunk that held NaN
-or +-Inf has ``min = max = NaN`` in the header and zero codes; it decodes to NaN (see ``check_finite``).
-
-Arithmetic (fp32 fast path; ``u = 2**-24``). Per chunk, from the fp32 header, in fp64:
-``R = max - min``, ``scale = fl32(255 / R)`` (0 when R = 0), ``step = fl32(R / 255)``. Per element:
-
-    encode:  d = fl32(x - min)       # offset first: d is in [0, R] and has relative error <= u
-             q = fl32(d * scale)     # in [0, 255 (1 + 3u)]
-             code = rne(q)                      (nearest: round half to even)
-                  = floor(q) + [U < q - floor(q)], clamped to 255   (stochastic, U ~ uniform [0, 1))
-    decode:  y = fl32(fl32(code * step) + min), then one rounding to the output dtype.
-
-Subtracting the offset first is what keeps large offsets harmless: the naive ``x * scale - min * scale``
-cancels two numbers of size ``|min| * scale`` and loses ``u * |min| / R`` codes, which is the whole code
-range once ``|min| > R / u``. Here ``x - min`` is exact when ``min/2 <= x <= 2 min`` (Sterbenz) and
-otherwise off by at most ``u * (x - min) <= u * R``, i.e. at most ``255 u`` codes. Doing the subtraction in
-fp64 would gain nothing measurable and double the memory traffic.
-
-Chunks whose fp32 scalars would be inexact or overflow, ``R > float32 max`` (``x - min`` could overflow)
-or ``0 < R < 255 * float32 tiny`` (``step`` would be subnormal, ``scale`` may overflow), take a float64
-path for that chunk only (rare: only values near the fp32 limits). The result of each chunk depends only
-on that chunk's values.
-
-Error bound, per element, with ``R = max - min``, ``step = R / 255``, ``M = max(|min|, |max|)``:
-
-    |decode(encode(x)) - x| <= k * step + 6.1 u R + 1.1 u M + 2**-150
-
-``k = 1/2`` for nearest, ``k = 1`` for stochastic. The ``6.1 u R`` term collects the fp32 roundings of d,
-scale and q (3u relative on q, i.e. at most ``765 u`` codes) and of ``step`` and ``code * step`` (2u R); the
-``1.1 u M`` term is the final addition of ``min``, which must round to fp32 like any fp32 number of size M;
-``2**-150`` is half the smallest fp32 subnormal (the float64 path's last rounding). For a float16/bfloat16
-output add one more rounding, ``u_out * (M + step) + tiny_out / 2`` (``u_out = 2**-11`` / ``2**-8``).
-
-Stochastic rounding is unbiased: ``P(code = floor(q) + 1) = frac(q)`` exactly up to the 2**-24 granularity
-of ``torch.rand``, so ``E[code] = q`` within ``2**-24`` codes and ``E[decoded] - x`` is bounded by the
-arithmetic terms above (``6.1 u R + 1.1 u M``), not by the step. Its variance per element is at most
-``step**2 / 4``.
-
-Speed: everything is vectorized torch on preallocated buffers, in blocks of ``_BLOCK`` elements that stay
-in the L2 cache (five full-size passes over memory would otherwise dominate); rounding uses the 2**23
-trick (adding 2**23 to q in [0, 256) leaves rne(q) in the low byte of the float's bit pattern), because
-torch's float32 -> uint8 cast is not vectorized on CPU while int32 -> uint8 is.
+``encode``/``decode`` work on one tensor; the row API (:meth:`MinMaxUInt8.encode_rows`,
+:meth:`MinMaxUInt8.decode_rows`, :meth:`MinMaxUInt8.check_generator_device`) on the rows of a 2-D view, which
+is what the compressed collectives are built from. The wire format, the arithmetic (offset first; a float64
+path near the fp32 limits), the derivation of the bound and the speed tricks: ``docs/compress.md``.
 """
 
 from __future__ import annotations
@@ -60,15 +21,17 @@ from typing import Literal
 import torch
 
 from mixprec.compress._scratch import Scratch
-from mixprec.core.dtypes import Rounding
-from mixprec.core.validate import check_choice, check_dtype, check_positive_int, check_tensor
+from mixprec.core.dtypes import LOW_PRECISION_DTYPES, ROUNDINGS, Rounding
+from mixprec.core.validate import check_bool, check_choice, check_dtype, check_positive_int, check_tensor
 
 __all__ = ["HEADER_BYTES_PER_CHUNK", "MinMaxUInt8", "NonFiniteError"]
 
 CheckFinite = Literal["raise", "flag"]
 
 HEADER_BYTES_PER_CHUNK = 8  # fp32 min + fp32 max
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# What the quantizer encodes and decodes to; fp32 first, as the error messages list it.
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, *LOW_PRECISION_DTYPES)
+CHECK_FINITE: tuple[str, ...] = ("raise", "flag")
 _FP32_MAX = torch.finfo(torch.float32).max
 # Below this range the fp32 step R/255 would be subnormal (losing relative precision) and 255/R may overflow.
 _WIDE_BELOW = 255.0 * torch.finfo(torch.float32).tiny
@@ -88,7 +51,7 @@ class NonFiniteError(ValueError):
 class MinMaxUInt8:
     """Per-chunk min-max 8-bit quantizer: ``encode(tensor) -> uint8 buffer``, ``decode(buffer, numel, dtype)``.
 
-    The format, the arithmetic and the error bound are in this module's docstring.
+    The format, the arithmetic and the error bound: ``docs/compress.md``.
 
     Args:
         chunk_size: elements per (min, max) pair, int >= 1. Smaller chunks track the local range more
@@ -118,11 +81,11 @@ class MinMaxUInt8:
         check_finite: CheckFinite = "raise",
     ) -> None:
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
-        self.rounding: Rounding = check_choice("rounding", rounding, ("nearest", "stochastic"))
+        self.rounding: Rounding = check_choice("rounding", rounding, ROUNDINGS)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
         self.generator = generator
-        self.check_finite: CheckFinite = check_choice("check_finite", check_finite, ("raise", "flag"))
+        self.check_finite: CheckFinite = check_choice("check_finite", check_finite, CHECK_FINITE)
         self._scratch = Scratch()
 
     def __repr__(self) -> str:
@@ -157,10 +120,10 @@ class MinMaxUInt8:
             ValueError: stochastic rounding with a ``generator`` on another device than the tensor.
         """
         x = check_tensor("tensor", tensor, FLOAT_DTYPES).reshape(1, -1)
-        self._check_generator_device(x.device)
+        self.check_generator_device(x.device)
         numel = x.shape[1]
         out = self._check_buffer("out", out, numel, x.device, allocate=True)
-        bad = self._encode_rows(x, out.view(1, -1))
+        bad = self._encode_rows(x, out.view(1, -1), None)
         if bad and self.check_finite == "raise":
             raise NonFiniteError(
                 f"tensor holds NaN or Inf in {bad} of its {self.num_chunks(numel)} chunks of {self.chunk_size} "
@@ -194,7 +157,7 @@ class MinMaxUInt8:
                     f"out must be a contiguous {dtype} tensor of {numel} elements on {buffer.device}; "
                     f"got {out.dtype} with {out.numel()} elements on {out.device}"
                 )
-        self._decode_rows(buffer.view(1, -1), numel, out.view(1, numel))
+        self._decode_rows(buffer.view(1, -1), numel, out.view(1, numel), False)
         return out.view(-1)
 
     def header(self, buffer: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,11 +174,12 @@ class MinMaxUInt8:
         mins, maxs = self.header(buffer, numel)
         return bool(mins.isnan().any() or maxs.isnan().any())
 
-    # ------------------------------------------------------------------ internals
-    def _check_generator_device(self, device: torch.device) -> None:
-        """Stochastic rounding draws its uniforms on ``device`` with ``self.generator``: they must match
-        (torch raises an obscure error for a CPU generator and CUDA output, and a CUDA generator cannot
-        draw CPU numbers).
+    # ------------------------------------------------------------------ row API (the collectives' building blocks)
+    def check_generator_device(self, device: torch.device) -> None:
+        """ValueError unless stochastic rounding's ``generator`` (if any) can draw on ``device``.
+
+        Torch raises an obscure error for a CPU generator and CUDA output, and a CUDA generator cannot draw
+        CPU numbers; a collective calls this before it sends anything.
         """
         gen = self.generator
         if gen is None or self.rounding != "stochastic":
@@ -228,6 +192,73 @@ class MinMaxUInt8:
                 f"generator is on {gen.device} but the tensor is on {device}: stochastic rounding draws on the "
                 "tensor's device; pass a generator created there (e.g. mixprec.comm.rank_generator(seed, device))"
             )
+
+    def encode_rows(self, x: torch.Tensor, out: torch.Tensor, *, uniforms: torch.Tensor | None = None) -> int:
+        """Encode each row of ``x`` into the matching row of ``out``, each row as :meth:`encode` would.
+
+        Never raises for NaN/Inf: flagged chunks are counted (``check_finite`` is the caller's business).
+
+        Args:
+            x: [R, L] fp32/fp16/bf16; rows may be strided, each row's elements contiguous. Not modified.
+            out: [R, encoded_nbytes(L)] uint8 on ``x``'s device, each row's bytes contiguous.
+            uniforms: for stochastic rounding, [R, L] fp32 draws in [0, 1) on ``x``'s device to use instead
+                of drawing ``R * L`` from ``generator`` (in row-major order); ignored for nearest rounding.
+
+        Returns:
+            The number of chunks flagged non-finite (over all rows).
+        """
+        self._check_rows("x", x, FLOAT_DTYPES, None)
+        rows, length = x.shape
+        self._check_rows("out", out, (torch.uint8,), (rows, self.encoded_nbytes(length)), x.device)
+        if uniforms is not None:
+            self._check_rows("uniforms", uniforms, (torch.float32,), (rows, length), x.device)
+        self.check_generator_device(x.device)
+        return self._encode_rows(x, out, uniforms)
+
+    def decode_rows(self, buffers: torch.Tensor, length: int, out: torch.Tensor, *, reduce: bool = False) -> int:
+        """Decode each row of ``buffers`` into the matching row of ``out``, or sum the decoded rows.
+
+        Each decoded row is exactly what :meth:`decode` gives in fp32. With ``reduce=True`` the rows are
+        summed in fp32, in row order (``((dec_0 + dec_1) + dec_2) + ...``), into ``out``; else each row is
+        rounded once to ``out``'s dtype. Flagged chunks decode to NaN.
+
+        Args:
+            buffers: [R, encoded_nbytes(length)] uint8, each row's bytes contiguous.
+            length: elements per row, int >= 0.
+            out: [R, length] fp32/fp16/bf16 (rows may be strided, each row contiguous); with ``reduce``,
+                a contiguous 1-D fp32 tensor of ``length`` elements. On ``buffers``' device.
+            reduce: sum the rows instead of decoding each into its own row.
+
+        Returns:
+            The number of flagged (non-finite) chunks seen (over all rows).
+        """
+        length = check_positive_int("length", length, minimum=0)
+        self._check_rows("buffers", buffers, (torch.uint8,), (None, self.encoded_nbytes(length)))
+        if reduce:
+            check_tensor("out", out, (torch.float32,), contiguous=True, device=buffers.device)
+            if out.shape != (length,):
+                raise ValueError(f"out must be 1-D with {length} elements when reduce=True; got {tuple(out.shape)}")
+        else:
+            self._check_rows("out", out, FLOAT_DTYPES, (buffers.shape[0], length), buffers.device)
+        return self._decode_rows(buffers, length, out, check_bool("reduce", reduce))
+
+    # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _check_rows(
+        name: str,
+        t: torch.Tensor,
+        dtypes: tuple[torch.dtype, ...],
+        shape: tuple[int | None, int] | None,
+        device: torch.device | None = None,
+    ) -> None:
+        """``t`` is a 2-D tensor of ``dtypes``, of ``shape`` (None: any rows), whose rows are contiguous."""
+        check_tensor(name, t, dtypes, device=device)
+        rows, cols = shape if shape is not None else (None, None)
+        if t.dim() != 2 or (rows is not None and t.shape[0] != rows) or (cols is not None and t.shape[1] != cols):
+            want = "2-D" if shape is None else f"of shape [{'R' if rows is None else rows}, {cols}]"
+            raise ValueError(f"{name} must be {want}; got shape {tuple(t.shape)}")
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"each row of {name} must be contiguous; got strides {t.stride()}")
 
     def _check_buffer(
         self, name: str, buffer: torch.Tensor | None, numel: int, device: torch.device | None, *, allocate: bool
@@ -275,10 +306,8 @@ class MinMaxUInt8:
         rng = maxs.double() - mins.double()
         return rng, (rng > _FP32_MAX) | ((rng > 0) & (rng < _WIDE_BELOW))  # NaN: neither
 
-    def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, *, uniforms: torch.Tensor | None = None) -> int:
-        """Encode each row of ``x`` [R, L] (any float dtype, last dim contiguous) into the matching row of
-        ``out`` [R, encoded_nbytes(L)] (uint8, last dim contiguous). Returns the number of non-finite chunks.
-        For stochastic rounding, ``uniforms`` [R, L] (fp32 in [0, 1)) replaces this call's own draws.
+    def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, uniforms: torch.Tensor | None) -> int:
+        """:meth:`encode_rows` on checked arguments.
 
         Works on super-blocks of about ``_SUPER`` elements (all rows at once): a min/max pass that pulls them
         into the last-level cache, the fp64 chunk scalars, then the code pass block by block in L2.
@@ -358,12 +387,8 @@ class MinMaxUInt8:
                 codes[r, a:b].zero_()
         return n_bad
 
-    def _decode_rows(self, buf: torch.Tensor, length: int, out: torch.Tensor, *, reduce: bool = False) -> int:
-        """Decode each row of ``buf`` [R, encoded_nbytes(length)] into ``out`` [R, length] (any float dtype,
-        rows contiguous), or with ``reduce=True`` sum the decoded rows in fp32, in row order, into ``out``
-        [length] (fp32): ``out = ((dec_0 + dec_1) + dec_2) + ...``, each ``dec_r`` exactly what
-        :meth:`decode` gives in fp32. Returns the number of flagged (non-finite) chunks seen.
-        """
+    def _decode_rows(self, buf: torch.Tensor, length: int, out: torch.Tensor, reduce: bool) -> int:
+        """:meth:`decode_rows` on checked arguments."""
         rows = buf.shape[0]
         chunks = self.num_chunks(length)
         device = buf.device
@@ -374,8 +399,6 @@ class MinMaxUInt8:
         rng, wide = self._scalars(mins, hdr[:, 1])
         step = (rng / 255.0).float()  # NaN for flagged chunks: they decode to NaN
         n_bad = int(mins.isnan().sum())
-        if reduce and out.dtype != torch.float32:
-            raise TypeError(f"internal: a reducing decode needs an fp32 output; got {out.dtype}")
         per_block = max(1, _BLOCK // (rows * self.chunk_size))
         code_blocks = self._blocks(buf[:, hb:], per_block)
         out_blocks = self._blocks(out.view(1, -1) if reduce else out, per_block)

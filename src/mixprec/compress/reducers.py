@@ -1,7 +1,7 @@
 """The ``"uint8"`` and ``"uint8_hierarchical"`` gradient reducers for mixprec's DistributedDataParallel.
 
-Registered with :func:`mixprec.parallel.register_reducer` when :mod:`mixprec.compress` is imported (which
-``make_reducer`` does on first use of a ``uint8`` name)::
+Registered with :func:`mixprec.comm.register_reducer` when :mod:`mixprec.compress` is imported (importing
+``mixprec`` does)::
 
     ddp = DistributedDataParallel(model, reduce="uint8", reduce_options={"error_feedback": True})
     ddp = DistributedDataParallel(model, reduce="uint8_hierarchical")   # topology from LOCAL_WORLD_SIZE
@@ -24,15 +24,9 @@ from torch.distributed import ProcessGroup
 from mixprec.comm.handles import PendingReduction
 from mixprec.comm.reducer import check_bucket, check_shard_out, register_reducer
 from mixprec.comm.topology import Topology
-from mixprec.compress.collectives import (
-    CompressedReduction,
-    CompressionStats,
-    CompressionWorkspace,
-    ErrorFeedback,
-    start_compressed_all_reduce,
-    start_compressed_reduce_scatter,
-)
+from mixprec.compress.collectives import check_group, start_compressed_all_reduce, start_compressed_reduce_scatter
 from mixprec.compress.options import RankCompressors, Uint8Options, check_feedback_entry, load_feedback
+from mixprec.compress.state import CompressionStats, CompressionWorkspace, ErrorFeedback
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED
 from mixprec.core.validate import check_positive_int
 
@@ -75,8 +69,6 @@ class Uint8Reducer:
             topology=topology,
             seed=seed,
         )
-        self.chunk_size, self.rounding, self.error_feedback = chunk_size, rounding, error_feedback
-        self.check_finite, self.topology, self.seed = check_finite, topology, seed
         self.max_in_flight = check_positive_int("max_in_flight", max_in_flight)
         self._compressors = RankCompressors(self.options)
         self._feedback: dict[int, ErrorFeedback] = {}
@@ -97,11 +89,11 @@ class Uint8Reducer:
     def _feedback_for(self, key: int) -> ErrorFeedback | None:
         if isinstance(key, bool) or not isinstance(key, int) or key < 0:
             raise ValueError(f"key must be an int >= 0; got {key!r}")
-        if not self.error_feedback:
+        if not self.options.error_feedback:
             return None
         return self._feedback.setdefault(key, ErrorFeedback())
 
-    def _track(self, reduction: CompressedReduction, workspace: CompressionWorkspace, key: int) -> _PendingBucket:
+    def _track(self, reduction: PendingReduction, workspace: CompressionWorkspace, key: int) -> _PendingBucket:
         handle = _PendingBucket(reduction, workspace, key, self)
         self._pending.append(handle)
         return handle
@@ -117,12 +109,14 @@ class Uint8Reducer:
     def all_reduce(
         self, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
     ) -> _PendingBucket:
+        check_group(group)
         check_bucket(bucket, group)
         return self._start(key, bucket.device, average, lambda **kw: start_compressed_all_reduce(bucket, group, **kw))
 
     def reduce_scatter(
         self, shard_out: torch.Tensor, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
     ) -> _PendingBucket:
+        check_group(group)
         world_size = check_bucket(bucket, group)
         check_shard_out(shard_out, bucket, world_size)
         return self._start(
@@ -130,7 +124,7 @@ class Uint8Reducer:
         )
 
     def _start(
-        self, key: int, device: torch.device, average: bool, start: Callable[..., CompressedReduction]
+        self, key: int, device: torch.device, average: bool, start: Callable[..., PendingReduction]
     ) -> _PendingBucket:
         """Start one bucket's collective with this reducer's options, feedback and a pooled workspace."""
         feedback = self._feedback_for(key)
@@ -139,7 +133,7 @@ class Uint8Reducer:
             reduction = start(
                 compressor=self._compressors.for_device(device),
                 average=average,
-                topology=self.topology,
+                topology=self.options.topology,
                 error_feedback=feedback,
                 workspace=workspace,
                 shared_workspace=self._shared,
@@ -174,7 +168,7 @@ class Uint8Reducer:
         feedback = state.get("error_feedback", {})
         if not isinstance(feedback, dict):
             raise TypeError(f"state['error_feedback'] must be a dict; got {type(feedback).__name__}")
-        if feedback and not self.error_feedback:
+        if feedback and not self.options.error_feedback:
             raise ValueError("state holds error-feedback residuals but this reducer has error_feedback=False")
         loaded = {
             key: load_feedback(check_feedback_entry("state['error_feedback']", key, entry))
@@ -185,10 +179,11 @@ class Uint8Reducer:
         self._feedback = loaded
 
     def __repr__(self) -> str:
-        kind = "flat" if self.topology is None else f"hierarchical {self.topology!r}"
+        opts = self.options
+        kind = "flat" if opts.topology is None else f"hierarchical {opts.topology!r}"
         return (
-            f"Uint8Reducer({kind}, chunk_size={self.chunk_size}, rounding={self.rounding!r}, "
-            f"error_feedback={self.error_feedback}, check_finite={self.check_finite!r})"
+            f"Uint8Reducer({kind}, chunk_size={opts.chunk_size}, rounding={opts.rounding!r}, "
+            f"error_feedback={opts.error_feedback}, check_finite={opts.check_finite!r})"
         )
 
 
@@ -201,7 +196,7 @@ class _PendingBucket(PendingReduction):
     """
 
     def __init__(
-        self, reduction: CompressedReduction, workspace: CompressionWorkspace, key: int, owner: Uint8Reducer
+        self, reduction: PendingReduction, workspace: CompressionWorkspace, key: int, owner: Uint8Reducer
     ) -> None:
         self.workspace = workspace
         self.key = key

@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from mixprec.comm.topology import check_topology
-from mixprec.compress.collectives import CompressionStats, CompressionWorkspace, ErrorFeedback, compressed_all_reduce
+from mixprec.compress.collectives import compressed_all_reduce
 from mixprec.compress.options import RankCompressors, Uint8Options, check_feedback_entry, load_feedback
 from mixprec.compress.quantize import MinMaxUInt8
+from mixprec.compress.state import CompressionStats, CompressionWorkspace, ErrorFeedback
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED
 from mixprec.core.validate import check_positive_int
 
@@ -30,7 +31,7 @@ __all__ = ["Uint8HookState", "uint8_compress_hook"]
 
 
 class Uint8HookState:
-    """State of :func:`uint8_compress_hook`: the compressor, per-bucket error feedback, buffers, stats.
+    """State of :func:`uint8_compress_hook`: its options, per-bucket error feedback, buffers, stats.
 
     Create it after ``torch.distributed.init_process_group`` (RuntimeError otherwise), like the DDP model.
 
@@ -77,9 +78,6 @@ class Uint8HookState:
         )
         if topology is not None:
             check_topology(topology, process_group)  # the hierarchical scheme needs the default group
-        self.error_feedback, self.topology, self.seed = error_feedback, topology, seed
-        # the options' compressor without a generator (stochastic streams are attached per device at first use)
-        self.compressor = MinMaxUInt8(chunk_size=chunk_size, rounding=rounding, check_finite=check_finite)
         self.workspace = CompressionWorkspace()
         self._compressors = RankCompressors(self.options)
         self._feedback: dict[int, tuple[int, ErrorFeedback]] = {}  # bucket index -> (bucket numel, residuals)
@@ -94,7 +92,7 @@ class Uint8HookState:
 
     def feedback_for(self, index: int, numel: int) -> ErrorFeedback | None:
         """The residuals of bucket ``index`` (None without error feedback); fresh ones when its size changed."""
-        if not self.error_feedback:
+        if not self.options.error_feedback:
             return None
         known = self._feedback.get(index)
         if known is None or known[0] != numel:
@@ -125,7 +123,7 @@ class Uint8HookState:
         feedback = state.get("error_feedback", {})
         if not isinstance(feedback, dict):
             raise TypeError(f"state['error_feedback'] must be a dict; got {type(feedback).__name__}")
-        if feedback and not self.error_feedback:
+        if feedback and not self.options.error_feedback:
             raise ValueError("state holds error-feedback residuals but this hook state has error_feedback=False")
         loaded: dict[int, tuple[int, ErrorFeedback]] = {}
         for index, entry in feedback.items():
@@ -154,7 +152,7 @@ def uint8_compress_hook(state: Uint8HookState, bucket: dist.GradBucket) -> torch
         state.process_group,
         compressor=state.compressor_for(buffer.device),
         average=True,
-        topology=state.topology,
+        topology=state.options.topology,
         error_feedback=state.feedback_for(bucket.index(), buffer.numel()),
         workspace=state.workspace,
     )
