@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec.comm.fp32_accumulate import reduce_scatter_scaled
-from mixprec.core.dtypes import Rounding
+from mixprec.core.dtypes import ROUNDINGS, Rounding
 from mixprec.core.validate import check_choice
 
 __all__ = ["FP32AccumulateReduceScatter", "use_fp32_accumulation"]
@@ -66,7 +66,7 @@ class FP32AccumulateReduceScatter(_fsdp_base()):  # type: ignore[misc]
     """
 
     def __init__(self, *, rounding: Rounding = "nearest", generator: torch.Generator | None = None) -> None:
-        self.rounding = check_choice("rounding", rounding, ("nearest", "stochastic"))
+        self.rounding = check_choice("rounding", rounding, ROUNDINGS)
         self.generator = generator
         self._scratch: torch.Tensor | None = None
 
