@@ -197,7 +197,7 @@ def _errors(rank: int, world_size: int) -> list[str]:
     model = _mlp()
     plain = DistributedDataParallel(model)
     try:
-        ShardedOptimizer(plain, torch.optim.SGD, [{"params": list(model.parameters())}], lr=0.1)
+        ShardedOptimizer(plain.grad_buffer, torch.optim.SGD, [{"params": list(model.parameters())}], lr=0.1)
     except ValueError as exc:
         out.append(str(exc))
     ddp = DistributedDataParallel(_mlp(), sharded_optimizer=True)
