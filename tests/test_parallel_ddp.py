@@ -657,3 +657,150 @@ def test_no_sync_with_fp32_buffers_for_bf16_params_accumulates_in_fp32(dist_run)
         for name, g in r["grads"].items():
             assert g.dtype == torch.bfloat16
             assert torch.equal(g, r["expected"][name]), name
+
+
+# ---------------------------------------------------------------------- bucket padding
+def _padded_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # 10*7 + 7 + 7*3 + 3 = 101 elements in one bucket of 128 at 2 ranks: 27 elements of padding.
+    return torch.nn.Sequential(torch.nn.Linear(10, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+
+
+def _padded_batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 10, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def _padding(ddp: DistributedDataParallel) -> list[torch.Tensor]:
+    buffer = ddp.grad_buffer
+    return [buffer.bucket(k)[b.used :].clone() for k, b in enumerate(buffer.layout.buckets)]
+
+
+class _PaddingVandal:
+    """fp32_accumulate, then writes NaN (first call of each bucket) or huge finite garbage (later calls) into
+    the bucket's padding, as a reducer may: the contract does not forbid writing there."""
+
+    def __init__(self, used: dict[int, int]) -> None:
+        from mixprec.comm import make_reducer
+
+        self.inner = make_reducer("fp32_accumulate")
+        self.used = used
+        self.calls: dict[int, int] = {}
+
+    def _spoil(self, bucket: torch.Tensor, key: int) -> None:
+        first = self.calls.get(key, 0) == 0
+        self.calls[key] = self.calls.get(key, 0) + 1
+        bucket[self.used[key] :] = math.nan if first else 1e30
+
+    def all_reduce(self, bucket, group, *, average, key):
+        handle = self.inner.all_reduce(bucket, group, average=average, key=key)
+
+        class Spoiling:
+            def wait(inner_self) -> None:
+                handle.wait()
+                self._spoil(bucket, key)
+
+        return Spoiling()
+
+    def reduce_scatter(self, shard_out, bucket, group, *, average, key):
+        handle = self.inner.reduce_scatter(shard_out, bucket, group, average=average, key=key)
+
+        class Spoiling:
+            def wait(inner_self) -> None:
+                handle.wait()
+                self._spoil(bucket, key)  # the contract lets reduce_scatter use the bucket as scratch
+
+        return Spoiling()
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        return None
+
+
+def _vandal_case(rank: int, world_size: int, sharded: bool) -> dict[str, object]:
+    model = _padded_model()
+    reference_model = copy.deepcopy(model)
+    layout = build_layout(
+        [(n, p) for n, p in model.named_parameters()], world_size=world_size, bucket_size=10_000, grad_dtype=None
+    )
+    reducer = _PaddingVandal({b.index: b.used for b in layout.buckets})
+    ddp = DistributedDataParallel(model, bucket_size=10_000, reduce=reducer, sharded_optimizer=sharded)
+    steps = []
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp(_padded_batch(rank, step)).square().mean().backward()
+        per_rank = []
+        for r in range(world_size):
+            ref = copy.deepcopy(reference_model)
+            ref(_padded_batch(r, step)).square().mean().backward()
+            per_rank.append([p.grad for p in ref.parameters()])
+        expected = [fp32_rank_order_sum([g[i] for g in per_rank], average=True) for i in range(len(per_rank[0]))]
+        shard = ddp.shard_grads
+        steps.append(
+            {
+                "padding_zero": all(bool((pad == 0).all()) for pad in _padding(ddp)),
+                "warned": [str(w.message) for w in caught if issubclass(w.category, NonFiniteGradientWarning)],
+                "nonfinite": list(ddp.last_nonfinite),
+                "exact": sharded
+                or all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected, strict=True)),
+                "shard_finite": shard is None or bool(torch.isfinite(shard).all()),
+            }
+        )
+    return {"steps": steps}
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_whatever_a_reducer_leaves_in_the_padding_never_reaches_the_next_step(dist_run, sharded: bool) -> None:
+    """A reducer that writes NaN, then huge values, into the bucket padding: the buffer zeroes the padding,
+    so every step's gradients stay the exact fp32 mean, no later bucket is reported non-finite and the
+    padding is zero between steps."""
+    for r in dist_run(_vandal_case, 2, sharded, timeout=60):
+        for step in r["steps"]:
+            assert step["padding_zero"], step
+            assert step["warned"] == [] and step["nonfinite"] == [], step
+            assert step["exact"] and step["shard_finite"], step
+
+
+def _uint8_nan_case(rank: int, world_size: int, check_finite: str) -> dict[str, object]:
+    model = _padded_model()
+    clean_model = copy.deepcopy(model)
+    options = {"chunk_size": 128, "check_finite": check_finite}
+    ddp = DistributedDataParallel(model, bucket_size=10_000, reduce="uint8", reduce_options=options, check_finite=False)
+    clean = DistributedDataParallel(clean_model, bucket_size=10_000, reduce="uint8", reduce_options=options)
+    out: dict[str, object] = {"errors": [], "finite": [], "padding_zero": [], "same_as_clean": []}
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        loss = ddp(_padded_batch(rank, step)).square().mean()
+        if step == 0 and rank == 1:
+            loss = loss * math.nan  # one NaN batch on one rank
+        try:
+            loss.backward()
+            out["errors"].append("")
+        except ValueError as exc:
+            out["errors"].append(str(exc))
+        out["padding_zero"].append(all(bool((pad == 0).all()) for pad in _padding(ddp)))
+        if step > 0:
+            out["finite"].append(all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))
+            # A wrapper that never saw the NaN step reduces the same local gradients to the same bits.
+            clean_model.zero_grad(set_to_none=True)
+            clean(_padded_batch(rank, step)).square().mean().backward()
+            out["same_as_clean"].append(
+                all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), clean_model.parameters()))
+            )
+    return out
+
+
+@pytest.mark.parametrize("check_finite", ["flag", "raise"])
+def test_uint8_training_recovers_from_one_nan_step(dist_run, check_finite: str) -> None:
+    """The "uint8" reducer decodes whole chunks, padding included; a NaN step used to leave NaN there for good
+    (every later step non-finite, or raising with check_finite="raise")."""
+    for r in dist_run(_uint8_nan_case, 2, check_finite, timeout=120):
+        if check_finite == "raise":
+            assert "NaN or Inf" in r["errors"][0], r["errors"]
+        assert r["errors"][1:] == ["", ""], r["errors"]
+        assert r["finite"] == [True, True]
+        assert r["same_as_clean"] == [True, True]
+        assert r["padding_zero"] == [True, True, True]

@@ -362,6 +362,7 @@ class GradBuffer:
         reduce-scatter into this rank's fp32 shard. The padding is zeroed first, so whatever a reducer left
         there (inf/NaN of an earlier step included) never enters a sum. Every rank must start the same
         buckets in the same order."""
+        self.clear_padding(k)
         bucket = self._buckets[k]
         if self._sharded:
             return reducer.reduce_scatter(self.shard_grad(k), bucket, self._group, average=average, key=k)
@@ -371,6 +372,7 @@ class GradBuffer:
     def finish_reduction(self) -> None:
         """Every bucket's reduction has finished: zero the padding, hand the reduced gradients to
         ``param.grad`` (not sharded), mark the gradients reduced and start a new accumulation window."""
+        self.clear_padding()
         if not self._sharded:
             for slot in self._slots:
                 slot.publish()

@@ -284,6 +284,9 @@ class DistributedDataParallel(torch.nn.Module):
             self._reset_backward_state()
 
     def _reset_backward_state(self) -> None:
+        # Every started reduction has been waited for: a failed one (a non-finite bucket refused by the
+        # reducer, say) must not leave its leftovers in the padding either.
+        self.grad_buffer.clear_padding()
         self._ready = [False] * len(self._ready)
         self._missing = [len(b.slots) for b in self.layout.buckets]
         self._next_bucket = 0
