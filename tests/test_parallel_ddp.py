@@ -804,3 +804,82 @@ def test_uint8_training_recovers_from_one_nan_step(dist_run, check_finite: str) 
         assert r["finite"] == [True, True]
         assert r["same_as_clean"] == [True, True]
         assert r["padding_zero"] == [True, True, True]
+
+
+# ---------------------------------------------------------------------- construction checks
+def _mismatch_case(rank: int, world_size: int, kind: str) -> str:
+    width = 4
+    layers: list[torch.nn.Module] = [torch.nn.Linear(4, width)]
+    if rank == 1:
+        if kind == "shape":
+            layers = [torch.nn.Linear(4, width + 1)]
+        elif kind == "count":
+            layers.append(torch.nn.Linear(width, width))
+    model = torch.nn.Sequential(*layers)
+    if rank == 1 and kind == "dtype":
+        model = model.to(torch.bfloat16)
+    try:
+        DistributedDataParallel(model, bucket_size=10)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "kind, fragment",
+    [
+        ("shape", "rank 0 has parameter 0.weight of shape (4, 4), torch.float32, requires_grad; rank 1 has "),
+        ("count", "rank 0 has 2 parameters and buffers, rank 1 has 4"),
+        ("dtype", "rank 1 has parameter 0.weight of shape (4, 4), torch.bfloat16"),
+    ],
+)
+def test_different_models_on_different_ranks_are_refused_on_every_rank(dist_run, kind: str, fragment: str) -> None:
+    """As torch DDP's _verify_param_shape_across_processes: one clear ValueError on every rank, not a broadcast
+    that mixes shapes (it used to return without a word)."""
+    for message in dist_run(_mismatch_case, 2, kind, timeout=60):
+        assert "same module on every rank" in message and fragment in message, message
+        assert "\n" not in message
+
+
+def _bad_parameter_dtypes(rank: int, world_size: int) -> list[str]:
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that complex modules are experimental
+        cases = [
+            ({}, torch.nn.Linear(2, 2).to(torch.float8_e4m3fn)),
+            ({}, torch.nn.Linear(2, 2).to(torch.complex64)),
+            ({}, torch.nn.Linear(2, 2).double()),
+            ({"group": "x"}, torch.nn.Linear(2, 2)),
+        ]
+        for kwargs, model in cases:
+            try:
+                DistributedDataParallel(model, **kwargs)
+                out.append("no error")
+            except (TypeError, ValueError) as exc:
+                out.append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+def test_parameter_dtypes_and_group_are_checked_before_any_collective(dist_run) -> None:
+    fragments = [
+        "TypeError: parameter weight has dtype torch.float8_e4m3fn: DistributedDataParallel reduces float16",
+        "TypeError: parameter weight has dtype torch.complex64",
+        "TypeError: parameter weight has dtype torch.float64 and grad_dtype=None",
+        "TypeError: group must be a torch.distributed ProcessGroup or None; got str",
+    ]
+    for messages in dist_run(_bad_parameter_dtypes, 2, timeout=60):
+        assert len(messages) == len(fragments)
+        for message, fragment in zip(messages, fragments, strict=True):
+            assert message.startswith(fragment) and "\n" not in message, (fragment, message)
+
+
+def _fp64_with_grad_dtype(rank: int, world_size: int) -> bool:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).double()
+    ddp = DistributedDataParallel(model, grad_dtype=torch.float32)
+    ddp(torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    return model.weight.grad.dtype == torch.float64 and bool(torch.isfinite(model.weight.grad).all())
+
+
+def test_fp64_parameters_reduce_through_an_explicit_grad_dtype(dist_run) -> None:
+    assert dist_run(_fp64_with_grad_dtype, 2, timeout=60) == [True, True]
