@@ -510,7 +510,7 @@ def test_stochastic_reducer_through_ddp_and_its_per_rank_state(dist_run) -> None
 
 
 def test_no_sync_with_a_bf16_wire_accumulates_in_the_parameter_dtype(dist_run) -> None:
-    """M4: fp32 parameters, bf16 wire, 4 microbatches. The microbatches add up in fp32 in param.grad (the
+    """Narrower wire: fp32 parameters, bf16 wire, 4 microbatches. The microbatches add up in fp32 in param.grad (the
     same additions, in the same order, as the reference's backward), the window's total is rounded to bf16
     once, then summed in fp32 and rounded once: equal bit for bit to that reference. Accumulating in the
     bf16 buffer instead rounds 3 more times per element and fails this on random data."""
@@ -591,7 +591,7 @@ def _failing_wait_case(rank: int, world_size: int) -> dict[str, object]:
 
 
 def test_a_failing_wait_still_finishes_every_other_reduction(dist_run) -> None:
-    """M1: when one bucket's wait() raises at the end of backward, the wrapper still waits for every other
+    """When one bucket's wait() raises at the end of backward, the wrapper still waits for every other
     started reduction before resetting (none is left to finish later, out of step with the other ranks),
     the error reaches the caller, and the next backward reduces correctly."""
     for r in dist_run(_failing_wait_case, 2, timeout=120):
@@ -617,7 +617,7 @@ def _native_sharded_local_grads(rank: int, world_size: int) -> bool:
 
 
 def test_native_reducer_leaves_the_local_gradient_in_sharded_mode(dist_run) -> None:
-    """M5: param.grad views the bucket in sharded mode and must keep the local, unreduced gradient, so the
+    """param.grad views the bucket in sharded mode and must keep the local, unreduced gradient, so the
     native reducer pre-divides a copy, not the bucket."""
     assert all(dist_run(_native_sharded_local_grads, 2, timeout=60))
 
@@ -651,7 +651,7 @@ def _widening_case(rank: int, world_size: int, microbatches: int) -> dict[str, o
 
 
 def test_no_sync_with_fp32_buffers_for_bf16_params_accumulates_in_fp32(dist_run) -> None:
-    """The other direction of M4: bf16 parameters with grad_dtype=float32 accumulate the microbatches in the
+    """Wider buffer, the other direction: bf16 parameters with grad_dtype=float32 accumulate the microbatches in the
     fp32 buffer (the wider dtype), not in bf16 param.grad: equal bit for bit to the fp32 reference."""
     for r in dist_run(_widening_case, 2, 3, timeout=120):
         for name, g in r["grads"].items():

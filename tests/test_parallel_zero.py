@@ -274,7 +274,7 @@ def _partial_groups(rank: int, world_size: int, sharded: bool) -> dict:
 
 
 def test_parameters_in_no_group_keep_their_values(dist_run) -> None:
-    """C1: the all-gather after a step writes the whole master shard back into the parameters, so the
+    """The all-gather after a step writes the whole master shard back into the parameters, so the
     masters of parameters in no group must hold their values (they used to be zero)."""
     world_size = 2
     sharded = dist_run(_partial_groups, world_size, True, timeout=120)
@@ -322,7 +322,7 @@ def _stale_shards_after_skip(rank: int, world_size: int) -> list[str]:
 
 
 def test_a_skipped_steps_shards_are_discarded_at_update(dist_run) -> None:
-    """C2: the scaler's update() calls mixprec_discard_grads_(): a step() without a new synced backward
+    """The scaler's update() calls mixprec_discard_grads_(): a step() without a new synced backward
     is refused instead of applying the skipped step's inf/NaN gradient shards."""
     for messages in dist_run(_stale_shards_after_skip, 2, timeout=60):
         assert messages[0] == "skipped=True"
@@ -387,7 +387,7 @@ def _bf16_scaled_clipped(rank: int, world_size: int, steps: int) -> dict:
 
 
 def test_bf16_sharded_with_scaler_and_clipping_matches_a_reference(dist_run) -> None:
-    """T6: 4 steps of bf16 ZeRO-1 training with a loss scaler and clipping at 2 ranks equal, bit for bit,
+    """4 steps of bf16 ZeRO-1 training with a loss scaler and clipping at 2 ranks equal, bit for bit,
     a single-process reference: local bf16 gradients, fp32 rank-order mean (never rounded to bf16: the
     reduce-scatter writes fp32 shards), exact unscale, the ranks' clip coefficient, torch SGD with momentum
     on fp32 masters, one rounding to bf16. The clip norm is checked separately: an fp32 sum of n squares

@@ -10,9 +10,8 @@ Typical loop (one process per rank, ``torch.distributed`` initialised)::
         scaler.unscale_(opt); opt.clip_grad_norm_(1.0); scaler.step(opt); scaler.update()
 
 The gradients live in a :class:`mixprec.parallel.GradBuffer`; a hook on every parameter hands each gradient
-to it, and each bucket's reduction starts as soon as the bucket is complete, in bucket order on every rank.
-Gradients are averaged over the group and final when ``backward()`` returns. How gradients move, memory,
-``no_sync()``, non-finite gradients and what is not supported: ``docs/parallel.md``.
+to it, and each bucket's reduction starts as soon as the bucket is complete, in bucket order on every rank;
+gradients are averaged over the group and final when ``backward()`` returns. Details: ``docs/parallel.md``.
 """
 
 from __future__ import annotations
