@@ -196,7 +196,22 @@ def reduce_scatter_scaled(
     if output.numel() != shard:
         raise ValueError(f"output must hold input.numel() / group size = {shard} elements; got {output.numel()}")
     recv = _receive_buffer(scratch, input, "input", (input, output))
+    return _start_reduce_scatter(output, input, recv, group, world_size, average, factor, async_op, rounding, generator)
 
+
+def _start_reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    recv: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    world_size: int,
+    average: bool,
+    factor: float | None,
+    async_op: bool,
+    rounding: Rounding,
+    generator: torch.Generator | None,
+) -> PendingReduction | None:
+    """The reduce-scatter itself, on arguments the public functions have checked."""
     work = dist.all_to_all_single(recv, input.view(-1), group=group, async_op=async_op)
 
     def finish() -> None:
@@ -204,7 +219,7 @@ def reduce_scatter_scaled(
             work.wait()
         sum_shards_into(
             output,
-            recv.view(world_size, shard),
+            recv.view(world_size, output.numel()),
             average=average,
             rounding=rounding,
             generator=generator,
@@ -262,18 +277,8 @@ def all_reduce_fp32_accumulate(
         )
     shard = flat.numel() // world_size
     own = flat[rank * shard : (rank + 1) * shard]
-    # Checked here so that errors name ``tensor``, not the reduce-scatter's input/output.
     recv = _receive_buffer(scratch, flat, "tensor", (flat,))
-    pending = reduce_scatter_fp32_accumulate(
-        own,
-        flat,
-        group,
-        average=average,
-        async_op=async_op,
-        rounding=rounding,
-        scratch=recv,
-        generator=generator,
-    )
+    pending = _start_reduce_scatter(own, flat, recv, group, world_size, average, None, async_op, rounding, generator)
 
     def finish() -> None:
         if pending is not None:

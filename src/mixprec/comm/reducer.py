@@ -176,8 +176,9 @@ def make_reducer(name: str, **options: Any) -> GradReducer:
     factory = _REGISTRY.get(name)
     if factory is None:
         raise ValueError(f"unknown reducer {name!r}; registered reducers: {', '.join(registered_reducers())}")
+    signature = inspect.signature(factory)
     try:
-        inspect.signature(factory).bind(**options)
+        signature.bind(**options)  # only a mismatch of option names is re-worded here
     except TypeError as exc:
         raise TypeError(f"reducer {name!r} rejected its options {sorted(options)}: {exc}") from None
     reducer = factory(**options)
