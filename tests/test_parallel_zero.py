@@ -421,3 +421,36 @@ def _set_after_build(rank: int, world_size: int) -> list[torch.Tensor]:
 def test_parameters_in_no_group_keep_values_set_after_the_optimizer_was_built(dist_run) -> None:
     for (weight,) in dist_run(_set_after_build, 2, timeout=60):
         assert bool((weight == 0.25).all())  # the step's all-gather used to write the old snapshot back
+
+
+def _zero_grad_case(rank: int, world_size: int) -> dict[str, object]:
+    ddp = DistributedDataParallel(_mlp(), bucket_size=300, sharded_optimizer=True)
+    opt = ddp.make_optimizer(torch.optim.SGD, lr=0.1)
+    x, y = _batch(0)
+
+    def backward() -> None:
+        torch.nn.functional.mse_loss(ddp(x[_rows(rank, world_size)]), y[_rows(rank, world_size)]).backward()
+
+    backward()
+    opt.step()
+    opt.zero_grad()  # set_to_none=True, as torch's default
+    to_none = [p.grad is None for p in ddp.module.parameters()]
+    backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    kept = [p.grad is not None and float(p.grad.abs().max()) == 0.0 for p in ddp.module.parameters()]
+    buffers_zero = all(bool((ddp.grad_buffer.bucket(k) == 0).all()) for k in range(ddp.grad_buffer.num_buckets))
+    try:
+        opt.zero_grad(set_to_none="yes")
+        bad = "no error"
+    except TypeError as exc:
+        bad = str(exc)
+    return {"to_none": to_none, "kept": kept, "buffers_zero": buffers_zero, "bad": bad}
+
+
+def test_zero_grad_honours_set_to_none(dist_run) -> None:
+    """True (the default) leaves every .grad None; False keeps the buffer views, zeroed; both zero the
+    buffers. The argument used to be ignored."""
+    for r in dist_run(_zero_grad_case, 2, timeout=60):
+        assert all(r["to_none"]) and all(r["kept"]) and r["buffers_zero"], r
+        assert "set_to_none must be a bool" in r["bad"]
