@@ -3,7 +3,7 @@
 :class:`FP32AccumulateReduceScatter` implements FSDP2's ``ReduceScatter`` comm interface with
 :func:`mixprec.comm.reduce_scatter_fp32_accumulate`; :func:`use_fp32_accumulation` installs it on every
 ``fully_shard``-ed submodule (``FSDPModule.set_custom_reduce_scatter``, torch 2.13). Importing this module
-imports ``torch.distributed.fsdp`` (about 0.7 s), so ``mixprec.parallel`` loads it only on first use.
+imports ``torch.distributed.fsdp`` (about 0.7 s), so only ``mixprec.fsdp`` imports it, not ``import mixprec``.
 """
 
 from __future__ import annotations
