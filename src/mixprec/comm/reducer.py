@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from mixprec.comm.compat import check_group
 from mixprec.comm.handles import PendingReduction
 from mixprec.core.dtypes import WIRE_DTYPES
 from mixprec.core.validate import check_positive_int, check_tensor
@@ -109,14 +110,15 @@ def after_work(work: Any, then: Callable[[], None] | None = None, *, keep: Any =
 
 
 def check_bucket(bucket: torch.Tensor, group: ProcessGroup | None) -> int:
-    """Check a reducer's bucket (see the module docstring's contract); returns the group size.
+    """Check a reducer's bucket (see :class:`GradReducer`'s contract); returns the group size.
 
-    TypeError: not a tensor, or not fp16/bf16/fp32. ValueError: not 1-D contiguous, or a length that is not
-    a multiple of ``lcm(world_size, 128)``.
+    TypeError: not a tensor, or not fp16/bf16/fp32; a group that is not a ProcessGroup. ValueError: not 1-D
+    contiguous, or a length that is not a multiple of ``lcm(world_size, 128)``.
     """
     check_tensor("bucket", bucket, WIRE_DTYPES)
     if bucket.dim() != 1 or not bucket.is_contiguous():
         raise ValueError(f"bucket must be a 1-D contiguous tensor; got shape {tuple(bucket.shape)}")
+    check_group("group", group)
     world_size = dist.get_world_size(group)
     multiple = bucket_multiple(world_size)
     if bucket.numel() % multiple:
