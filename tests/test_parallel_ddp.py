@@ -883,3 +883,34 @@ def _fp64_with_grad_dtype(rank: int, world_size: int) -> bool:
 
 def test_fp64_parameters_reduce_through_an_explicit_grad_dtype(dist_run) -> None:
     assert dist_run(_fp64_with_grad_dtype, 2, timeout=60) == [True, True]
+
+
+def _uint8_resume_case(rank: int, world_size: int, error_feedback: bool) -> bool:
+    """Stochastic uint8: the reducer state saved after step 0 replays step 1 bit for bit in a fresh wrapper,
+    which starts with zero padding; leftovers in the running wrapper's padding used to make it differ."""
+    torch.manual_seed(0)
+    # 160 elements in a bucket of 256 at 2 ranks: the second 128-element chunk holds 32 weights of both signs
+    # (so zero is not on its grid and the decoded padding is not zero) and 96 elements of padding.
+    model = torch.nn.Linear(159, 1)
+    resumed_model = copy.deepcopy(model)
+    options = {"chunk_size": 128, "rounding": "stochastic", "seed": 5, "error_feedback": error_feedback}
+    ddp = DistributedDataParallel(model, bucket_size=10_000, reduce="uint8", reduce_options=options)
+
+    def backward(wrapper: DistributedDataParallel, step: int) -> None:
+        x = torch.randn(4, 159, generator=torch.Generator().manual_seed(10 * step + rank))
+        # Step 1's gradients are 1e-6 of step 0's: a leftover of step 0 in the padding would set the range.
+        (wrapper(x).square().mean() * (1.0 if step == 0 else 1e-6)).backward()
+
+    backward(ddp, 0)
+    saved = copy.deepcopy(ddp.reducer_state_dict())
+    model.zero_grad(set_to_none=True)
+    backward(ddp, 1)
+    resumed = DistributedDataParallel(resumed_model, bucket_size=10_000, reduce="uint8", reduce_options=options)
+    resumed.load_reducer_state_dict(saved)
+    backward(resumed, 1)
+    return all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), resumed_model.parameters()))
+
+
+@pytest.mark.parametrize("error_feedback", [False, True])
+def test_stochastic_uint8_resumes_bit_for_bit(dist_run, error_feedback: bool) -> None:
+    assert dist_run(_uint8_resume_case, 2, error_feedback, timeout=120) == [True, True]
