@@ -21,8 +21,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from mixprec.comm.compat import check_group
 from mixprec.comm.reducer import GradReducer, ReductionHandle
 from mixprec.core.dtypes import WIRE_DTYPES
+from mixprec.core.validate import check_bool, check_dtype
 from mixprec.parallel.buckets import BucketLayout, build_layout
 
 __all__ = ["GradBuffer"]
@@ -167,15 +169,16 @@ def _slot_for(param: torch.Tensor, view: torch.Tensor) -> _Slot:
 class GradBuffer:
     """Flat gradient storage, bucket layout, shards and reduction state of a data-parallel wrapper.
 
-    Built by :class:`mixprec.parallel.DistributedDataParallel` (``ddp.grad_buffer``); the sharded optimizer
-    takes it. Local: building it issues no collective.
+    Built by :class:`mixprec.parallel.DistributedDataParallel` (``ddp.grad_buffer``), which hands it its
+    arguments unchecked; the sharded optimizer takes it. Local: building it issues no collective.
 
     Args:
         named_params: (name, parameter) pairs of the trainable parameters, each parameter once, all on one
             device; dtypes float16, bfloat16 or float32 (float64 too when ``grad_dtype`` is given).
         group: the data-parallel process group (None = the default group).
         bucket_size: parameter elements per bucket, int >= 1 (a larger parameter gets a bucket of its own).
-        grad_dtype: dtype of the gradient buffers and so of the wire; None = each parameter's dtype.
+        grad_dtype: dtype of the gradient buffers and so of the wire: float16, bfloat16 or float32; None =
+            each parameter's dtype.
         sharded: also flatten the parameters into buffers laid out like the gradients (each parameter
             becomes a view of them) and keep this rank's fp32 gradient shard of every bucket (ZeRO-1).
         display_names: the name of each parameter in messages (e.g. all names of a tied parameter);
@@ -196,6 +199,10 @@ class GradBuffer:
         sharded: bool,
         display_names: Sequence[str] | None = None,
     ) -> None:
+        check_group("group", group)
+        if grad_dtype is not None:
+            check_dtype("grad_dtype", grad_dtype, WIRE_DTYPES)
+        check_bool("sharded", sharded)
         named = list(named_params)
         if not named:
             raise ValueError("module has no parameters that require grad: nothing to reduce")

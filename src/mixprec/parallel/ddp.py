@@ -27,11 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec.comm.compat import check_group, require_initialized
+from mixprec.comm.compat import require_initialized
 from mixprec.comm.handles import wait_all
 from mixprec.comm.reducer import GradReducer, ReductionHandle, make_reducer
-from mixprec.core.dtypes import LOW_PRECISION_DTYPES, WIRE_DTYPES
-from mixprec.core.validate import check_bool, check_dtype, check_positive_int
+from mixprec.core.dtypes import LOW_PRECISION_DTYPES
+from mixprec.core.validate import check_bool
 from mixprec.parallel.buckets import BucketLayout
 from mixprec.parallel.buffer import GradBuffer
 from mixprec.parallel.zero import ShardedOptimizer
@@ -97,10 +97,7 @@ class DistributedDataParallel(torch.nn.Module):
         require_initialized("DistributedDataParallel")
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module; got {type(module).__name__}")
-        check_group("group", group)
-        check_positive_int("bucket_size", bucket_size)
-        if grad_dtype is not None:
-            check_dtype("grad_dtype", grad_dtype, WIRE_DTYPES)
+        # group, bucket_size, grad_dtype and the parameters are checked by GradBuffer, before any collective.
         check_bool("overlap", overlap)
         check_bool("sharded_optimizer", sharded_optimizer)
         check_bool("check_finite", check_finite)
@@ -115,8 +112,6 @@ class DistributedDataParallel(torch.nn.Module):
 
         self.module = module
         self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
         self.overlap = overlap
         self.sharded = sharded_optimizer
         self.check_finite = check_finite
@@ -135,6 +130,8 @@ class DistributedDataParallel(torch.nn.Module):
             sharded=sharded_optimizer,
             display_names=[" = ".join(aliases[id(p)]) for _, p in named],  # tied parameters: every name
         )
+        self.world_size = self.grad_buffer.world_size
+        self.rank = self.grad_buffer.rank
         self._verify_same_model_on_every_rank()
         self._broadcast_from_rank0()
 
