@@ -306,3 +306,40 @@ def test_bad_shapes_and_dtypes_raise_clear_errors(dist_run) -> None:
 def test_needs_an_initialised_group() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         reduce_scatter_fp32_accumulate(torch.empty(1), torch.zeros(2))
+
+
+def _misuse(rank: int, world_size: int) -> list[str]:
+    out = []
+    rs, ar = reduce_scatter_fp32_accumulate, all_reduce_fp32_accumulate
+    meta = torch.zeros(4, device="meta")
+    for call in (
+        lambda: ar(torch.zeros(4), group="x"),
+        lambda: rs(torch.zeros(2), torch.zeros(4), group="x"),
+        lambda: ar(torch.zeros(4), async_op="False"),
+        lambda: rs(torch.zeros(2), torch.zeros(4), async_op="False"),
+        lambda: ar(meta),
+        lambda: rs(torch.zeros(2, device="meta"), meta),
+        lambda: rs(torch.zeros(2, dtype=torch.float16), torch.zeros(4)),
+    ):
+        try:
+            call()
+            out.append("no error")
+        except (TypeError, ValueError) as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+def test_misuse_gets_one_line_naming_the_argument(dist_run) -> None:
+    messages = dist_run(_misuse, 2, timeout=60)[0]
+    expected = [
+        "TypeError: group must be a torch.distributed ProcessGroup or None; got str",
+        "TypeError: group must be a torch.distributed ProcessGroup or None; got str",
+        "TypeError: async_op must be a bool",
+        "TypeError: async_op must be a bool",
+        "ValueError: tensor is a meta tensor",
+        "ValueError: input is a meta tensor",
+        "TypeError: output must have dtype torch.float32; got torch.float16",  # not "float32 or float32"
+    ]
+    assert len(messages) == len(expected)
+    for message, fragment in zip(messages, expected, strict=True):
+        assert message.startswith(fragment) and "\n" not in message, (fragment, message)

@@ -1,4 +1,4 @@
-"""The one handle type of the async collectives: state changes only after the finishing work returns (M1)."""
+"""The one handle type of the async collectives: state changes only after the finishing work returns."""
 
 from __future__ import annotations
 

@@ -141,3 +141,73 @@ def test_hook_works_when_ranks_hold_different_numbers_of_groups(dist_run) -> Non
     for r in dist_run(_after_a_subgroup_case, 3, timeout=60):
         for g, e in zip(r["grads"], r["expected"], strict=True):
             assert torch.equal(g, e)
+
+
+def _reinit(path: str, rank: int, world_size: int, seconds: float) -> None:
+    """Replace the harness's default group by one with a short timeout (the harness uses its deadline as the
+    group timeout, so a failure after that timeout would race the harness's own deadline)."""
+    from datetime import timedelta
+
+    dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo", init_method=f"file://{path}", rank=rank, world_size=world_size, timeout=timedelta(seconds=seconds)
+    )
+
+
+def _hook_group_timeout_case(rank: int, world_size: int, path: str) -> float:
+    from mixprec.comm.groups import group_timeout
+    from mixprec.integrations.ddp_fp32 import _context
+
+    _reinit(path, rank, world_size, 7.0)
+    _torch_ddp_case(rank, world_size, True)
+    timeout = group_timeout(_context(None).gather_group)
+    assert timeout is not None
+    return timeout.total_seconds()
+
+
+def test_the_hooks_extra_group_inherits_the_default_groups_timeout(dist_run, tmp_path) -> None:
+    """torch's new_group falls back to a 30-minute timeout; the hook's all-gather group must take the 7 s
+    given to init_process_group."""
+    assert dist_run(_hook_group_timeout_case, 2, str(tmp_path / "store"), timeout=60) == [7.0, 7.0]
+
+
+def _dead_peer_case(rank: int, world_size: int, path: str) -> dict[str, object]:
+    import time
+
+    _reinit(path, rank, world_size, 3.0)
+    model = torch.nn.Linear(4, 2)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(state=None, hook=mixprec.hooks.fp32_accumulate_hook)
+    if rank == 1:
+        return {"left": True}  # gone before the hook's first call
+    start = time.monotonic()
+    try:
+        ddp(torch.randn(3, 4)).sum().backward()
+        error = "no error"
+    except Exception as exc:  # torch DDP may wrap the hook's error
+        error = f"{type(exc).__name__}: {exc}"
+    return {"seconds": time.monotonic() - start, "error": error}
+
+
+def test_a_peer_gone_before_the_first_hook_call_fails_within_the_timeout(dist_run, tmp_path) -> None:
+    """Rank 1 leaves after building torch DDP; rank 0's first hook call must fail within the 3 s group
+    timeout (it waited for torch's 30-minute default, so this harness's 25 s deadline killed it)."""
+    result = dist_run(_dead_peer_case, 2, str(tmp_path / "store"), timeout=25)[0]
+    assert result["error"] != "no error"
+    assert result["seconds"] < 15, result
+
+
+def _fp64_case(rank: int, world_size: int) -> str:
+    model = torch.nn.Linear(4, 2).double()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(state=None, hook=mixprec.hooks.fp32_accumulate_hook)
+    try:
+        ddp(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    except Exception as exc:  # torch DDP may wrap the hook's error
+        return str(exc)
+    return "no error"
+
+
+def test_fp64_gradients_are_refused_not_summed_in_fp32(dist_run) -> None:
+    for message in dist_run(_fp64_case, 2, timeout=60):
+        assert "fp32_accumulate_hook sums in fp32" in message and "torch.float64" in message, message

@@ -510,7 +510,7 @@ def test_stochastic_reducer_through_ddp_and_its_per_rank_state(dist_run) -> None
 
 
 def test_no_sync_with_a_bf16_wire_accumulates_in_the_parameter_dtype(dist_run) -> None:
-    """M4: fp32 parameters, bf16 wire, 4 microbatches. The microbatches add up in fp32 in param.grad (the
+    """Narrower wire: fp32 parameters, bf16 wire, 4 microbatches. The microbatches add up in fp32 in param.grad (the
     same additions, in the same order, as the reference's backward), the window's total is rounded to bf16
     once, then summed in fp32 and rounded once: equal bit for bit to that reference. Accumulating in the
     bf16 buffer instead rounds 3 more times per element and fails this on random data."""
@@ -591,7 +591,7 @@ def _failing_wait_case(rank: int, world_size: int) -> dict[str, object]:
 
 
 def test_a_failing_wait_still_finishes_every_other_reduction(dist_run) -> None:
-    """M1: when one bucket's wait() raises at the end of backward, the wrapper still waits for every other
+    """When one bucket's wait() raises at the end of backward, the wrapper still waits for every other
     started reduction before resetting (none is left to finish later, out of step with the other ranks),
     the error reaches the caller, and the next backward reduces correctly."""
     for r in dist_run(_failing_wait_case, 2, timeout=120):
@@ -617,7 +617,7 @@ def _native_sharded_local_grads(rank: int, world_size: int) -> bool:
 
 
 def test_native_reducer_leaves_the_local_gradient_in_sharded_mode(dist_run) -> None:
-    """M5: param.grad views the bucket in sharded mode and must keep the local, unreduced gradient, so the
+    """param.grad views the bucket in sharded mode and must keep the local, unreduced gradient, so the
     native reducer pre-divides a copy, not the bucket."""
     assert all(dist_run(_native_sharded_local_grads, 2, timeout=60))
 
@@ -651,9 +651,266 @@ def _widening_case(rank: int, world_size: int, microbatches: int) -> dict[str, o
 
 
 def test_no_sync_with_fp32_buffers_for_bf16_params_accumulates_in_fp32(dist_run) -> None:
-    """The other direction of M4: bf16 parameters with grad_dtype=float32 accumulate the microbatches in the
+    """Wider buffer, the other direction: bf16 parameters with grad_dtype=float32 accumulate the microbatches in the
     fp32 buffer (the wider dtype), not in bf16 param.grad: equal bit for bit to the fp32 reference."""
     for r in dist_run(_widening_case, 2, 3, timeout=120):
         for name, g in r["grads"].items():
             assert g.dtype == torch.bfloat16
             assert torch.equal(g, r["expected"][name]), name
+
+
+# ---------------------------------------------------------------------- bucket padding
+def _padded_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # 10*7 + 7 + 7*3 + 3 = 101 elements in one bucket of 128 at 2 ranks: 27 elements of padding.
+    return torch.nn.Sequential(torch.nn.Linear(10, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+
+
+def _padded_batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 10, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def _padding(ddp: DistributedDataParallel) -> list[torch.Tensor]:
+    buffer = ddp.grad_buffer
+    return [buffer.bucket(k)[b.used :].clone() for k, b in enumerate(buffer.layout.buckets)]
+
+
+class _PaddingVandal:
+    """fp32_accumulate, then writes NaN (first call of each bucket) or huge finite garbage (later calls) into
+    the bucket's padding, as a reducer may: the contract does not forbid writing there."""
+
+    def __init__(self, used: dict[int, int]) -> None:
+        from mixprec.comm import make_reducer
+
+        self.inner = make_reducer("fp32_accumulate")
+        self.used = used
+        self.calls: dict[int, int] = {}
+
+    def _spoil(self, bucket: torch.Tensor, key: int) -> None:
+        first = self.calls.get(key, 0) == 0
+        self.calls[key] = self.calls.get(key, 0) + 1
+        bucket[self.used[key] :] = math.nan if first else 1e30
+
+    def all_reduce(self, bucket, group, *, average, key):
+        handle = self.inner.all_reduce(bucket, group, average=average, key=key)
+
+        class Spoiling:
+            def wait(inner_self) -> None:
+                handle.wait()
+                self._spoil(bucket, key)
+
+        return Spoiling()
+
+    def reduce_scatter(self, shard_out, bucket, group, *, average, key):
+        handle = self.inner.reduce_scatter(shard_out, bucket, group, average=average, key=key)
+
+        class Spoiling:
+            def wait(inner_self) -> None:
+                handle.wait()
+                self._spoil(bucket, key)  # the contract lets reduce_scatter use the bucket as scratch
+
+        return Spoiling()
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        return None
+
+
+def _vandal_case(rank: int, world_size: int, sharded: bool) -> dict[str, object]:
+    model = _padded_model()
+    reference_model = copy.deepcopy(model)
+    layout = build_layout(
+        [(n, p) for n, p in model.named_parameters()], world_size=world_size, bucket_size=10_000, grad_dtype=None
+    )
+    reducer = _PaddingVandal({b.index: b.used for b in layout.buckets})
+    ddp = DistributedDataParallel(model, bucket_size=10_000, reduce=reducer, sharded_optimizer=sharded)
+    steps = []
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp(_padded_batch(rank, step)).square().mean().backward()
+        per_rank = []
+        for r in range(world_size):
+            ref = copy.deepcopy(reference_model)
+            ref(_padded_batch(r, step)).square().mean().backward()
+            per_rank.append([p.grad for p in ref.parameters()])
+        expected = [fp32_rank_order_sum([g[i] for g in per_rank], average=True) for i in range(len(per_rank[0]))]
+        shard = ddp.shard_grads
+        steps.append(
+            {
+                "padding_zero": all(bool((pad == 0).all()) for pad in _padding(ddp)),
+                "warned": [str(w.message) for w in caught if issubclass(w.category, NonFiniteGradientWarning)],
+                "nonfinite": list(ddp.last_nonfinite),
+                "exact": sharded
+                or all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected, strict=True)),
+                "shard_finite": shard is None or bool(torch.isfinite(shard).all()),
+            }
+        )
+    return {"steps": steps}
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_whatever_a_reducer_leaves_in_the_padding_never_reaches_the_next_step(dist_run, sharded: bool) -> None:
+    """A reducer that writes NaN, then huge values, into the bucket padding: the buffer zeroes the padding,
+    so every step's gradients stay the exact fp32 mean, no later bucket is reported non-finite and the
+    padding is zero between steps."""
+    for r in dist_run(_vandal_case, 2, sharded, timeout=60):
+        for step in r["steps"]:
+            assert step["padding_zero"], step
+            assert step["warned"] == [] and step["nonfinite"] == [], step
+            assert step["exact"] and step["shard_finite"], step
+
+
+def _uint8_nan_case(rank: int, world_size: int, check_finite: str) -> dict[str, object]:
+    model = _padded_model()
+    clean_model = copy.deepcopy(model)
+    options = {"chunk_size": 128, "check_finite": check_finite}
+    ddp = DistributedDataParallel(model, bucket_size=10_000, reduce="uint8", reduce_options=options, check_finite=False)
+    clean = DistributedDataParallel(clean_model, bucket_size=10_000, reduce="uint8", reduce_options=options)
+    out: dict[str, object] = {"errors": [], "finite": [], "padding_zero": [], "same_as_clean": []}
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        loss = ddp(_padded_batch(rank, step)).square().mean()
+        if step == 0 and rank == 1:
+            loss = loss * math.nan  # one NaN batch on one rank
+        try:
+            loss.backward()
+            out["errors"].append("")
+        except ValueError as exc:
+            out["errors"].append(str(exc))
+        out["padding_zero"].append(all(bool((pad == 0).all()) for pad in _padding(ddp)))
+        if step > 0:
+            out["finite"].append(all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))
+            # A wrapper that never saw the NaN step reduces the same local gradients to the same bits.
+            clean_model.zero_grad(set_to_none=True)
+            clean(_padded_batch(rank, step)).square().mean().backward()
+            out["same_as_clean"].append(
+                all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), clean_model.parameters()))
+            )
+    return out
+
+
+@pytest.mark.parametrize("check_finite", ["flag", "raise"])
+def test_uint8_training_recovers_from_one_nan_step(dist_run, check_finite: str) -> None:
+    """The "uint8" reducer decodes whole chunks, padding included; a NaN step used to leave NaN there for good
+    (every later step non-finite, or raising with check_finite="raise")."""
+    for r in dist_run(_uint8_nan_case, 2, check_finite, timeout=120):
+        if check_finite == "raise":
+            assert "NaN or Inf" in r["errors"][0], r["errors"]
+        assert r["errors"][1:] == ["", ""], r["errors"]
+        assert r["finite"] == [True, True]
+        assert r["same_as_clean"] == [True, True]
+        assert r["padding_zero"] == [True, True, True]
+
+
+# ---------------------------------------------------------------------- construction checks
+def _mismatch_case(rank: int, world_size: int, kind: str) -> str:
+    width = 4
+    layers: list[torch.nn.Module] = [torch.nn.Linear(4, width)]
+    if rank == 1:
+        if kind == "shape":
+            layers = [torch.nn.Linear(4, width + 1)]
+        elif kind == "count":
+            layers.append(torch.nn.Linear(width, width))
+    model = torch.nn.Sequential(*layers)
+    if rank == 1 and kind == "dtype":
+        model = model.to(torch.bfloat16)
+    try:
+        DistributedDataParallel(model, bucket_size=10)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "kind, fragment",
+    [
+        ("shape", "rank 0 has parameter 0.weight of shape (4, 4), torch.float32, requires_grad; rank 1 has "),
+        ("count", "rank 0 has 2 parameters and buffers, rank 1 has 4"),
+        ("dtype", "rank 1 has parameter 0.weight of shape (4, 4), torch.bfloat16"),
+    ],
+)
+def test_different_models_on_different_ranks_are_refused_on_every_rank(dist_run, kind: str, fragment: str) -> None:
+    """As torch DDP's _verify_param_shape_across_processes: one clear ValueError on every rank, not a broadcast
+    that mixes shapes (it used to return without a word)."""
+    for message in dist_run(_mismatch_case, 2, kind, timeout=60):
+        assert "same module on every rank" in message and fragment in message, message
+        assert "\n" not in message
+
+
+def _bad_parameter_dtypes(rank: int, world_size: int) -> list[str]:
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that complex modules are experimental
+        cases = [
+            ({}, torch.nn.Linear(2, 2).to(torch.float8_e4m3fn)),
+            ({}, torch.nn.Linear(2, 2).to(torch.complex64)),
+            ({}, torch.nn.Linear(2, 2).double()),
+            ({"group": "x"}, torch.nn.Linear(2, 2)),
+        ]
+        for kwargs, model in cases:
+            try:
+                DistributedDataParallel(model, **kwargs)
+                out.append("no error")
+            except (TypeError, ValueError) as exc:
+                out.append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+def test_parameter_dtypes_and_group_are_checked_before_any_collective(dist_run) -> None:
+    fragments = [
+        "TypeError: parameter weight has dtype torch.float8_e4m3fn: DistributedDataParallel reduces float16",
+        "TypeError: parameter weight has dtype torch.complex64",
+        "TypeError: parameter weight has dtype torch.float64 and grad_dtype=None",
+        "TypeError: group must be a torch.distributed ProcessGroup or None; got str",
+    ]
+    for messages in dist_run(_bad_parameter_dtypes, 2, timeout=60):
+        assert len(messages) == len(fragments)
+        for message, fragment in zip(messages, fragments, strict=True):
+            assert message.startswith(fragment) and "\n" not in message, (fragment, message)
+
+
+def _fp64_with_grad_dtype(rank: int, world_size: int) -> bool:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).double()
+    ddp = DistributedDataParallel(model, grad_dtype=torch.float32)
+    ddp(torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    return model.weight.grad.dtype == torch.float64 and bool(torch.isfinite(model.weight.grad).all())
+
+
+def test_fp64_parameters_reduce_through_an_explicit_grad_dtype(dist_run) -> None:
+    assert dist_run(_fp64_with_grad_dtype, 2, timeout=60) == [True, True]
+
+
+def _uint8_resume_case(rank: int, world_size: int, error_feedback: bool) -> bool:
+    """Stochastic uint8: the reducer state saved after step 0 replays step 1 bit for bit in a fresh wrapper,
+    which starts with zero padding; leftovers in the running wrapper's padding used to make it differ."""
+    torch.manual_seed(0)
+    # 160 elements in a bucket of 256 at 2 ranks: the second 128-element chunk holds 32 weights of both signs
+    # (so zero is not on its grid and the decoded padding is not zero) and 96 elements of padding.
+    model = torch.nn.Linear(159, 1)
+    resumed_model = copy.deepcopy(model)
+    options = {"chunk_size": 128, "rounding": "stochastic", "seed": 5, "error_feedback": error_feedback}
+    ddp = DistributedDataParallel(model, bucket_size=10_000, reduce="uint8", reduce_options=options)
+
+    def backward(wrapper: DistributedDataParallel, step: int) -> None:
+        x = torch.randn(4, 159, generator=torch.Generator().manual_seed(10 * step + rank))
+        # Step 1's gradients are 1e-6 of step 0's: a leftover of step 0 in the padding would set the range.
+        (wrapper(x).square().mean() * (1.0 if step == 0 else 1e-6)).backward()
+
+    backward(ddp, 0)
+    saved = copy.deepcopy(ddp.reducer_state_dict())
+    model.zero_grad(set_to_none=True)
+    backward(ddp, 1)
+    resumed = DistributedDataParallel(resumed_model, bucket_size=10_000, reduce="uint8", reduce_options=options)
+    resumed.load_reducer_state_dict(saved)
+    backward(resumed, 1)
+    return all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), resumed_model.parameters()))
+
+
+@pytest.mark.parametrize("error_feedback", [False, True])
+def test_stochastic_uint8_resumes_bit_for_bit(dist_run, error_feedback: bool) -> None:
+    assert dist_run(_uint8_resume_case, 2, error_feedback, timeout=120) == [True, True]

@@ -178,3 +178,29 @@ def test_bad_buckets_are_refused(dist_run) -> None:
     assert "bucket must have dtype torch.float16 or torch.bfloat16 or torch.float32; got torch.float64" in messages[2]
     assert "shard_out must have dtype torch.bfloat16 or torch.float32" in messages[3]
     assert len(messages) == 4
+
+
+def _group_not_a_process_group(rank: int, world_size: int) -> list[str]:
+    from mixprec.comm import agree_any, rank_generator
+
+    out = []
+    bucket = torch.zeros(bucket_multiple(world_size))
+    for call in (
+        lambda: NativeReducer().all_reduce(bucket, "x", average=True, key=0),
+        lambda: FP32AccumulateReducer().reduce_scatter(torch.zeros(64), bucket, "x", average=True, key=0),
+        lambda: agree_any(True, group="x"),
+        lambda: rank_generator(1, group="x"),
+    ):
+        try:
+            call()
+            out.append("no error")
+        except TypeError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_a_group_that_is_not_a_process_group_is_named(dist_run) -> None:
+    for messages in dist_run(_group_not_a_process_group, 2, timeout=60):
+        assert len(messages) == 4
+        for message in messages:
+            assert message.startswith("group must be a torch.distributed ProcessGroup or None; got str"), message

@@ -197,7 +197,7 @@ def _errors(rank: int, world_size: int) -> list[str]:
     model = _mlp()
     plain = DistributedDataParallel(model)
     try:
-        ShardedOptimizer(plain, torch.optim.SGD, [{"params": list(model.parameters())}], lr=0.1)
+        ShardedOptimizer(plain.grad_buffer, torch.optim.SGD, [{"params": list(model.parameters())}], lr=0.1)
     except ValueError as exc:
         out.append(str(exc))
     ddp = DistributedDataParallel(_mlp(), sharded_optimizer=True)
@@ -274,7 +274,7 @@ def _partial_groups(rank: int, world_size: int, sharded: bool) -> dict:
 
 
 def test_parameters_in_no_group_keep_their_values(dist_run) -> None:
-    """C1: the all-gather after a step writes the whole master shard back into the parameters, so the
+    """The all-gather after a step writes the whole master shard back into the parameters, so the
     masters of parameters in no group must hold their values (they used to be zero)."""
     world_size = 2
     sharded = dist_run(_partial_groups, world_size, True, timeout=120)
@@ -322,7 +322,7 @@ def _stale_shards_after_skip(rank: int, world_size: int) -> list[str]:
 
 
 def test_a_skipped_steps_shards_are_discarded_at_update(dist_run) -> None:
-    """C2: the scaler's update() calls mixprec_discard_grads_(): a step() without a new synced backward
+    """The scaler's update() calls mixprec_discard_grads_(): a step() without a new synced backward
     is refused instead of applying the skipped step's inf/NaN gradient shards."""
     for messages in dist_run(_stale_shards_after_skip, 2, timeout=60):
         assert messages[0] == "skipped=True"
@@ -387,7 +387,7 @@ def _bf16_scaled_clipped(rank: int, world_size: int, steps: int) -> dict:
 
 
 def test_bf16_sharded_with_scaler_and_clipping_matches_a_reference(dist_run) -> None:
-    """T6: 4 steps of bf16 ZeRO-1 training with a loss scaler and clipping at 2 ranks equal, bit for bit,
+    """4 steps of bf16 ZeRO-1 training with a loss scaler and clipping at 2 ranks equal, bit for bit,
     a single-process reference: local bf16 gradients, fp32 rank-order mean (never rounded to bf16: the
     reduce-scatter writes fp32 shards), exact unscale, the ranks' clip coefficient, torch SGD with momentum
     on fp32 masters, one rounding to bf16. The clip norm is checked separately: an fp32 sum of n squares
@@ -421,3 +421,36 @@ def _set_after_build(rank: int, world_size: int) -> list[torch.Tensor]:
 def test_parameters_in_no_group_keep_values_set_after_the_optimizer_was_built(dist_run) -> None:
     for (weight,) in dist_run(_set_after_build, 2, timeout=60):
         assert bool((weight == 0.25).all())  # the step's all-gather used to write the old snapshot back
+
+
+def _zero_grad_case(rank: int, world_size: int) -> dict[str, object]:
+    ddp = DistributedDataParallel(_mlp(), bucket_size=300, sharded_optimizer=True)
+    opt = ddp.make_optimizer(torch.optim.SGD, lr=0.1)
+    x, y = _batch(0)
+
+    def backward() -> None:
+        torch.nn.functional.mse_loss(ddp(x[_rows(rank, world_size)]), y[_rows(rank, world_size)]).backward()
+
+    backward()
+    opt.step()
+    opt.zero_grad()  # set_to_none=True, as torch's default
+    to_none = [p.grad is None for p in ddp.module.parameters()]
+    backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    kept = [p.grad is not None and float(p.grad.abs().max()) == 0.0 for p in ddp.module.parameters()]
+    buffers_zero = all(bool((ddp.grad_buffer.bucket(k) == 0).all()) for k in range(ddp.grad_buffer.num_buckets))
+    try:
+        opt.zero_grad(set_to_none="yes")
+        bad = "no error"
+    except TypeError as exc:
+        bad = str(exc)
+    return {"to_none": to_none, "kept": kept, "buffers_zero": buffers_zero, "bad": bad}
+
+
+def test_zero_grad_honours_set_to_none(dist_run) -> None:
+    """True (the default) leaves every .grad None; False keeps the buffer views, zeroed; both zero the
+    buffers. The argument used to be ignored."""
+    for r in dist_run(_zero_grad_case, 2, timeout=60):
+        assert all(r["to_none"]) and all(r["kept"]) and r["buffers_zero"], r
+        assert "set_to_none must be a bool" in r["bad"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mixprec.comm.compat import check_group
+
 __all__ = ["agree_any", "collective_device", "is_distributed"]
 
 
@@ -27,6 +29,7 @@ def agree_any(flag: torch.Tensor | bool, group: dist.ProcessGroup | None = None)
     One all-reduce(MAX) of a single fp32 element, then a host sync. Outside a distributed run it is
     just ``bool(flag)``. ``group=None`` means the default (world) group.
     """
+    check_group("group", group)
     if isinstance(flag, torch.Tensor):
         # Any non-zero (or NaN) element counts: a multi-element flag is never read through its first element.
         local = flag.detach().ne(0).any().reshape(1)

@@ -1,25 +1,15 @@
 """Reduce-scatter and all-reduce that send fp16/bf16 but add in fp32, rounding each result once.
 
-Why: the backends' own collectives add in the wire dtype. NCCL's ring and gloo round the running sum to
-bf16/fp16 after every hop, so the error grows with the number of ranks (``mixprec study reduction-error``
-measures it); casting the gradients to fp32 first fixes the sum but doubles the bytes on the wire and
-allocates an fp32 copy of the whole buffer. Here the wire carries the input dtype and each rank adds, in
-fp32 and in rank order 0, 1, ..., world_size - 1, the world_size pieces of its own shard that an
-``all_to_all_single`` brought it, then rounds once to the output dtype (after seed 000, Megatron's
-``reduce_scatter_with_fp32_accumulation``).
+The backends' own collectives add in the wire dtype (NCCL's ring and gloo round the running sum after
+every hop, so the error grows with the number of ranks); casting to fp32 first doubles the bytes on the
+wire. Here the wire carries the input dtype: one ``all_to_all_single`` brings each rank the world_size
+pieces of its own shard, which it adds in fp32 in rank order and rounds once to the output dtype, as
+Megatron-LM's ``reduce_scatter_with_fp32_accumulation`` (megatron/core/distributed/) does.
 
-Error: the fp32 sum of P addends has relative error at most ``gamma_{P-1} = (P-1) u32 / (1 - (P-1) u32)``
-with ``u32 = 2**-24`` (about ``sqrt(P) u32`` typically); the final rounding to fp16/bf16 adds at most
-``u = 2**-11`` (fp16) or ``2**-8`` (bf16) relative, independent of P. With ``average=True`` one fp32
-division follows the sum (exact for a power-of-two world size, else one more ``u32``).
-
-Determinism: the sum order is fixed (rank order), so the result is bit-for-bit reproducible and equal on
-every run; in :func:`all_reduce_fp32_accumulate` every element is rounded on one rank and all-gathered, so
-all ranks hold identical bits.
-
-Non-finite values propagate: an inf/NaN addend makes that element's sum inf/NaN (fp32 does not overflow
-where fp16 would, so a finite fp16 sum is never turned into inf by the accumulation itself; the final
-rounding to fp16 overflows to inf above 65504, as the backend's sum would).
+Error: at most ``gamma_{P-1}`` (fp32 unit roundoff ``2**-24``) relative for the sum of P addends, plus one
+rounding to fp16/bf16. The sum order is fixed, so results are bit-for-bit reproducible; in the all-reduce
+every element is rounded on one rank and all-gathered, so all ranks hold identical bits. inf/NaN
+propagate. The derivation and memory accounting are in ``docs/comm.md``.
 """
 
 from __future__ import annotations
@@ -29,10 +19,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from mixprec.comm.compat import all_gather_flat, overlaps, require_initialized
+from mixprec.comm.compat import all_gather_flat, check_group, overlaps, require_initialized
 from mixprec.comm.handles import PendingReduction
 from mixprec.comm.padding import round_up
-from mixprec.core.dtypes import LOW_PRECISION_DTYPES, WIRE_DTYPES, Rounding
+from mixprec.core.dtypes import LOW_PRECISION_DTYPES, ROUNDINGS, WIRE_DTYPES, Rounding
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rank_generator
 from mixprec.core.stochastic import round_into_
 from mixprec.core.validate import check_bool, check_choice, check_tensor
@@ -56,7 +46,7 @@ def _receive_buffer(
     numel = like.numel()
     if scratch is None:
         return torch.empty(numel, dtype=like.dtype, device=like.device)
-    check_tensor("scratch", scratch, (like.dtype,), contiguous=True)
+    check_tensor("scratch", scratch, (like.dtype,), contiguous=True, materialized=True)
     if scratch.numel() < numel or scratch.device != like.device:
         raise ValueError(
             f"scratch must hold at least {like_name}.numel() = {numel} elements on {like.device}; "
@@ -183,10 +173,12 @@ def reduce_scatter_scaled(
     """:func:`reduce_scatter_fp32_accumulate` with an optional fp32 multiplier applied to the sum before the
     rounding (``ReduceOp.PREMUL_SUM`` semantics, for the FSDP2 hook): ``round(sum (/ P) * factor)``."""
     require_initialized("reduce_scatter_fp32_accumulate")
-    check_tensor("input", input, WIRE_DTYPES, contiguous=True)
-    check_tensor("output", output, (input.dtype, torch.float32), contiguous=True)
-    check_choice("rounding", rounding, ("nearest", "stochastic"))
+    check_tensor("input", input, WIRE_DTYPES, contiguous=True, materialized=True)
+    check_tensor("output", output, (input.dtype, torch.float32), contiguous=True, materialized=True)
+    check_group("group", group)
+    check_choice("rounding", rounding, ROUNDINGS)
     check_bool("average", average)
+    check_bool("async_op", async_op)
     if factor is not None and not math.isfinite(factor):
         raise ValueError(f"factor must be finite; got {factor!r}")
     if rounding == "stochastic" and output.dtype not in LOW_PRECISION_DTYPES:
@@ -204,7 +196,22 @@ def reduce_scatter_scaled(
     if output.numel() != shard:
         raise ValueError(f"output must hold input.numel() / group size = {shard} elements; got {output.numel()}")
     recv = _receive_buffer(scratch, input, "input", (input, output))
+    return _start_reduce_scatter(output, input, recv, group, world_size, average, factor, async_op, rounding, generator)
 
+
+def _start_reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    recv: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    world_size: int,
+    average: bool,
+    factor: float | None,
+    async_op: bool,
+    rounding: Rounding,
+    generator: torch.Generator | None,
+) -> PendingReduction | None:
+    """The reduce-scatter itself, on arguments the public functions have checked."""
     work = dist.all_to_all_single(recv, input.view(-1), group=group, async_op=async_op)
 
     def finish() -> None:
@@ -212,7 +219,7 @@ def reduce_scatter_scaled(
             work.wait()
         sum_shards_into(
             output,
-            recv.view(world_size, shard),
+            recv.view(world_size, output.numel()),
             average=average,
             rounding=rounding,
             generator=generator,
@@ -253,9 +260,11 @@ def all_reduce_fp32_accumulate(
             ``wait()``.
     """
     require_initialized("all_reduce_fp32_accumulate")
-    check_tensor("tensor", tensor, WIRE_DTYPES, contiguous=True)
-    check_choice("rounding", rounding, ("nearest", "stochastic"))
+    check_tensor("tensor", tensor, WIRE_DTYPES, contiguous=True, materialized=True)
+    check_group("group", group)
+    check_choice("rounding", rounding, ROUNDINGS)
     check_bool("average", average)
+    check_bool("async_op", async_op)
     if rounding == "stochastic" and tensor.dtype not in LOW_PRECISION_DTYPES:
         raise ValueError(f"rounding='stochastic' needs a float16/bfloat16 tensor; tensor is {tensor.dtype}")
     world_size = dist.get_world_size(group)
@@ -268,18 +277,8 @@ def all_reduce_fp32_accumulate(
         )
     shard = flat.numel() // world_size
     own = flat[rank * shard : (rank + 1) * shard]
-    # Checked here so that errors name ``tensor``, not the reduce-scatter's input/output.
     recv = _receive_buffer(scratch, flat, "tensor", (flat,))
-    pending = reduce_scatter_fp32_accumulate(
-        own,
-        flat,
-        group,
-        average=average,
-        async_op=async_op,
-        rounding=rounding,
-        scratch=recv,
-        generator=generator,
-    )
+    pending = _start_reduce_scatter(own, flat, recv, group, world_size, average, None, async_op, rounding, generator)
 
     def finish() -> None:
         if pending is not None:

@@ -33,11 +33,21 @@ def group_timeout(group: ProcessGroup | None = None) -> timedelta | None:
     return None
 
 
-def new_group(ranks: Sequence[int] | None = None, *, timeout: timedelta | None = None) -> ProcessGroup:
+def new_group(
+    ranks: Sequence[int] | None = None,
+    *,
+    timeout: timedelta | None = None,
+    use_local_synchronization: bool = False,
+) -> ProcessGroup:
     """``torch.distributed.new_group(ranks)`` with ``timeout`` defaulting to the default group's timeout.
 
-    A collective call: every rank of the default group calls it, with the same ``ranks``, in the same order.
+    A collective call: every rank of the default group calls it, with the same ``ranks``, in the same order;
+    with ``use_local_synchronization=True`` only the ranks in ``ranks`` do (torch's option of that name).
     """
     if timeout is None:
         timeout = group_timeout()
-    return dist.new_group(ranks=None if ranks is None else list(ranks), timeout=timeout)
+    return dist.new_group(
+        ranks=None if ranks is None else list(ranks),
+        timeout=timeout,
+        use_local_synchronization=use_local_synchronization,
+    )

@@ -42,7 +42,7 @@ class PendingReduction:
     @classmethod
     def completed(cls) -> PendingReduction:
         """A handle of a reduction that has already finished."""
-        handle = cls(_nothing)
+        handle = cls(lambda: None)
         handle._finish = None
         return handle
 
@@ -88,7 +88,3 @@ def wait_all(handles: Iterable[Any]) -> None:
                 first = exc
     if first is not None:
         raise first
-
-
-def _nothing() -> None:
-    return None

@@ -53,7 +53,7 @@ def pad_flat(
     numel = tensor.numel()
     padded = round_up(numel, multiple)
     if tensor.is_contiguous() and padded == numel:
-        return tensor.view(-1), _nothing
+        return tensor.view(-1), lambda: None
     if callable(buffer):
         buffer = buffer(padded)
     if buffer is None:
@@ -73,7 +73,3 @@ def pad_flat(
         tensor.copy_(flat[:numel].view(tensor.shape))
 
     return flat, copy_back
-
-
-def _nothing() -> None:
-    return None

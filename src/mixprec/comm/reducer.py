@@ -2,28 +2,10 @@
 
 Implementations live above this module: ``mixprec.parallel`` (``"native"``, ``"fp32_accumulate"``) and
 ``mixprec.compress`` (the compressed reducers) register theirs by name; the data-parallel wrapper builds
-one with :func:`make_reducer` or takes any object that keeps the contract below.
+one with :func:`make_reducer` or takes any object that keeps the contract.
 
-The contract every reducer keeps (the data-parallel wrapper relies on it):
-
-* ``bucket`` is 1-D, contiguous, fp16/bf16/fp32 (its dtype is the wire dtype), with a length that is a
-  multiple of ``lcm(world_size, 128)``; every rank passes a bucket of the same length and dtype, and all
-  ranks call the reducer for the same buckets in the same order.
-* The call starts the reduction and returns a handle; ``handle.wait()`` finishes it (blocking). Until
-  then the caller touches neither ``bucket`` nor ``shard_out``. ``wait()`` may be called again: after
-  a success it returns at once, after a failure it raises again (:class:`mixprec.comm.PendingReduction`).
-* ``all_reduce`` writes the reduced bucket in place, with identical bits on every rank (replicas must
-  not drift apart). ``reduce_scatter`` writes elements ``[r*S, (r+1)*S)`` of the reduced bucket into rank
-  r's ``shard_out`` (``S = len(bucket) // world_size``, dtype ``bucket.dtype`` or torch.float32) and may
-  use ``bucket`` as scratch (its contents afterwards are unspecified).
-* ``average=True`` returns the mean over ranks instead of the sum.
-* ``key`` (int >= 0) names the bucket and is the same for the same bucket at every step, so that a
-  stateful reducer (error feedback) can keep per-bucket state.
-* Non-finite values are never turned into finite ones: where any rank's bucket holds inf/NaN at element
-  i, the reduced element i is inf or NaN (other elements may be too). The wrapper also checks buckets
-  before sending them, but the loss scaler's overflow check after the reduction relies on this.
-* ``state_dict()`` returns plain tensors and Python scalars (saved with ``torch.save``, loadable with
-  ``weights_only=True``); ``load_state_dict`` accepts what ``state_dict`` returned.
+The contract every reducer keeps is in :class:`GradReducer`'s docstring; :func:`check_bucket` and
+:func:`check_shard_out` check its tensor arguments.
 """
 
 from __future__ import annotations
@@ -37,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from mixprec.comm.compat import check_group
 from mixprec.comm.handles import PendingReduction
 from mixprec.core.dtypes import WIRE_DTYPES
 from mixprec.core.validate import check_positive_int, check_tensor
@@ -74,7 +57,28 @@ class ReductionHandle(Protocol):
 class GradReducer(Protocol):
     """Reduces one flat gradient bucket (1-D, contiguous, length a multiple of lcm(world_size, 128)).
 
-    See the module docstring for the full contract (ordering, in-place semantics, non-finite values).
+    The contract every reducer keeps (the data-parallel wrapper relies on it):
+
+    * ``bucket`` is 1-D, contiguous, fp16/bf16/fp32 (its dtype is the wire dtype), with a length that is a
+      multiple of ``lcm(world_size, 128)``; every rank passes a bucket of the same length and dtype, and all
+      ranks call the reducer for the same buckets in the same order.
+    * The call starts the reduction and returns a handle; ``handle.wait()`` finishes it (blocking). Until
+      then the caller touches neither ``bucket`` nor ``shard_out``. ``wait()`` may be called again: after
+      a success it returns at once, after a failure it raises again (:class:`mixprec.comm.PendingReduction`).
+    * ``all_reduce`` writes the reduced bucket in place, with identical bits on every rank (replicas must
+      not drift apart). ``reduce_scatter`` writes elements ``[r*S, (r+1)*S)`` of the reduced bucket into rank
+      r's ``shard_out`` (``S = len(bucket) // world_size``, dtype ``bucket.dtype`` or torch.float32) and may
+      use ``bucket`` as scratch (its contents afterwards are unspecified).
+    * ``average=True`` returns the mean over ranks instead of the sum.
+    * ``key`` (int >= 0) names the bucket and is the same for the same bucket at every step, so that a
+      stateful reducer (error feedback) can keep per-bucket state.
+    * Non-finite values are never turned into finite ones: where any rank's bucket holds inf/NaN at element
+      i, the reduced element i is inf or NaN (other elements may be too). The wrapper also checks buckets
+      before sending them, but the loss scaler's overflow check after the reduction relies on this.
+    * ``state_dict()`` returns plain tensors and Python scalars (saved with ``torch.save``, loadable with
+      ``weights_only=True``); ``load_state_dict`` accepts what ``state_dict`` returned.
+    * The bucket's padding (the elements after the last parameter) is zero when a reduction starts; a
+      reducer may write there, the wrapper zeroes it again.
     """
 
     def all_reduce(
@@ -106,14 +110,15 @@ def after_work(work: Any, then: Callable[[], None] | None = None, *, keep: Any =
 
 
 def check_bucket(bucket: torch.Tensor, group: ProcessGroup | None) -> int:
-    """Check a reducer's bucket (see the module docstring's contract); returns the group size.
+    """Check a reducer's bucket (see :class:`GradReducer`'s contract); returns the group size.
 
-    TypeError: not a tensor, or not fp16/bf16/fp32. ValueError: not 1-D contiguous, or a length that is not
-    a multiple of ``lcm(world_size, 128)``.
+    TypeError: not a tensor, or not fp16/bf16/fp32; a group that is not a ProcessGroup. ValueError: not 1-D
+    contiguous, or a length that is not a multiple of ``lcm(world_size, 128)``.
     """
     check_tensor("bucket", bucket, WIRE_DTYPES)
     if bucket.dim() != 1 or not bucket.is_contiguous():
         raise ValueError(f"bucket must be a 1-D contiguous tensor; got shape {tuple(bucket.shape)}")
+    check_group("group", group)
     world_size = dist.get_world_size(group)
     multiple = bucket_multiple(world_size)
     if bucket.numel() % multiple:
@@ -173,8 +178,9 @@ def make_reducer(name: str, **options: Any) -> GradReducer:
     factory = _REGISTRY.get(name)
     if factory is None:
         raise ValueError(f"unknown reducer {name!r}; registered reducers: {', '.join(registered_reducers())}")
+    signature = inspect.signature(factory)
     try:
-        inspect.signature(factory).bind(**options)
+        signature.bind(**options)  # only a mismatch of option names is re-worded here
     except TypeError as exc:
         raise TypeError(f"reducer {name!r} rejected its options {sorted(options)}: {exc}") from None
     reducer = factory(**options)

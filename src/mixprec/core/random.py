@@ -47,6 +47,8 @@ def _rank_in(group: dist.ProcessGroup | None) -> int:
         if group is not None:
             raise RuntimeError("group was given but torch.distributed is not initialised (init_process_group)")
         return 0
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None; got {type(group).__name__}")
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError("group: this process is not a member of the given process group")

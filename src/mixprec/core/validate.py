@@ -87,16 +87,20 @@ def check_tensor(
     *,
     contiguous: bool = False,
     device: torch.device | None = None,
+    materialized: bool = False,
 ) -> torch.Tensor:
-    """A tensor, optionally of one of ``dtypes`` (TypeError otherwise), contiguous and on ``device`` (ValueError)."""
+    """A tensor, optionally of one of ``dtypes`` (TypeError otherwise), contiguous, on ``device`` and, with
+    ``materialized``, not a meta tensor (ValueError)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
     if dtypes is not None:
-        allowed = tuple(dtypes)
+        allowed = tuple(dict.fromkeys(dtypes))  # once each: (input.dtype, torch.float32) may name fp32 twice
         if value.dtype not in allowed:
             raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in allowed)}; got {value.dtype}")
     if contiguous and not value.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
     if device is not None and value.device != device:
         raise ValueError(f"{name} must be on {device}; got {value.device}")
+    if materialized and value.is_meta:
+        raise ValueError(f"{name} is a meta tensor (shape and dtype only, no data): pass a tensor with storage")
     return value

@@ -5,16 +5,9 @@ gradient bucket is all-reduced the way :func:`mixprec.comm.all_reduce_fp32_accum
 the bucket dtype, fp32 sum in rank order, one rounding) and averaged, as torch's default hook averages. The
 FSDP2 counterpart is in :mod:`mixprec.integrations.fsdp2`.
 
-Asynchronous: the hook starts the ``all_to_all_single`` and returns at once, so backward goes on while the
-bucket travels. When the all-to-all completes, a callback (on the backend's thread) sums this rank's shard
-in fp32, rounds it once and starts the all-gather; the returned future completes when that is done.
-
-Ordering: a backend matches collectives across ranks by the order in which each rank issues them. The
-all-to-alls are issued by the hook, on the autograd thread, in bucket order (the same on every rank). The
-all-gathers are issued from callbacks, at times that differ from rank to rank, so they go to a second
-process group over the same ranks (created on the first call, ``use_local_synchronization=True``: only the
-group's ranks take part), where they are issued in hook-call order whatever order the all-to-alls complete
-in. Without that, an all-gather could slip between two all-to-alls on one rank and not on another.
+The hook starts the all-to-all and returns; a callback sums, rounds and starts the all-gather on a second
+process group (created on the first call with the default group's timeout), where the all-gathers are
+issued in bucket order on every rank. Why, and the rules for subgroups: ``docs/comm.md``.
 
 No ``from __future__ import annotations`` here: torch DDP's ``register_comm_hook`` compares the hook's
 annotations with ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` as objects, not strings.
@@ -30,7 +23,9 @@ import torch.distributed as dist
 
 from mixprec.comm.compat import all_gather_flat
 from mixprec.comm.fp32_accumulate import sum_shards_into
+from mixprec.comm.groups import new_group
 from mixprec.comm.padding import pad_flat
+from mixprec.core.dtypes import WIRE_DTYPES
 
 __all__ = ["fp32_accumulate_hook"]
 
@@ -61,16 +56,11 @@ class _HookContext:
         self.owner: object = None  # the group this context belongs to (kept alive: see _context)
         self.pool = _BufferPool()
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        # Called from the hook on the autograd thread, by every rank of the group at its first bucket. For the
-        # whole world, a plain new_group: its name comes from a counter every rank advances alike. The locally
-        # synchronised form (needed when only the group's ranks get here) hashes the ranks with the count of
-        # groups this process belongs to, which differs between ranks when some hold subgroups that others do
-        # not: then the ranks would rendezvous under different names and hang. So on a proper subgroup, every
-        # rank of it must belong to the same number of process groups (documented on the hook).
-        if len(ranks) == dist.get_world_size():
-            self.gather_group = dist.new_group(ranks=ranks)
-        else:
-            self.gather_group = dist.new_group(ranks=ranks, use_local_synchronization=True)
+        # Called from the hook on the autograd thread, by every rank of the group at its first bucket; see
+        # docs/comm.md for why a proper subgroup needs local synchronisation. new_group passes the default
+        # group's timeout on, so a peer that is gone makes this fail within it.
+        local = len(ranks) != dist.get_world_size()
+        self.gather_group = new_group(ranks, use_local_synchronization=local)
         self._lock = threading.Lock()
         self._calls = 0  # hook calls so far: the sequence number of the next bucket
         self._next_gather = 0  # sequence number of the next all-gather to start
@@ -142,8 +132,14 @@ def fp32_accumulate_hook(
     if state is not None and not isinstance(state, dist.ProcessGroup):
         raise TypeError(f"state must be a torch.distributed ProcessGroup or None; got {type(state).__name__}")
     group = state
-    ctx = _context(group)
     buffer = bucket.buffer()
+    if buffer.dtype not in WIRE_DTYPES:
+        # Checked before any collective (the second group included), on every rank: all hold this bucket.
+        raise TypeError(
+            f"fp32_accumulate_hook sums in fp32, so it takes float16, bfloat16 or float32 gradients; this bucket "
+            f"holds {buffer.dtype} (parameters of that dtype): use torch DDP's default hook for them"
+        )
+    ctx = _context(group)
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     padded_copy: list[torch.Tensor] = []

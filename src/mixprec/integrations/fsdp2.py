@@ -3,7 +3,7 @@
 :class:`FP32AccumulateReduceScatter` implements FSDP2's ``ReduceScatter`` comm interface with
 :func:`mixprec.comm.reduce_scatter_fp32_accumulate`; :func:`use_fp32_accumulation` installs it on every
 ``fully_shard``-ed submodule (``FSDPModule.set_custom_reduce_scatter``, torch 2.13). Importing this module
-imports ``torch.distributed.fsdp`` (about 0.7 s), so ``mixprec.parallel`` loads it only on first use.
+imports ``torch.distributed.fsdp`` (about 0.7 s), so only ``mixprec.fsdp`` imports it, not ``import mixprec``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec.comm.fp32_accumulate import reduce_scatter_scaled
-from mixprec.core.dtypes import Rounding
+from mixprec.core.dtypes import ROUNDINGS, Rounding
 from mixprec.core.validate import check_choice
 
 __all__ = ["FP32AccumulateReduceScatter", "use_fp32_accumulation"]
@@ -66,7 +66,7 @@ class FP32AccumulateReduceScatter(_fsdp_base()):  # type: ignore[misc]
     """
 
     def __init__(self, *, rounding: Rounding = "nearest", generator: torch.Generator | None = None) -> None:
-        self.rounding = check_choice("rounding", rounding, ("nearest", "stochastic"))
+        self.rounding = check_choice("rounding", rounding, ROUNDINGS)
         self.generator = generator
         self._scratch: torch.Tensor | None = None
 

@@ -1,40 +1,33 @@
 """ZeRO-1 (Megatron's distributed optimizer): fp32 master weights and optimizer state for one shard per rank.
 
-Each bucket of :class:`mixprec.parallel.DistributedDataParallel` (``sharded_optimizer=True``) splits into
-``world_size`` equal shards; rank r owns shard r of every bucket. For the parameter elements in its shards
-the rank keeps fp32 master weights and runs the optimizer; the reduce-scatter during backward writes the
-averaged gradient of exactly those elements into fp32 gradient shards (with ``"fp32_accumulate"`` never
-rounded to the wire dtype). After the step each rank rounds its updated masters to the model dtype (once,
-to nearest) and the buckets are all-gathered in the model dtype straight into the parameters.
+Each bucket of a sharded :class:`mixprec.parallel.GradBuffer` (``DistributedDataParallel(...,
+sharded_optimizer=True)``) splits into ``world_size`` equal shards; rank r owns shard r of every bucket,
+keeps fp32 master weights for its elements and runs the inner optimizer on them. The reduce-scatter during
+backward writes the averaged gradient of exactly those elements into the buffer's fp32 gradient shards.
+After the step each rank rounds its masters to the model dtype (once, to nearest) and the buckets are
+all-gathered in the model dtype straight into the parameters.
 
-Each parameter's part in a shard is a separate 1-D fp32 tensor ("piece") handed to the inner optimizer,
-so param groups, per-group options and LR schedulers work as usual. The optimizer sees pieces, not whole
-tensors: elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, Adadelta, ...) behave exactly as on
-full tensors; ones that look at a whole tensor (LAMB's trust ratio, Adafactor's factored moments, LBFGS)
-see only a piece and are not supported.
-
-Memory per rank: ``4 * (numel / world_size)`` bytes of fp32 master weights, as much for the fp32 gradient
-shard, plus the inner optimizer's state for the shard (8 bytes per element for Adam): ``1/world_size`` of
-what unsharded fp32 master weights and Adam state need.
+The inner optimizer sees 1-D pieces, one per parameter part in the shard: elementwise optimizers (SGD,
+Adam, AdamW, Adagrad, RMSprop, ...) behave exactly as on full tensors; ones that look at a whole tensor
+(LAMB, Adafactor, LBFGS) are not supported. Memory per rank: ``4 * numel / world_size`` bytes each for
+masters and gradient shard, plus the inner optimizer's state for the shard. More in ``docs/parallel.md``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mixprec.comm.compat import all_gather_flat
 from mixprec.comm.objects import gather_objects
-from mixprec.core.validate import check_norm_type, check_positive_float
+from mixprec.core.validate import check_bool, check_norm_type, check_positive_float
 from mixprec.parallel.buckets import ShardPiece
+from mixprec.parallel.buffer import GradBuffer
 from mixprec.scaling.master import clip_coefficient
-
-if TYPE_CHECKING:
-    from mixprec.parallel.ddp import DistributedDataParallel
 
 __all__ = ["CHECKPOINT_FORMAT", "ShardedOptimizer"]
 
@@ -57,7 +50,7 @@ class ShardedOptimizer:
 
     def __init__(
         self,
-        ddp: DistributedDataParallel,
+        buffer: GradBuffer,
         optimizer_cls: Callable[..., torch.optim.Optimizer],
         param_groups: list[dict[str, Any]],
         **optimizer_kwargs: Any,
@@ -65,7 +58,8 @@ class ShardedOptimizer:
         """Build the fp32 masters of this rank's shard and the inner optimizer over them (local, no collective).
 
         Args:
-            ddp: the wrapper, built with ``sharded_optimizer=True`` (else ValueError).
+            buffer: the wrapper's gradient buffer (``ddp.grad_buffer``), built with ``sharded_optimizer=True``
+                (else ValueError).
             optimizer_cls: a torch optimizer class, or any callable taking param groups and keyword options;
                 elementwise optimizers only (see the module docstring).
             param_groups: dicts ``{"params": [module parameters], **options}``; each trainable parameter at
@@ -76,12 +70,17 @@ class ShardedOptimizer:
         Memory: ``4 * shard`` bytes of fp32 masters (the masters are exact copies of this rank's part of the
         parameters), plus the inner optimizer's state, created on its first step.
         """
-        if not ddp.sharded or ddp.shard_grads is None:
+        if not isinstance(buffer, GradBuffer):
+            raise TypeError(
+                "buffer must be a mixprec.parallel.GradBuffer (ddp.grad_buffer), or build the optimizer with "
+                f"ddp.make_optimizer(...); got {type(buffer).__name__}"
+            )
+        if not buffer.sharded or buffer.shard_grads is None:
             raise ValueError("ShardedOptimizer needs DistributedDataParallel(..., sharded_optimizer=True)")
-        self.ddp = ddp
-        layout = ddp.layout
-        rank = ddp.rank
-        index_of = {id(p): i for i, p in enumerate(ddp._params)}
+        self.buffer = buffer
+        layout = buffer.layout
+        rank = buffer.rank
+        index_of = {id(p): i for i, p in enumerate(buffer.params)}
         group_of: dict[int, int] = {}
         for g, group in enumerate(param_groups):
             if not isinstance(group, dict) or "params" not in group:
@@ -92,14 +91,14 @@ class ShardedOptimizer:
                 if i is None:
                     raise ValueError("param_groups holds a tensor that is not a trainable parameter of the module")
                 if i in group_of:
-                    raise ValueError(f"parameter {ddp._names[i]} appears in more than one param group")
+                    raise ValueError(f"parameter {buffer.names[i]} appears in more than one param group")
                 group_of[i] = g
         members: list[list[int]] = [[] for _ in param_groups]
         for i, g in sorted(group_of.items()):
             members[g].append(i)
-        self._group_names = [[ddp._names[i] for i in idx] for idx in members]
+        self._group_names = [[buffer.names[i] for i in idx] for idx in members]
 
-        self.master = torch.zeros_like(ddp.shard_grads)
+        self.master = torch.zeros_like(buffer.shard_grads)
         # Every piece of this rank's shard, in buffer order. The masters of all of them hold the parameter's
         # value, also for parameters in no group: the all-gather after each step writes the whole shard back
         # into the parameters, so a piece left at zero would zero its parameter.
@@ -121,10 +120,10 @@ class ShardedOptimizer:
         with torch.no_grad():
             self._refresh_masters_from_params()
             for g, k, piece in unsorted:
-                start = ddp._shard_base[k] + piece.shard_offset
+                start = buffer.shard_offset(k) + piece.shard_offset
                 master_view = self.master[start : start + piece.numel]
                 leaf = torch.nn.Parameter(master_view)  # shares memory with self.master
-                leaf.grad = ddp.shard_grads[start : start + piece.numel]
+                leaf.grad = buffer.shard_grads[start : start + piece.numel]
                 piece_params[g].append(leaf)
                 self._pieces.append((k, piece))
         self._leaves = [leaf for group in piece_params for leaf in group]
@@ -139,8 +138,8 @@ class ShardedOptimizer:
         """Copy this rank's part of every parameter, or of ``pieces``, into the masters (exactly: fp32 holds
         fp16/bf16/fp32)."""
         for k, piece in self._all_pieces if pieces is None else pieces:
-            start = self.ddp._shard_base[k] + piece.shard_offset
-            param = self.ddp._params[piece.slot.index]
+            start = self.buffer.shard_offset(k) + piece.shard_offset
+            param = self.buffer.params[piece.slot.index]
             self.master[start : start + piece.numel].copy_(
                 param.detach().reshape(-1)[piece.param_start : piece.param_stop]
             )
@@ -155,15 +154,23 @@ class ShardedOptimizer:
         return self.optimizer.state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the model's gradient buffers in place (the fp32 shards are overwritten by the next reduction)."""
-        self.ddp.zero_grad_buffers()
+        """Zero the model's gradient buffers in place and start a new accumulation window (the fp32 shards are
+        overwritten by the next reduction).
+
+        Args:
+            set_to_none: as torch's: True (default) leaves every parameter's ``.grad`` None until the next
+                backward; False keeps the ``.grad`` tensors that are views of the gradient buffer (zeroed),
+                the others become None either way (their values live in the buffer).
+        """
+        check_bool("set_to_none", set_to_none)
+        self.buffer.zero_grads(set_to_none=set_to_none)
         self._grads_prepared = False
 
     def mixprec_prepare_grads_(self) -> None:
         """Check that a synced backward has filled the fp32 gradient shards since the last step."""
         if self._grads_prepared:
             return
-        if not self.ddp._grads_reduced:
+        if not self.buffer.grads_reduced:
             raise RuntimeError(
                 "no reduced gradients since the last step: run forward and backward through the "
                 "DistributedDataParallel wrapper (the last one outside no_sync()) before step()"
@@ -177,7 +184,7 @@ class ShardedOptimizer:
         The loss scalers call it from ``update()``, whatever way the gradients are cleared afterwards.
         """
         self._grads_prepared = False
-        self.ddp._grads_reduced = False
+        self.buffer.clear_reduced()
 
     def _local_norm_term(self, norm_type: float) -> torch.Tensor:
         grads = [leaf.grad for leaf in self._leaves if leaf.grad is not None and leaf.numel() > 0]
@@ -196,7 +203,7 @@ class ShardedOptimizer:
         self.mixprec_prepare_grads_()
         term = self._local_norm_term(norm_type).reshape(1).clone()
         op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-        dist.all_reduce(term, op=op, group=self.ddp.group)
+        dist.all_reduce(term, op=op, group=self.buffer.group)
         total = term[0]
         return total if norm_type == math.inf else total.pow(1.0 / norm_type)
 
@@ -209,8 +216,9 @@ class ShardedOptimizer:
         """
         check_positive_float("max_norm", max_norm)
         total = self.grad_norm(norm_type)
-        if torch.isfinite(total) and self.ddp.shard_grads is not None:
-            self.ddp.shard_grads.mul_(clip_coefficient(total, max_norm))
+        shard_grads = self.buffer.shard_grads
+        if torch.isfinite(total) and shard_grads is not None:
+            shard_grads.mul_(clip_coefficient(total, max_norm))
         return total
 
     @torch.no_grad()
@@ -222,48 +230,49 @@ class ShardedOptimizer:
         self.optimizer.step()
         self._gather_params()
         self._grads_prepared = False
-        self.ddp._grads_reduced = False
+        self.buffer.clear_reduced()
 
     @torch.no_grad()
     def _gather_params(self) -> None:
-        ddp = self.ddp
-        ws, rank = ddp.world_size, ddp.rank
+        buffer = self.buffer
+        ws, rank = buffer.world_size, buffer.rank
         if self._ungrouped:
             self._refresh_masters_from_params(self._ungrouped)
         works = []
-        for b in ddp.layout.buckets:
+        for b in buffer.layout.buckets:
             size = b.numel // ws
-            full = ddp._param_buffers[b.group][b.offset : b.offset + b.numel]
+            full = buffer.param_bucket(b.index)
             own = full[rank * size : (rank + 1) * size]
-            own.copy_(self.master[ddp._shard_base[b.index] : ddp._shard_base[b.index] + size])  # one rounding
-            works.append(all_gather_flat(full, own, ddp.group, async_op=True))
+            base = buffer.shard_offset(b.index)
+            own.copy_(self.master[base : base + size])  # one rounding
+            works.append(all_gather_flat(full, own, buffer.group, async_op=True))
         for w in works:
             w.wait()
 
     # ------------------------------------------------------------------ checkpoints
     def _root(self) -> int:
         """Global rank of the group's rank 0, where checkpoints are gathered."""
-        return dist.get_global_rank(self.ddp.group, 0) if self.ddp.group is not None else 0
+        return dist.get_global_rank(self.buffer.group, 0) if self.buffer.group is not None else 0
 
     def _gather_flat(self, shard: torch.Tensor) -> dict[int, torch.Tensor] | None:
         """Gather a tensor laid out like ``self.master`` onto the group's rank 0: one full tensor per bucket
         there, None elsewhere. Extra memory: on rank 0 the full tensors; elsewhere nothing."""
-        ddp = self.ddp
-        is_root = ddp.rank == 0
+        buffer = self.buffer
+        is_root = buffer.rank == 0
         out: dict[int, torch.Tensor] = {}
-        for b in ddp.layout.buckets:
-            size = b.numel // ddp.world_size
-            base = ddp._shard_base[b.index]
+        for b in buffer.layout.buckets:
+            size = b.numel // buffer.world_size
+            base = buffer.shard_offset(b.index)
             full = torch.empty(b.numel, dtype=shard.dtype, device=shard.device) if is_root else None
-            parts = list(full.chunk(ddp.world_size)) if full is not None else None
-            dist.gather(shard[base : base + size].contiguous(), parts, dst=self._root(), group=ddp.group)
+            parts = list(full.chunk(buffer.world_size)) if full is not None else None
+            dist.gather(shard[base : base + size].contiguous(), parts, dst=self._root(), group=buffer.group)
             if full is not None:
                 out[b.index] = full
         return out if is_root else None
 
     def _per_param(self, full: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
         result = {}
-        for slot in self.ddp.layout.slots:
+        for slot in self.buffer.layout.slots:
             t = full[slot.bucket][slot.start : slot.start + slot.numel]
             result[slot.name] = t.view(slot.shape).clone()
         return result
@@ -284,8 +293,8 @@ class ShardedOptimizer:
         at most one key of their own shard extra, ``5 N / world_size`` bytes; they never hold the world's
         state. Wire: the state dtypes (fp32) and uint8 masks; small metadata (key names) is all-gathered.
         """
-        ddp = self.ddp
-        is_root = ddp.rank == 0
+        buffer = self.buffer
+        is_root = buffer.rank == 0
         local_keys: dict[str, str] = {}
         scalars: dict[str, dict[str, Any]] = {}
         for leaf, (_, piece) in zip(self._leaves, self._pieces, strict=True):
@@ -297,12 +306,12 @@ class ShardedOptimizer:
                     value = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
                     scalars.setdefault(piece.slot.name, {}).setdefault(key, value)
         # Every rank must take part in the gathers of every key: the key names go to all ranks (tiny).
-        all_keys: list[Any] = [None] * ddp.world_size
-        dist.all_gather_object(all_keys, local_keys, group=ddp.group)
+        all_keys: list[Any] = [None] * buffer.world_size
+        dist.all_gather_object(all_keys, local_keys, group=buffer.group)
         elementwise: dict[str, str] = {}
         for keys in all_keys:
             elementwise.update(keys)
-        gathered_scalars = gather_objects(scalars, dst=self._root(), group=ddp.group)
+        gathered_scalars = gather_objects(scalars, dst=self._root(), group=buffer.group)
         merged_scalars: dict[str, dict[str, Any]] = {}
         for sc in gathered_scalars or []:
             for name, entries in sc.items():
@@ -318,7 +327,7 @@ class ShardedOptimizer:
             for leaf, (k, piece) in zip(self._leaves, self._pieces, strict=True):
                 value = self.optimizer.state.get(leaf, {}).get(key)
                 if value is not None:
-                    start = ddp._shard_base[k] + piece.shard_offset
+                    start = buffer.shard_offset(k) + piece.shard_offset
                     flat[start : start + piece.numel] = value
                     has[start : start + piece.numel] = 1
             full = self._gather_flat(flat)
@@ -343,7 +352,7 @@ class ShardedOptimizer:
             "state": state,
             "elementwise_keys": sorted(elementwise),
             "param_groups": groups,
-            "world_size": ddp.world_size,
+            "world_size": buffer.world_size,
         }
 
     @torch.no_grad()
@@ -352,13 +361,13 @@ class ShardedOptimizer:
         too (the masters rounded to the model dtype). Local: no collective."""
         if not isinstance(state_dict, dict) or state_dict.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"state_dict must come from ShardedOptimizer.state_dict() (format {CHECKPOINT_FORMAT!r})")
-        ddp = self.ddp
+        buffer = self.buffer
         master = state_dict["master"]
-        expected = {slot.name for slot in ddp.layout.slots}
+        expected = {slot.name for slot in buffer.layout.slots}
         if set(master) != expected:
             missing, extra = sorted(expected - set(master)), sorted(set(master) - expected)
             raise ValueError(f"checkpoint parameters do not match the model: missing {missing}, unexpected {extra}")
-        for slot in ddp.layout.slots:
+        for slot in buffer.layout.slots:
             if tuple(master[slot.name].shape) != tuple(slot.shape):
                 raise ValueError(
                     f"parameter {slot.name}: checkpoint shape {tuple(master[slot.name].shape)} != {tuple(slot.shape)}"
@@ -393,11 +402,11 @@ class ShardedOptimizer:
             )
             next_index += n
         self.optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
-        for slot, param in zip(ddp.layout.slots, ddp._params, strict=True):
+        for slot, param in zip(buffer.layout.slots, buffer.params, strict=True):
             param.copy_(master[slot.name])  # round to the model dtype, locally (every rank has the full tensor)
         # Parameters in no group have no leaf: their masters follow the loaded parameters here.
         for k, piece in self._all_pieces:
-            start = ddp._shard_base[k] + piece.shard_offset
+            start = buffer.shard_offset(k) + piece.shard_offset
             self.master[start : start + piece.numel].copy_(
                 master[piece.slot.name].reshape(-1)[piece.param_start : piece.param_stop]
             )
@@ -405,6 +414,6 @@ class ShardedOptimizer:
 
     def __repr__(self) -> str:
         return (
-            f"ShardedOptimizer({type(self.optimizer).__name__}, rank={self.ddp.rank}/{self.ddp.world_size}, "
+            f"ShardedOptimizer({type(self.optimizer).__name__}, rank={self.buffer.rank}/{self.buffer.world_size}, "
             f"shard_elements={self.master.numel()})"
         )
