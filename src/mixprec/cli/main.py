@@ -117,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         work = prepare(args)
     except (ValueError, TypeError) as exc:
         # Raised while checking the user's arguments, before any work: the user's input is wrong.
-        print(f"mixprec {args.command}: error: {exc}", file=sys.stderr)
+        command = " ".join(filter(None, (args.command, getattr(args, "study", None))))
+        print(f"mixprec {command}: error: {exc}", file=sys.stderr)
         return 2
     return int(work() or 0)
 

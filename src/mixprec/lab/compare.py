@@ -8,16 +8,7 @@ loss is missing or null are ignored. A step that appears twice is refused (``dup
 ``duplicates="last"`` the later row wins (a log that a resumed run appended to without dropping them), and
 :attr:`RunLog.repeated_steps` counts the steps so replaced, which ``mixprec compare`` reports.
 
-Definitions (the first run is the reference; differences are taken at the steps both runs logged):
-
-* ``final loss``: the loss at the run's last step; ``best loss``: its smallest finite loss;
-  ``final val loss``: ``eval_loss`` at the last step that has one.
-* ``max abs diff``: max over common steps of ``|loss - loss_ref|``; ``max rel diff``: max of
-  ``|loss - loss_ref| / |loss_ref|`` over common steps where ``loss_ref != 0``. A non-finite loss in either run
-  makes that step's difference infinite.
-* ``first step > threshold``: the first common step where ``|loss - loss_ref| > threshold`` (absolute, in loss
-  units), or none.
-* ``skipped``: rows with ``skipped`` true; ``tokens/s``: median of ``tokens_per_s``.
+The table's columns are defined in :class:`RunComparison`.
 """
 
 from __future__ import annotations
@@ -55,7 +46,19 @@ class RunLog:
 
 @dataclass(frozen=True)
 class RunComparison:
-    """One row of the comparison table (see the module docstring for the definitions)."""
+    """One row of the comparison table.
+
+    Definitions (the first run is the reference; differences are taken at the steps both runs logged):
+
+    * ``final loss``: the loss at the run's last step; ``best loss``: its smallest finite loss;
+      ``final val loss``: ``eval_loss`` at the last step that has one.
+    * ``max abs diff``: max over common steps of ``|loss - loss_ref|``; ``max rel diff``: max of
+      ``|loss - loss_ref| / |loss_ref|`` over common steps where ``loss_ref != 0``. A non-finite loss in either run
+      makes that step's difference infinite.
+    * ``first step > threshold``: the first common step where ``|loss - loss_ref| > threshold`` (absolute, in loss
+      units), or none.
+    * ``skipped``: rows with ``skipped`` true; ``tokens/s``: median of ``tokens_per_s``.
+    """
 
     name: str
     steps: int
