@@ -13,6 +13,7 @@ and every rank reads the checkpoint on ``--resume``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
@@ -120,7 +121,10 @@ def prepare(args: argparse.Namespace) -> Callable[[], int]:
     cfg = config_from_args(args)
     if args.nproc is not None and args.nproc > 1 and torchrun_env() is not None:
         raise ValueError("--nproc starts ranks itself; under torchrun the world size comes from torchrun instead")
-    check_run(cfg, resume=args.resume, overwrite=args.overwrite)
+    # launch() checks the configuration with the loss scaler resolved, as the run directory saves it.
+    check_run(
+        dataclasses.replace(cfg, loss_scaler=cfg.resolved_loss_scaler), resume=args.resume, overwrite=args.overwrite
+    )
     resolve_device(cfg)
     return lambda: run(args)
 
