@@ -89,3 +89,22 @@ def test_run_demo_checks_the_threshold_before_training(tmp_path, monkeypatch) ->
     monkeypatch.setattr(demo, "launch", lambda *a, **k: pytest.fail("a run started"))
     with pytest.raises(ValueError, match="threshold must be a number >= 0"):
         demo.run_demo(out_dir=str(tmp_path), overrides=demo.QUICK_OVERRIDES, threshold=-1.0)
+
+
+def test_a_bug_in_a_run_is_not_reported_as_a_failed_run(tmp_path, monkeypatch) -> None:
+    """A run that fails (a rank, divergence) is reported and the demo goes on; any other exception is a bug
+    and propagates with its traceback."""
+    from mixprec.lab.train import TrainingDiverged
+
+    def diverges(cfg, **kwargs):
+        raise TrainingDiverged("20 skipped steps in a row")
+
+    monkeypatch.setattr(demo, "launch", diverges)
+    assert demo.run_demo(out_dir=str(tmp_path / "a"), overrides=demo.QUICK_OVERRIDES, runs=demo.DEMO_RUNS[:1]) == 1
+
+    def buggy(cfg, **kwargs):
+        raise RuntimeError("an internal bug")
+
+    monkeypatch.setattr(demo, "launch", buggy)
+    with pytest.raises(RuntimeError, match="an internal bug"):
+        demo.run_demo(out_dir=str(tmp_path / "b"), overrides=demo.QUICK_OVERRIDES, runs=demo.DEMO_RUNS[:1])

@@ -31,6 +31,8 @@ from mixprec.lab.compare import RunComparison, RunLog, compare_runs, format_tabl
 from mixprec.lab.config import TrainConfig
 from mixprec.lab.launch import TrainingFailed, launch
 from mixprec.lab.metrics import METRICS_NAME, read_rows
+from mixprec.lab.train import TrainingDiverged
+from mixprec.scaling import LossScaleFloorError
 
 __all__ = ["DEMO_DEFAULTS", "DEMO_RUNS", "DemoRun", "plan_demo", "run_demo", "write_report"]
 
@@ -156,7 +158,9 @@ def run_demo(
         try:
             launch(cfg, overwrite=True, progress=progress)
             outcomes.append(_Outcome(demo_run, "ok", seconds=time.perf_counter() - t0))
-        except (TrainingFailed, RuntimeError) as exc:
+        except (TrainingFailed, TrainingDiverged, LossScaleFloorError) as exc:
+            # The run itself failed (a rank, or divergence): reported, and the others still run. Anything else
+            # is a bug and keeps its traceback.
             print(f"mixprec demo: {demo_run.name} failed: {exc}")
             outcomes.append(_Outcome(demo_run, "failed", str(exc), time.perf_counter() - t0))
     finished = [o for o in outcomes if o.status == "ok"]
