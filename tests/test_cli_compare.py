@@ -195,3 +195,13 @@ def test_internal_error_exits_1_with_a_traceback(runs) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 1
     assert "Traceback (most recent call last)" in proc.stderr and "TypeError: an internal bug" in proc.stderr
+
+
+def test_bad_plot_path_is_refused_before_the_table(runs, tmp_path, capsys) -> None:
+    assert main(["compare", runs[0], runs[1], "--plot", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "--plot" in err and "is a folder" in err
+    (tmp_path / "file").write_text("")
+    assert main(["compare", runs[0], runs[1], "--plot", str(tmp_path / "file" / "cmp.png")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "is a file" in err
