@@ -22,7 +22,7 @@ _STUDIES: dict[str, tuple[str, str]] = {
     ),
     "reduction-error": (
         "mixprec.lab.reduction_error",
-        "error of fp16/bf16 gradient reduction vs DP size, beside a published claim for Megatron-LM's",
+        "error of fp16/bf16 gradient reduction vs DP size, beside a published table for Megatron-LM's fp32 sums",
     ),
 }
 
