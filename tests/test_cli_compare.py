@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from mixprec.cli.main import main
 from mixprec.lab.compare import compare_runs, format_table, load_run
+
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def write_jsonl(path, rows, extra_lines=()) -> str:
@@ -46,7 +51,7 @@ def runs(tmp_path):
         ],
     )
     # Another machine's log: only step and loss, a step the reference lacks, a null loss, a blank line and a
-    # repeated step (the later row wins).
+    # repeated step (refused by default; with duplicates="last" the later row wins).
     foreign = write_jsonl(
         tmp_path / "foreign.jsonl",
         [
@@ -62,7 +67,8 @@ def runs(tmp_path):
 
 
 def test_table_values_are_exact(runs) -> None:
-    ref, other, foreign = (load_run(p) for p in runs)
+    ref, other, foreign = (load_run(p, duplicates="last") for p in runs)
+    assert (ref.repeated_steps, foreign.repeated_steps) == (0, 1)
     rows = compare_runs([ref, other, foreign], threshold=0.3)
     r0, r1, r2 = rows
     assert (r0.name, r0.steps, r0.final_loss, r0.best_loss, r0.final_eval_loss) == ("ref", 5, 2.0, 2.0, 2.125)
@@ -89,9 +95,13 @@ def test_nonfinite_loss_is_an_infinite_difference(tmp_path, runs) -> None:
 
 def test_cli_prints_table_and_writes_png(runs, tmp_path, capsys) -> None:
     png = tmp_path / "out" / "cmp.png"
-    assert main(["compare", *runs, "--threshold", "0.3", "--plot", str(png), "--labels", "a,b,c"]) == 0
+    argv = ["compare", *runs, "--threshold", "0.3", "--plot", str(png), "--labels", "a,b,c"]
+    argv += ["--duplicate-steps", "last"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
+    assert lines[0] == f"note: {runs[2]}: 1 step(s) logged more than once; the later row is used"
+    lines = lines[1:]
     assert lines[0].startswith("| run | steps | final loss | best loss | final val loss | max abs diff")
     assert "| a (reference) | 5 | 2.0000 | 2.0000 | 2.1250 | - | - | - | 0 | 300 |" in lines
     assert "| b | 5 | 2.5000 | 2.2500 | 2.2500 | 0.5 | 25.000% | 4 | 1 | 150 |" in lines
@@ -105,6 +115,25 @@ def test_run_directory_is_read(tmp_path, runs, capsys) -> None:
     (run_dir / "metrics.jsonl").write_text(Path(runs[1]).read_text())
     assert main(["compare", runs[0], str(run_dir), "--no-plot"]) == 0
     assert "| myrun | 5 |" in capsys.readouterr().out
+
+
+def test_repeated_step_is_refused_naming_file_and_step(runs, capsys) -> None:
+    with pytest.raises(ValueError, match=r"foreign.jsonl:7: step 2 is logged again \(first at line 2\)"):
+        load_run(runs[2])
+    assert main(["compare", *runs, "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "foreign.jsonl:7: step 2 is logged again" in err and "--duplicate-steps" in err
+
+
+def test_later_row_of_a_repeated_step_replaces_every_field(tmp_path) -> None:
+    path = write_jsonl(
+        tmp_path / "resumed.jsonl",
+        [{"step": 0, "loss": 2.0}, {"step": 1, "loss": 1.5, "eval_loss": 1.75}, {"step": 1, "loss": 1.25}],
+    )
+    log = load_run(path, duplicates="last")
+    assert (log.loss, log.eval_loss, log.repeated_steps) == ({0: 2.0, 1: 1.25}, {}, 1)
+    with pytest.raises(ValueError, match="duplicates must be one of"):
+        load_run(path, duplicates="first")
 
 
 def test_never_crossing_is_reported(runs) -> None:
@@ -139,3 +168,40 @@ def test_bad_arguments_exit_2(tmp_path, runs, capsys) -> None:
     assert "--labels names 2 runs; 3 were given" in capsys.readouterr().err
     assert main(["compare", *runs, "--threshold", "-1", "--no-plot"]) == 2
     assert "threshold must be a number >= 0" in capsys.readouterr().err
+
+
+def test_internal_error_is_not_reported_as_bad_input(runs, monkeypatch) -> None:
+    """A ValueError raised by a bug while the work runs (here injected into compare_runs) propagates with its
+    traceback; only the argument checks before the work map to exit 2."""
+    import mixprec.lab.compare as lab_compare
+
+    def broken(*args, **kwargs):
+        raise ValueError("an internal bug")
+
+    monkeypatch.setattr(lab_compare, "compare_runs", broken)
+    with pytest.raises(ValueError, match="an internal bug"):
+        main(["compare", runs[0], runs[1], "--no-plot"])
+
+
+def test_internal_error_exits_1_with_a_traceback(runs) -> None:
+    code = (
+        "import sys, mixprec.lab.compare as c\n"
+        "def broken(*a, **k): raise TypeError('an internal bug')\n"
+        "c.compare_runs = broken\n"
+        "from mixprec.cli.main import main\n"
+        f"sys.exit(main(['compare', {runs[0]!r}, {runs[1]!r}, '--no-plot']))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback (most recent call last)" in proc.stderr and "TypeError: an internal bug" in proc.stderr
+
+
+def test_bad_plot_path_is_refused_before_the_table(runs, tmp_path, capsys) -> None:
+    assert main(["compare", runs[0], runs[1], "--plot", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "--plot" in err and "is a folder" in err
+    (tmp_path / "file").write_text("")
+    assert main(["compare", runs[0], runs[1], "--plot", str(tmp_path / "file" / "cmp.png")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "is a file" in err

@@ -59,3 +59,52 @@ def test_unavailable_runs_are_reported_not_failed(tmp_path, monkeypatch) -> None
     report = (tmp_path / "report.md").read_text()
     assert "## Not run" in report
     assert "- **imaginary** (needs something absent): not available: precision='bf16' needs an imaginary" in report
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--threshold", "-1"], "threshold must be a number >= 0"),
+        (["--threshold", "nan"], "threshold must be a number >= 0"),
+        (["--steps", "0"], "steps"),
+        (["--nproc", "0"], "nproc"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_run(tmp_path, monkeypatch, capsys, argv, message) -> None:
+    monkeypatch.setattr(demo, "launch", lambda *a, **k: pytest.fail("a run started"))
+    assert main(["demo", "--quick", "--out-dir", str(tmp_path / "d"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+    assert not (tmp_path / "d").exists()
+
+
+def test_out_dir_that_is_a_file_is_refused(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(demo, "launch", lambda *a, **k: pytest.fail("a run started"))
+    (tmp_path / "f").write_text("")
+    assert main(["demo", "--quick", "--out-dir", str(tmp_path / "f")]) == 2
+    assert "--out-dir" in capsys.readouterr().err
+
+
+def test_run_demo_checks_the_threshold_before_training(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(demo, "launch", lambda *a, **k: pytest.fail("a run started"))
+    with pytest.raises(ValueError, match="threshold must be a number >= 0"):
+        demo.run_demo(out_dir=str(tmp_path), overrides=demo.QUICK_OVERRIDES, threshold=-1.0)
+
+
+def test_a_bug_in_a_run_is_not_reported_as_a_failed_run(tmp_path, monkeypatch) -> None:
+    """A run that fails (a rank, divergence) is reported and the demo goes on; any other exception is a bug
+    and propagates with its traceback."""
+    from mixprec.lab.train import TrainingDiverged
+
+    def diverges(cfg, **kwargs):
+        raise TrainingDiverged("20 skipped steps in a row")
+
+    monkeypatch.setattr(demo, "launch", diverges)
+    assert demo.run_demo(out_dir=str(tmp_path / "a"), overrides=demo.QUICK_OVERRIDES, runs=demo.DEMO_RUNS[:1]) == 1
+
+    def buggy(cfg, **kwargs):
+        raise RuntimeError("an internal bug")
+
+    monkeypatch.setattr(demo, "launch", buggy)
+    with pytest.raises(RuntimeError, match="an internal bug"):
+        demo.run_demo(out_dir=str(tmp_path / "b"), overrides=demo.QUICK_OVERRIDES, runs=demo.DEMO_RUNS[:1])

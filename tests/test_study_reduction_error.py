@@ -111,7 +111,8 @@ def test_cli_writes_table_csv_and_plot(tmp_path, capsys) -> None:
     assert code == 0
     out = capsys.readouterr().out
     assert "| wire | gradients | DP | ring | tree |" in out
-    assert "Seed 000's table" in out and "Where the measurement disagrees with the seed:" in out
+    assert "The published claim (the error table of a public write-up of Megatron-LM's" in out
+    assert "Where the measurement disagrees with the published claim:" in out
     with (tmp_path / "reduction_error.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 * 2 * 2 * 5  # wires x distributions x DP x methods

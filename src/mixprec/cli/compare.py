@@ -3,12 +3,16 @@
 Each RUN is a ``mixprec train`` run directory or any JSONL file with ``step`` and ``loss`` on each line (from
 another machine or framework). Prints a markdown table (final and best loss, max absolute and relative
 difference to the first run, the first step where the difference exceeds --threshold, skipped steps,
-throughput) and writes a PNG of the loss curves and of the differences.
+throughput) and writes a PNG of the loss curves and of the differences. A step logged twice in one file is
+refused unless --duplicate-steps last is given.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+
+from mixprec.cli.args import check_matplotlib, check_output_file
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -16,7 +20,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "compare",
         help="compare loss curves of runs (run directories or JSONL with step and loss)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directory or JSONL file; the first is the reference")
     p.add_argument(
@@ -30,22 +33,37 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--plot", default="compare.png", metavar="PNG", help="where to write the plot (default: compare.png)"
     )
     p.add_argument("--no-plot", action="store_true", help="print the table only")
-    p.set_defaults(func=run)
+    p.add_argument(
+        "--duplicate-steps",
+        choices=("error", "last"),
+        default="error",
+        help="a step logged twice: refuse the file (error), or keep the later row and say so (last)",
+    )
+    p.set_defaults(prepare=prepare)
 
 
-def run(args: argparse.Namespace) -> int:
+def prepare(args: argparse.Namespace) -> Callable[[], int]:
+    """Read and check every run, the threshold, the labels and the plot path before printing anything."""
     from mixprec.lab.compare import compare_runs, format_table, load_run, plot_comparison
 
     labels = [s.strip() for s in args.labels.split(",")] if args.labels else [None] * len(args.runs)
     if len(labels) != len(args.runs):
         raise ValueError(f"--labels names {len(labels)} runs; {len(args.runs)} were given")
-    runs = [load_run(path, name) for path, name in zip(args.runs, labels)]
-    rows = compare_runs(runs, threshold=args.threshold)
-    print(format_table(rows, threshold=args.threshold))
+    if not args.threshold >= 0:  # also refuses NaN
+        raise ValueError(f"--threshold must be a number >= 0 (an absolute loss difference); got {args.threshold!r}")
     if not args.no_plot:
-        try:
-            path = plot_comparison(runs, args.plot, threshold=args.threshold)
-        except RuntimeError as exc:
-            raise ValueError(str(exc)) from exc
-        print(f"\nplot: {path}")
-    return 0
+        check_output_file("--plot", args.plot)
+        check_matplotlib()
+    runs = [load_run(path, name, duplicates=args.duplicate_steps) for path, name in zip(args.runs, labels)]
+
+    def work() -> int:
+        for run in runs:
+            if run.repeated_steps:
+                print(f"note: {run.path}: {run.repeated_steps} step(s) logged more than once; the later row is used")
+        rows = compare_runs(runs, threshold=args.threshold)
+        print(format_table(rows, threshold=args.threshold))
+        if not args.no_plot:
+            print(f"\nplot: {plot_comparison(runs, args.plot, threshold=args.threshold)}")
+        return 0
+
+    return work

@@ -7,6 +7,9 @@ A few minutes on 2 CPU cores.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+
+from mixprec.cli.args import check_matplotlib, check_output_dir
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -14,7 +17,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "demo",
         help="train one model five ways (fp32, bf16 x 2 reductions, fp16, uint8) and report what differed",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--out-dir", default="mixprec-demo", help="where runs, plot and report go (default: mixprec-demo)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and batches, shared by all runs (default: 0)")
@@ -27,17 +29,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bars (default: on a terminal)"
     )
-    p.set_defaults(func=run)
+    p.set_defaults(prepare=prepare)
 
 
-def run(args: argparse.Namespace) -> int:
-    from mixprec.lab.demo import QUICK_OVERRIDES, run_demo
+def prepare(args: argparse.Namespace) -> Callable[[], int]:
+    """Check every argument and build every run's configuration before the first run starts."""
+    from mixprec.lab.demo import QUICK_OVERRIDES, plan_demo, run_demo
 
     overrides = dict(QUICK_OVERRIDES) if args.quick else {}
     if args.steps is not None:
         overrides["steps"] = args.steps
     if args.nproc is not None:
         overrides["nproc"] = args.nproc
-    return run_demo(
+    check_output_dir("--out-dir", args.out_dir)
+    check_matplotlib()
+    plan_demo(out_dir=args.out_dir, seed=args.seed, overrides=overrides, threshold=args.threshold)
+    return lambda: run_demo(
         out_dir=args.out_dir, seed=args.seed, overrides=overrides, threshold=args.threshold, progress=args.progress
     )

@@ -13,8 +13,10 @@ and every rank reads the checkpoint on ``--resume``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
@@ -109,7 +111,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="progress bar on rank 0 (default: when stderr is a terminal)",
     )
     add_config_arguments(p)
-    p.set_defaults(func=run)
+    p.set_defaults(prepare=prepare)
+
+
+def prepare(args: argparse.Namespace) -> Callable[[], int]:
+    """Every check the user's input can fail, before anything is written (a ValueError here exits 2)."""
+    from mixprec.lab.launch import check_run, resolve_device, torchrun_env
+
+    cfg = config_from_args(args)
+    if args.nproc is not None and args.nproc > 1 and torchrun_env() is not None:
+        raise ValueError("--nproc starts ranks itself; under torchrun the world size comes from torchrun instead")
+    # launch() checks the configuration with the loss scaler resolved, as the run directory saves it.
+    check_run(
+        dataclasses.replace(cfg, loss_scaler=cfg.resolved_loss_scaler), resume=args.resume, overwrite=args.overwrite
+    )
+    resolve_device(cfg)
+    return lambda: run(args)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,18 +3,12 @@
 A run is a ``mixprec train`` run directory (its ``metrics.jsonl`` is read) or a JSONL file of one object per
 line. Only ``step`` (an integer) and ``loss`` (a number) are required; ``eval_loss``, ``skipped`` and
 ``tokens_per_s`` are used when present, so a log from another machine or framework compares as well. Rows whose
-loss is missing or null are ignored; when a step appears twice the later row wins (a resumed log).
+loss is missing or null are ignored. A step that appears twice is refused (``duplicates="error"``, the default:
+``mixprec train`` never writes one, since a resumed run first drops the rows after its checkpoint); with
+``duplicates="last"`` the later row wins (a log that a resumed run appended to without dropping them), and
+:attr:`RunLog.repeated_steps` counts the steps so replaced, which ``mixprec compare`` reports.
 
-Definitions (the first run is the reference; differences are taken at the steps both runs logged):
-
-* ``final loss``: the loss at the run's last step; ``best loss``: its smallest finite loss;
-  ``final val loss``: ``eval_loss`` at the last step that has one.
-* ``max abs diff``: max over common steps of ``|loss - loss_ref|``; ``max rel diff``: max of
-  ``|loss - loss_ref| / |loss_ref|`` over common steps where ``loss_ref != 0``. A non-finite loss in either run
-  makes that step's difference infinite.
-* ``first step > threshold``: the first common step where ``|loss - loss_ref| > threshold`` (absolute, in loss
-  units), or none.
-* ``skipped``: rows with ``skipped`` true; ``tokens/s``: median of ``tokens_per_s``.
+The table's columns are defined in :class:`RunComparison`.
 """
 
 from __future__ import annotations
@@ -27,7 +21,10 @@ from dataclasses import dataclass
 
 from mixprec.lab.metrics import METRICS_NAME, read_numbered_rows
 
-__all__ = ["RunComparison", "RunLog", "compare_runs", "format_table", "load_run", "plot_comparison"]
+__all__ = ["DUPLICATE_RULES", "RunComparison", "RunLog", "compare_runs", "format_table", "load_run", "plot_comparison"]
+
+# What load_run does with a step logged twice: refuse it, or keep the later row.
+DUPLICATE_RULES = ("error", "last")
 
 
 @dataclass(frozen=True)
@@ -40,6 +37,7 @@ class RunLog:
     eval_loss: dict[int, float]
     skipped: int | None
     tokens_per_s: float | None
+    repeated_steps: int = 0
 
     @property
     def steps(self) -> list[int]:
@@ -48,7 +46,19 @@ class RunLog:
 
 @dataclass(frozen=True)
 class RunComparison:
-    """One row of the comparison table (see the module docstring for the definitions)."""
+    """One row of the comparison table.
+
+    Definitions (the first run is the reference; differences are taken at the steps both runs logged):
+
+    * ``final loss``: the loss at the run's last step; ``best loss``: its smallest finite loss;
+      ``final val loss``: ``eval_loss`` at the last step that has one.
+    * ``max abs diff``: max over common steps of ``|loss - loss_ref|``; ``max rel diff``: max of
+      ``|loss - loss_ref| / |loss_ref|`` over common steps where ``loss_ref != 0``. A non-finite loss in either run
+      makes that step's difference infinite.
+    * ``first step > threshold``: the first common step where ``|loss - loss_ref| > threshold`` (absolute, in loss
+      units), or none.
+    * ``skipped``: rows with ``skipped`` true; ``tokens/s``: median of ``tokens_per_s``.
+    """
 
     name: str
     steps: int
@@ -81,9 +91,18 @@ def _number(value: object, what: str) -> float:
     return float(value)
 
 
-def load_run(path: str, name: str | None = None) -> RunLog:
-    """Read a run directory or JSONL file. Raises ValueError on unreadable lines or when no row has a loss."""
+def load_run(path: str, name: str | None = None, *, duplicates: str = "error") -> RunLog:
+    """Read a run directory or JSONL file.
+
+    ``duplicates``: what a step logged on two rows means: ``"error"`` refuses it, ``"last"`` keeps the later row
+    (counted in :attr:`RunLog.repeated_steps`). Raises ValueError on unreadable lines, on a repeated step with
+    ``"error"``, or when no row has a loss.
+    """
+    if duplicates not in DUPLICATE_RULES:
+        raise ValueError(f"duplicates must be one of {', '.join(map(repr, DUPLICATE_RULES))}; got {duplicates!r}")
     file = _metrics_path(path)
+    first_line: dict[int, int] = {}
+    repeated: set[int] = set()
     loss: dict[int, float] = {}
     eval_loss: dict[int, float] = {}
     skipped: dict[int, bool] = {}
@@ -97,6 +116,17 @@ def load_run(path: str, name: str | None = None) -> RunLog:
             raise ValueError(f"{where}: 'step' must be an integer; got {step!r}")
         if row.get("loss") is None:
             continue
+        if step in first_line:
+            if duplicates == "error":
+                raise ValueError(
+                    f"{where}: step {step} is logged again (first at line {first_line[step]}); to keep the later "
+                    "row of each repeated step (a log appended to by a resumed run), pass --duplicate-steps last"
+                )
+            repeated.add(step)
+            # The later row replaces the earlier one completely, also where it lacks a field.
+            for record in (eval_loss, skipped, tps):
+                record.pop(step, None)
+        first_line.setdefault(step, lineno)
         loss[step] = _number(row["loss"], f"{where}: 'loss'")
         if row.get("eval_loss") is not None:
             eval_loss[step] = _number(row["eval_loss"], f"{where}: 'eval_loss'")
@@ -116,6 +146,7 @@ def load_run(path: str, name: str | None = None) -> RunLog:
         eval_loss=dict(sorted(eval_loss.items())),
         skipped=sum(skipped.values()) if skipped else None,
         tokens_per_s=statistics.median(tps.values()) if tps else None,
+        repeated_steps=len(repeated),
     )
 
 

@@ -31,8 +31,10 @@ from mixprec.lab.compare import RunComparison, RunLog, compare_runs, format_tabl
 from mixprec.lab.config import TrainConfig
 from mixprec.lab.launch import TrainingFailed, launch
 from mixprec.lab.metrics import METRICS_NAME, read_rows
+from mixprec.lab.train import TrainingDiverged
+from mixprec.scaling import LossScaleFloorError
 
-__all__ = ["DEMO_DEFAULTS", "DEMO_RUNS", "DemoRun", "run_demo", "write_report"]
+__all__ = ["DEMO_DEFAULTS", "DEMO_RUNS", "DemoRun", "plan_demo", "run_demo", "write_report"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,30 @@ QUICK_OVERRIDES: dict[str, Any] = {
 }
 
 
+def plan_demo(
+    *,
+    out_dir: str = "mixprec-demo",
+    seed: int = 0,
+    overrides: dict[str, Any] | None = None,
+    threshold: float = 0.05,
+    runs: Sequence[DemoRun] = DEMO_RUNS,
+) -> list[TrainConfig]:
+    """The configuration of each of ``runs``, every argument checked before any run starts.
+
+    Raises:
+        ValueError, TypeError: a bad threshold, or overrides that make a run's configuration invalid.
+    """
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not threshold >= 0:
+        raise ValueError(f"threshold must be a number >= 0 (an absolute loss difference); got {threshold!r}")
+    if not runs:
+        raise ValueError("runs must name at least one demo run")
+    base = {**DEMO_DEFAULTS, **(overrides or {}), "seed": seed}
+    return [
+        TrainConfig(**{**base, **demo_run.overrides, "out_dir": os.path.join(out_dir, "runs", demo_run.name)})
+        for demo_run in runs
+    ]
+
+
 @dataclass
 class _Outcome:
     run: DemoRun
@@ -114,14 +140,14 @@ def run_demo(
     """Train each of ``runs``, compare them, write ``out_dir/report.md`` and ``out_dir/compare.png``.
 
     Returns 0 when every available run finished, 1 when one failed. Runs needing a missing capability are
-    skipped and reported, not failed.
+    skipped and reported, not failed. Raises what :func:`plan_demo` raises, before any run starts.
     """
+    configs = plan_demo(out_dir=out_dir, seed=seed, overrides=overrides, threshold=threshold, runs=runs)
     base = {**DEMO_DEFAULTS, **(overrides or {}), "seed": seed}
     os.makedirs(out_dir, exist_ok=True)
     t_start = time.perf_counter()
     outcomes: list[_Outcome] = []
-    for i, demo_run in enumerate(runs):
-        cfg = TrainConfig(**{**base, **demo_run.overrides, "out_dir": os.path.join(out_dir, "runs", demo_run.name)})
+    for i, (demo_run, cfg) in enumerate(zip(runs, configs)):
         missing = missing_capabilities(cfg)
         if missing:
             print(f"mixprec demo: [{i + 1}/{len(runs)}] {demo_run.name}: not available yet: {'; '.join(missing)}")
@@ -132,7 +158,9 @@ def run_demo(
         try:
             launch(cfg, overwrite=True, progress=progress)
             outcomes.append(_Outcome(demo_run, "ok", seconds=time.perf_counter() - t0))
-        except (TrainingFailed, RuntimeError) as exc:
+        except (TrainingFailed, TrainingDiverged, LossScaleFloorError) as exc:
+            # The run itself failed (a rank, or divergence): reported, and the others still run. Anything else
+            # is a bug and keeps its traceback.
             print(f"mixprec demo: {demo_run.name} failed: {exc}")
             outcomes.append(_Outcome(demo_run, "failed", str(exc), time.perf_counter() - t0))
     finished = [o for o in outcomes if o.status == "ok"]

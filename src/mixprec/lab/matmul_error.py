@@ -1,15 +1,18 @@
-"""How much error each accumulator model adds to a matmul: seed 003's comparison, emulated.
+"""``mixprec study matmul-error``: how much error each accumulator model adds to a matmul, emulated.
 
-A, B ~ N(0, 1) (fp32, seeded), rounded to fp16: these fp16 matrices are the data, as in seed 003. For each
-size M = N = K and each model (fp16/16, two_stage, fp16/32, fp16/32-h100, bf16/32, fp8/promote128, fp8/nopromote), the
-emulated product is compared with a float64 product of the data and with a plain fp32 ``torch.matmul`` of it
-(seed 003's reference, fp32 on CUDA cores). bf16 and fp8 models round the fp16 data to their own input format
-first, so their error includes that input rounding. Large sizes are computed on a random subset of output rows
-(``--rows``; the error statistics of a random row subset are an unbiased sample of the whole matrix's).
+A, B ~ N(0, 1) rounded to fp16 are the data. For each size M = N = K and each model (fp16/16, two_stage,
+fp16/32, fp16/32-h100, bf16/32, fp8/promote128, fp8/nopromote) the emulated product is compared with a
+float64 product of the data and with a plain fp32 product (the reference of the two-stage write-up). Large
+sizes are computed on a random subset of output rows (--rows).
 
-Outputs: a table on stdout, ``matmul_error.csv`` (percentiles of |error|), ``matmul_error_curves.csv`` (the
-percentile curves) and ``matmul_error.png`` (the curves, one panel per size), plus a plain statement of where
-the measurements agree or disagree with the claims of seed 003 and DeepSeek-V3.
+Outputs: a table, matmul_error.csv (percentiles of |error|), matmul_error_curves.csv and matmul_error.png
+(percentile curves), and each published claim beside the measurement, with the tolerance of the check: the
+two-stage accumulation write-up ("Improving FP16/16 matmul accuracy with two-stage accumulation",
+spatters/mma-matmul) and the DeepSeek-V3 report's fp8 accumulation error. Definitions, the tolerance and
+measured results: docs/studies.md.
+
+Run time: --quick about 15 s on 2 busy CPU cores. The defaults (sizes 256, 1024, 4096) do about 240 times
+its work, almost all at 4096: about 11 minutes on 2 idle cores; a progress bar counts the rows done.
 """
 
 from __future__ import annotations
@@ -18,25 +21,35 @@ import argparse
 import csv
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 __all__ = [
+    "CLAIM_FACTOR",
     "DEFAULT_PRESETS",
     "ClaimCheck",
     "MatmulErrorResult",
     "add_arguments",
     "check_claims",
+    "check_study_arguments",
     "matmul_error_study",
     "plot_curves",
+    "prepare",
     "run",
 ]
 
 DEFAULT_PRESETS = ("fp16/16", "two_stage", "fp16/32", "fp16/32-h100", "bf16/32", "fp8/promote128", "fp8/nopromote")
 PERCENTILES = (50.0, 90.0, 99.0, 99.9, 100.0)
 CURVE_POINTS = tuple(p / 2 for p in range(0, 201))  # 0, 0.5, ..., 100
+_ROWS_PER_CALL = 16  # output rows per emulated matmul call: a progress update every few seconds at K=4096
+# A claimed value R ("~R") agrees with a measured m when R / CLAIM_FACTOR <= m <= R * CLAIM_FACTOR. The measured
+# ratios are medians over >= 16k outputs (their sampling spread is a few percent), so the factor is the
+# claim's own vagueness ("~"): 1.5 still tells "~100x" from the 44x measured, which a factor of 3 did not.
+CLAIM_FACTOR = 1.5
 
 
 @dataclass
@@ -83,15 +96,18 @@ def matmul_error_study(
     progress: bool = False,
 ) -> list[MatmulErrorResult]:
     """Run the study; returns one result per (size, preset). ``rows``: output rows computed per size (a random
-    subset when ``size > rows``)."""
-    from mixprec.emulate import bounds, get_matmul_model, matmul, round_to
+    subset when ``size > rows``). ``progress``: a tqdm bar over the output rows of every (size, model), on stderr.
 
-    models = [get_matmul_model(p, arg="presets") for p in presets]
-    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
-        raise ValueError(f"sizes must be positive ints; got {sizes!r}")
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-        raise ValueError(f"rows must be an int >= 1; got {rows!r}")
-    dev = torch.device(device)
+    Raises:
+        ValueError: a bad size, row count or preset name, or a device this installation cannot use.
+    """
+    from mixprec.emulate import bounds, matmul, round_to
+
+    models, dev = check_study_arguments(sizes, presets, rows=rows, device=device)
+    from tqdm.auto import tqdm
+
+    total = sum(min(size, rows) for size in sizes) * len(models)
+    bar = tqdm(total=total, unit="row", desc="matmul-error", disable=not progress, dynamic_ncols=True)
     results: list[MatmulErrorResult] = []
     for size in sizes:
         gen = torch.Generator().manual_seed(seed + size)
@@ -115,8 +131,15 @@ def matmul_error_study(
             b_r = round_to(b, model.inputs).double()
             ref_own = a_r @ b_r
             abs_ab = a_r.abs() @ b_r.abs()
+            bar.set_postfix_str(f"M=N=K={size} {model.name}")
             t0 = time.perf_counter()
-            y = matmul(a, b, mode=model).double()
+            # A few output rows at a time, for the progress bar: each output row depends only on its row of
+            # A, so the product is the same bits as one call.
+            pieces = []
+            for start in range(0, a.shape[0], _ROWS_PER_CALL):
+                pieces.append(matmul(a[start : start + _ROWS_PER_CALL], b, mode=model))
+                bar.update(pieces[-1].shape[0])
+            y = torch.cat(pieces).double()
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
@@ -140,13 +163,51 @@ def matmul_error_study(
                     curve_vs_f64=_percentiles(err, CURVE_POINTS),
                 )
             )
-            if progress:
-                print(f"  size {size:5d} {model.name:15s} {seconds:7.2f} s", flush=True)
+    bar.close()
     return results
+
+
+def check_study_arguments(
+    sizes: tuple[int, ...], presets: tuple[str, ...], *, rows: int, device: str | torch.device
+) -> tuple[list[Any], torch.device]:
+    """Check the study's arguments before any work; returns the accumulator models and the device.
+
+    Raises:
+        ValueError: a size or ``rows`` that is not a positive int, an unknown preset, or a device that this
+            installation cannot use (e.g. ``"cuda"`` on a build or machine without CUDA).
+    """
+    from mixprec.emulate import get_matmul_model
+
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise ValueError(f"sizes must be positive ints; got {sizes!r}")
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be an int >= 1; got {rows!r}")
+    if not presets:
+        raise ValueError("presets must name at least one accumulator model")
+    models = [get_matmul_model(p, arg="presets") for p in presets]
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda'; got {device!r}") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r}: this installation of torch has no usable CUDA device; use 'cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda'; got {device!r}")
+    return models, dev
+
+
+TWO_STAGE_SOURCE = "two-stage accumulation write-up, spatters/mma-matmul"
+DEEPSEEK_SOURCE = "DeepSeek-V3"
 
 
 @dataclass
 class ClaimCheck:
+    """A published claim beside the measurement. ``agrees``: within ``CLAIM_FACTOR`` of the claim, or None
+    when not measured."""
+
     claim: str
     source: str
     claimed: str
@@ -155,6 +216,8 @@ class ClaimCheck:
 
     def line(self) -> str:
         verdict = {True: "AGREES", False: "DISAGREES", None: "NOT MEASURED"}[self.agrees]
+        if self.agrees is not None:
+            verdict += f" (tolerance: within a factor of {CLAIM_FACTOR:g} of the claim)"
         return f"- {self.claim} ({self.source}): claimed {self.claimed}; measured {self.measured}. {verdict}."
 
 
@@ -165,28 +228,32 @@ def _find(results: list[MatmulErrorResult], size: int, preset: str) -> MatmulErr
     return None
 
 
+def _within(measured: float, claimed: float) -> bool:
+    return claimed / CLAIM_FACTOR <= measured <= claimed * CLAIM_FACTOR
+
+
 def check_claims(results: list[MatmulErrorResult]) -> list[ClaimCheck]:
-    """Put the seeds' claims beside the measurement at the largest size measured. A ratio claim "~R x" agrees
-    when the measured ratio of median |error| (vs the fp32 reference, as the seed measured) is within a factor
-    of 3 of R. DeepSeek-V3 does not say how its "~2% maximum relative error" is normalised: it is read as the
-    largest elementwise |err|/|ref| (over outputs with |ref| at or above the median) and agrees within a factor
-    of 4 (0.5% to 8%); the normwise max|err|/max|ref| is shown beside it."""
+    """Put the published claims beside the measurement at the largest size measured. A ratio claim "~R x"
+    agrees when the measured ratio of median |error| (against the fp32 reference, as the two-stage write-up
+    measured) is within ``CLAIM_FACTOR`` of R. The DeepSeek-V3 report does not say how its "~2% maximum
+    relative error" is normalised: it is read as the largest elementwise |err|/|ref| (over outputs with |ref|
+    at or above the median), within ``CLAIM_FACTOR`` of 2%; the normwise max|err|/max|ref| is shown beside it."""
     size = max(r.size for r in results)
     checks: list[ClaimCheck] = []
 
     def ratio_claim(big: str, small: str, claimed: float, text: str) -> None:
         rb, rs = _find(results, size, big), _find(results, size, small)
         if rb is None or rs is None:
-            checks.append(ClaimCheck(text, "seed 003", f"~{claimed:g}x", f"not run at size {size}", None))
+            checks.append(ClaimCheck(text, TWO_STAGE_SOURCE, f"~{claimed:g}x", f"not run at size {size}", None))
             return
         ratio = rb.abs_vs_f32[50.0] / max(rs.abs_vs_f32[50.0], 1e-300)
         checks.append(
             ClaimCheck(
                 text,
-                "seed 003",
+                TWO_STAGE_SOURCE,
                 f"~{claimed:g}x",
                 f"{ratio:.3g}x (median |err| vs fp32 ref, M=N=K={size})",
-                claimed / 3 <= ratio <= claimed * 3,
+                _within(ratio, claimed),
             )
         )
 
@@ -198,18 +265,18 @@ def check_claims(results: list[MatmulErrorResult]) -> list[ClaimCheck]:
     r8 = _find(results, size, "fp8/nopromote")
     text = "fp8 accumulation without promotion: ~2% maximum relative error at K=4096"
     if r8 is None:
-        checks.append(ClaimCheck(text, "DeepSeek-V3", "~2%", "fp8/nopromote not run", None))
+        checks.append(ClaimCheck(text, DEEPSEEK_SOURCE, "~2%", "fp8/nopromote not run", None))
     else:
         note = "" if size == 4096 else f" (at K={size}, not 4096)"
         checks.append(
             ClaimCheck(
                 text,
-                "DeepSeek-V3",
+                DEEPSEEK_SOURCE,
                 "~2% (their normalisation is not stated)",
                 f"accumulation error vs the float64 product of the fp8 inputs: largest elementwise |err|/|ref| "
                 f"(|ref| >= median) = {100 * r8.rel_elem_max:.3g}%; normwise max|err|/max|ref| = "
                 f"{100 * r8.rel_max:.3g}%, ||err||_F/||ref||_F = {100 * r8.rel_fro:.3g}%{note}",
-                (0.005 <= r8.rel_elem_max <= 0.08) if size == 4096 else None,
+                _within(r8.rel_elem_max, 0.02) if size == 4096 else None,
             )
         )
     return checks
@@ -299,7 +366,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", type=_int_list, default=(256, 1024, 4096), help="M=N=K sizes, comma-separated")
-    parser.add_argument("--quick", action="store_true", help="sizes 128,256 only (seconds)")
+    parser.add_argument("--quick", action="store_true", help="sizes 128,256 only (about 15 s)")
     parser.add_argument("--rows", type=int, default=256, help="output rows computed per size (random subset)")
     parser.add_argument(
         "--presets", default=",".join(DEFAULT_PRESETS), help="accumulator models (mixprec.emulate.MATMUL_PRESETS)"
@@ -308,21 +375,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device for the emulation (cpu, cuda)")
     parser.add_argument("--out-dir", type=Path, default=Path("mixprec_out/matmul-error"), help="output folder")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    parser.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar on stderr"
+    )
+
+
+def prepare(args: argparse.Namespace) -> Callable[[], int]:
+    """Check the study's arguments (ValueError) before any work; returns the study's run."""
+    sizes = (128, 256) if args.quick else args.sizes
+    presets = tuple(p.strip() for p in args.presets.split(",") if p.strip())
+    check_study_arguments(sizes, presets, rows=args.rows, device=args.device)
+
+    def work() -> int:
+        print(f"matmul-error: sizes {sizes}, rows {args.rows}, device {args.device}, seed {args.seed}", flush=True)
+        results = matmul_error_study(
+            sizes, presets, rows=args.rows, seed=args.seed, device=args.device, progress=args.progress
+        )
+        print()
+        print(format_table(results))
+        print()
+        print("Claims:")
+        for check in check_claims(results):
+            print(check.line())
+        csv_path, curves_path = write_csv(results, args.out_dir)
+        print(f"\nwrote {csv_path} and {curves_path}")
+        if not args.no_plot:
+            print(f"wrote {plot_curves(results, args.out_dir / 'matmul_error.png')}")
+        return 0
+
+    return work
 
 
 def run(args: argparse.Namespace) -> int:
-    sizes = (128, 256) if args.quick else args.sizes
-    presets = tuple(p.strip() for p in args.presets.split(",") if p.strip())
-    print(f"matmul-error: sizes {sizes}, rows {args.rows}, device {args.device}, seed {args.seed}", flush=True)
-    results = matmul_error_study(sizes, presets, rows=args.rows, seed=args.seed, device=args.device, progress=True)
-    print()
-    print(format_table(results))
-    print()
-    print("Claims:")
-    for check in check_claims(results):
-        print(check.line())
-    csv_path, curves_path = write_csv(results, args.out_dir)
-    print(f"\nwrote {csv_path} and {curves_path}")
-    if not args.no_plot:
-        print(f"wrote {plot_curves(results, args.out_dir / 'matmul_error.png')}")
-    return 0
+    """Check the arguments, then run the study (what ``mixprec study matmul-error`` does)."""
+    return prepare(args)()

@@ -1,32 +1,19 @@
 """``mixprec study reduction-error``: the error of reducing fp16/bf16 gradients over P data-parallel ranks.
 
-Simulated ranks in one process (vectorised over elements; loops only over ranks or tree levels). For each
-data-parallel size P and wire dtype, every rank holds N gradient elements already in the wire dtype, and
-each method's sum is compared with the exact (float64) sum of those same values:
+Simulated ranks in one process. Every rank holds N gradient elements already in the wire dtype, and each
+method's sum is compared with the exact (float64) sum of those same values:
 
-* ``ring``: the reduce-scatter of a ring all-reduce (NCCL's ring, gloo's ring). The N elements are cut
-  into P chunks; chunk c's partial sum starts at rank c+1 and travels around the ring (c+2, ..., c), each
-  rank adding its own values and rounding the partial sum to the wire dtype before sending it on: P-1
-  roundings, in that order, for every element. (The all-gather that follows copies, it does not round.)
-* ``tree``: pairwise (binary-tree) reduction, the partial sums rounded to the wire dtype at each of the
-  log2(P) levels (NCCL's tree algorithm, halving-doubling).
-* ``fp32_accumulate``: mixprec / Megatron: the values travel in the wire dtype, each rank adds its shard's
-  P pieces in fp32 in rank order, and the sum is rounded once to the wire dtype.
-* ``fp32_accumulate_sr``: the same with one stochastic (unbiased) rounding instead of round-to-nearest.
-* ``fp32_sum_fp32_out``: the fp32 sum kept in fp32, never rounded to the wire dtype (what the sharded
-  optimizer gets: the reduce-scatter writes fp32 master gradients).
+* ring: a ring reduce-scatter (NCCL's, gloo's), the partial sum rounded to the wire dtype at each of P-1 hops.
+* tree: pairwise reduction, rounded to the wire dtype at each of log2(P) levels.
+* fp32_accumulate: wire-dtype values summed in fp32, rounded once (mixprec; Megatron-LM's
+  reduce_scatter_with_fp32_accumulation).
+* fp32_accumulate_sr: the same with one stochastic rounding.
+* fp32_sum_fp32_out: the fp32 sum kept in fp32 (what the sharded optimizer receives).
 
-Each hop is modelled as "add in fp32, round to the wire dtype", which is how reduction kernels compute
-in low precision (widen, add, narrow); it equals a correctly rounded wire-dtype addition except for a
-double rounding when the fp32 addition itself is inexact (operands more than ~2**13 apart), a difference
-below fp32's unit roundoff.
-
-Errors, over the N elements: ``rel_error = ||r - s||_2 / ||s||_2`` and ``max_error = max|r - s| / max|s|``,
-with ``s`` the float64 sum and ``r`` the method's result.
-
-Gradients: independent across ranks and elements, zero mean (per-rank gradients whose noise dominates their
-shared mean: their sum grows like sqrt(P), the hard case for relative error):
-``normal``: N(0, scale^2); ``student-t``: scale * t with 3 degrees of freedom (heavy tails, finite variance).
+Errors: rel_error = ||r - s|| / ||s|| and max_error = max|r - s| / max|s| (s the float64 sum), beside the
+error table of a public write-up of Megatron-LM's fp32-accumulating reduce-scatter. Gradients: normal or
+Student-t (3 degrees of freedom). The model of a hop, the gradients and the measured results: docs/studies.md.
+Run time on 2 busy CPU cores: --quick about 5 s, the defaults about a minute.
 """
 
 from __future__ import annotations
@@ -34,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,15 +32,16 @@ from mixprec.core.validate import check_choice, check_positive_float, check_posi
 __all__ = [
     "DISTRIBUTIONS",
     "METHODS",
-    "SEED_000_TABLE",
+    "PUBLISHED_ERROR_TABLE",
     "ReductionErrorConfig",
     "ReductionErrorRow",
     "add_arguments",
-    "compare_with_seed_000",
+    "compare_with_published_table",
     "draw_gradients",
     "format_table",
     "fp32_accumulate_reduce",
     "plot_errors",
+    "prepare",
     "ring_reduce",
     "run",
     "run_study",
@@ -64,9 +53,10 @@ METHODS = ("ring", "tree", "fp32_accumulate", "fp32_accumulate_sr", "fp32_sum_fp
 DISTRIBUTIONS = ("normal", "student-t")
 _WIRES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
-# Seed 000's "Gradient Error" table (fp16 reduction), as printed there: DP -> (FP16 accumulation, FP32
-# accumulation). The seed does not say what "error" measures; it is compared here with the relative error.
-SEED_000_TABLE: dict[int, tuple[float, float]] = {8: (1e-5, 1e-7), 64: (8e-5, 8e-7), 512: (6e-4, 6e-6)}
+# The "Gradient Error" table (fp16 reduction) of a public write-up of Megatron-LM's fp32-accumulating
+# reduce-scatter, as printed there: DP -> (FP16 accumulation, FP32 accumulation). The write-up does not say what
+# "error" measures; it is compared here with the relative error.
+PUBLISHED_ERROR_TABLE: dict[int, tuple[float, float]] = {8: (1e-5, 1e-7), 64: (8e-5, 8e-7), 512: (6e-4, 6e-6)}
 # RMS relative error of one round-to-nearest, in units of u, for magnitudes log-uniform over a binade:
 # the error is uniform on +-ulp/2, so E[(err/x)^2] = ulp^2 E[x^-2] / 12 with E[x^-2] = 3 / (8 ln 2) on [1, 2)
 # and ulp = 2u there: sqrt(4 * 3 / (8 ln 2) / 12) = 0.42.
@@ -254,66 +244,68 @@ def _growth_exponent(points: list[tuple[int, float]]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / denom if denom else float("nan")
 
 
-def compare_with_seed_000(rows: list[ReductionErrorRow]) -> str:
-    """Seed 000's table beside the measured fp16 / normal-gradient relative errors, and where they disagree."""
+def compare_with_published_table(rows: list[ReductionErrorRow]) -> str:
+    """The published error table beside the measured fp16 / normal-gradient relative errors, and where they
+    disagree."""
     measured = {(r.dp, r.method): r.rel_error for r in rows if r.wire == "fp16" and r.distribution == "normal"}
-    dps = [dp for dp in SEED_000_TABLE if (dp, "ring") in measured]
+    dps = [dp for dp in PUBLISHED_ERROR_TABLE if (dp, "ring") in measured]
     if not dps:
-        return "Seed 000 comparison: needs fp16 wire, normal gradients and DP in {8, 64, 512}."
+        return "Published table comparison: needs fp16 wire, normal gradients and DP in {8, 64, 512}."
     lines = [
-        "Seed 000's table (fp16 reduction; 'error' undefined there) beside the measured relative error "
-        "(fp16 wire, normal gradients):",
+        "The published claim (the error table of a public write-up of Megatron-LM's fp32-accumulating "
+        "reduce-scatter; fp16 reduction, 'error' undefined there) beside the measured relative error (fp16 wire, "
+        "normal gradients):",
         "",
-        "| DP | seed: FP16 accumulation | measured: ring | seed: FP32 accumulation | "
+        "| DP | claimed: FP16 accumulation | measured: ring | claimed: FP32 accumulation | "
         "measured: fp32_accumulate (fp16 out) | measured: fp32 sum, fp32 out |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for dp in dps:
-        s16, s32 = SEED_000_TABLE[dp]
+        s16, s32 = PUBLISHED_ERROR_TABLE[dp]
         lines.append(
             f"| {dp} | {s16:.0e} | {measured[(dp, 'ring')]:.2e} | {s32:.0e} | "
             f"{measured[(dp, 'fp32_accumulate')]:.2e} | {measured[(dp, 'fp32_sum_fp32_out')]:.2e} |"
         )
     all_dps = sorted({dp for dp, m in measured if m == "ring"})
     ring_growth = _growth_exponent([(dp, measured[(dp, "ring")]) for dp in all_dps])
-    seed_growth = _growth_exponent([(dp, v[0]) for dp, v in SEED_000_TABLE.items()])
+    claim_growth = _growth_exponent([(dp, v[0]) for dp, v in PUBLISHED_ERROR_TABLE.items()])
     acc = [measured[(dp, "fp32_accumulate")] for dp in all_dps]
     fp32_out = [measured[(dp, "fp32_sum_fp32_out")] for dp in all_dps]
     u16 = 2.0**-11
-    below_u = [dp for dp in dps if SEED_000_TABLE[dp][0] < u16]
+    below_u = [dp for dp in dps if PUBLISHED_ERROR_TABLE[dp][0] < u16]
     lines += [
         "",
-        "Where the measurement disagrees with the seed:",
+        "Where the measurement disagrees with the published claim:",
         f"* Ring (rounding at every hop): the error grows like DP^{ring_growth:.2f} here (random rounding errors "
-        f"add up like sqrt(DP)), not like DP^{seed_growth:.2f} as in the seed, and it is "
-        f"{measured[(dps[0], 'ring')] / SEED_000_TABLE[dps[0]][0]:.0f}x the seed's value at DP={dps[0]}.",
+        f"add up like sqrt(DP)), not like DP^{claim_growth:.2f} as claimed, and it is "
+        f"{measured[(dps[0], 'ring')] / PUBLISHED_ERROR_TABLE[dps[0]][0]:.0f}x the claimed value at DP={dps[0]}.",
     ]
     if below_u:
         lines.append(
-            f"* The seed's fp16 numbers at DP {', '.join(map(str, below_u))} lie below fp16's unit roundoff "
+            f"* The claimed fp16 numbers at DP {', '.join(map(str, below_u))} lie below fp16's unit roundoff "
             f"u = {u16:.1e}: on random data a result stored in fp16 cannot be that accurate (its final rounding "
             f"alone costs about {_RMS_ROUNDING * u16:.1e} RMS)."
         )
     lines.append(
         f"* fp32 accumulation with an fp16 result: {min(acc):.2e} to {max(acc):.2e} across DP "
         f"{all_dps[0]}-{all_dps[-1]}: flat, and equal to the RMS error of the single final rounding "
-        f"({_RMS_ROUNDING:.2f} u = {_RMS_ROUNDING * u16:.1e} for log-uniform magnitudes). The seed's 1e-7 to 6e-6, "
+        f"({_RMS_ROUNDING:.2f} u = {_RMS_ROUNDING * u16:.1e} for log-uniform magnitudes). The claimed 1e-7 to 6e-6, "
         "growing with DP, does not describe it."
     )
     if max(fp32_out) == 0.0:
         lines.append(
             "* The fp32 sum kept in fp32 (the sharded optimizer's fp32 gradient shards) is exact here: fp16 "
             "values of these magnitudes fit fp32's 24-bit significand with room for the carries, so no addition "
-            "rounds. The seed's FP32 column (1e-7 to 6e-6) describes no measured configuration."
+            "rounds. The claimed FP32 column (1e-7 to 6e-6) describes no measured configuration."
         )
     else:
         lines.append(
             f"* Only the fp32 sum kept in fp32 (the sharded optimizer's fp32 gradient shards) has errors near the "
-            f"seed's FP32 column: {min(fp32_out):.2e} to {max(fp32_out):.2e}, growing like "
+            f"claimed FP32 column: {min(fp32_out):.2e} to {max(fp32_out):.2e}, growing like "
             f"DP^{_growth_exponent(list(zip(all_dps, fp32_out, strict=True))):.2f}."
         )
     lines.append(
-        "* What the seed gets right: rounding at every hop is worse than one fp32 sum, and the gap widens with DP "
+        "* What the claim gets right: rounding at every hop is worse than one fp32 sum, and the gap widens with DP "
         f"(ring / fp32_accumulate: {measured[(all_dps[0], 'ring')] / acc[0]:.1f}x at DP={all_dps[0]}, "
         f"{measured[(all_dps[-1], 'ring')] / acc[-1]:.1f}x at DP={all_dps[-1]})."
     )
@@ -350,9 +342,9 @@ def plot_errors(rows: list[ReductionErrorRow], path: Path) -> Path:
             label = method if len(shown) == len(pts) else f"{method} (exact at {len(pts) - len(shown)} DP)"
             ax.plot([p for p, _ in shown], [e for _, e in shown], marker="o", label=label)
         if (wire, dist_name) == ("fp16", "normal"):
-            seed_dps = sorted(SEED_000_TABLE)
-            for col, name in ((0, "seed 000: FP16 acc."), (1, "seed 000: FP32 acc.")):
-                ax.plot(seed_dps, [SEED_000_TABLE[d][col] for d in seed_dps], "x--", color="gray", label=name)
+            claim_dps = sorted(PUBLISHED_ERROR_TABLE)
+            for col, name in ((0, "published claim: FP16 acc."), (1, "published claim: FP32 acc.")):
+                ax.plot(claim_dps, [PUBLISHED_ERROR_TABLE[d][col] for d in claim_dps], "x--", color="gray", label=name)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("data-parallel size")
@@ -392,18 +384,24 @@ def _name_list(allowed: tuple[str, ...]):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp", type=_int_list, default=(8, 64, 512, 4096), help="data-parallel sizes, comma-separated")
     parser.add_argument("--elements", type=int, default=8192, help="gradient elements per rank")
-    parser.add_argument("--wires", type=_name_list(tuple(_WIRES)), default=("fp16", "bf16"), help="fp16,bf16")
     parser.add_argument(
-        "--distributions", type=_name_list(DISTRIBUTIONS), default=DISTRIBUTIONS, help="normal,student-t"
+        "--wires", type=_name_list(tuple(_WIRES)), default=("fp16", "bf16"), help="wire dtypes, comma-separated"
+    )
+    parser.add_argument(
+        "--distributions",
+        type=_name_list(DISTRIBUTIONS),
+        default=DISTRIBUTIONS,
+        help="gradient distributions, comma-separated",
     )
     parser.add_argument("--scale", type=float, default=1e-3, help="gradient std (normal) / scale (student-t)")
-    parser.add_argument("--quick", action="store_true", help="DP 8,64,512 and 2048 elements (seconds)")
+    parser.add_argument("--quick", action="store_true", help="DP 8,64,512 and 2048 elements (about 5 s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the gradients and of stochastic rounding")
     parser.add_argument("--out-dir", type=Path, default=Path("mixprec_out/reduction-error"), help="output folder")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
 
-def run(args: argparse.Namespace) -> int:
+def prepare(args: argparse.Namespace) -> Callable[[], int]:
+    """Check the study's arguments (the config validates itself) before any work; returns the study's run."""
     if args.quick:
         dp_sizes, elements = (8, 64, 512), min(args.elements, 2048)
     else:
@@ -416,20 +414,29 @@ def run(args: argparse.Namespace) -> int:
         scale=args.scale,
         seed=args.seed,
     )
-    print(
-        f"reduction-error: DP {config.dp_sizes}, {config.elements} elements per rank, wires {config.wires}, "
-        f"gradients {config.distributions} (scale {config.scale:g}), seed {config.seed}",
-        flush=True,
-    )
-    rows = run_study(config, progress=True)
-    print("\nRelative error ||r - s|| / ||s|| against the float64 sum s:\n")
-    print(format_table(rows, "rel_error"))
-    print("\nMax error max|r - s| / max|s|:\n")
-    print(format_table(rows, "max_error"))
-    print()
-    print(compare_with_seed_000(rows))
-    csv_path = write_csv(rows, args.out_dir / "reduction_error.csv")
-    print(f"\nwrote {csv_path}")
-    if not args.no_plot:
-        print(f"wrote {plot_errors(rows, args.out_dir / 'reduction_error.png')}")
-    return 0
+
+    def work() -> int:
+        print(
+            f"reduction-error: DP {config.dp_sizes}, {config.elements} elements per rank, wires {config.wires}, "
+            f"gradients {config.distributions} (scale {config.scale:g}), seed {config.seed}",
+            flush=True,
+        )
+        rows = run_study(config, progress=True)
+        print("\nRelative error ||r - s|| / ||s|| against the float64 sum s:\n")
+        print(format_table(rows, "rel_error"))
+        print("\nMax error max|r - s| / max|s|:\n")
+        print(format_table(rows, "max_error"))
+        print()
+        print(compare_with_published_table(rows))
+        csv_path = write_csv(rows, args.out_dir / "reduction_error.csv")
+        print(f"\nwrote {csv_path}")
+        if not args.no_plot:
+            print(f"wrote {plot_errors(rows, args.out_dir / 'reduction_error.png')}")
+        return 0
+
+    return work
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the arguments, then run the study (what ``mixprec study reduction-error`` does)."""
+    return prepare(args)()
