@@ -1,25 +1,17 @@
 """Loss scalers with a ``torch.amp.GradScaler``-compatible API: dynamic (growth, backoff, hysteresis, floor,
-ceiling, abort when stuck) and static.
+ceiling, abort when stuck) and static. Typical loop::
 
-Typical loop::
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)                      # optional: only needed to clip
+    scaler.step(optimizer)                           # skipped when any rank saw inf/NaN
+    scaler.update()
 
-    scaler = mixprec.DynamicLossScaler()
-    for batch in loader:
-        optimizer.zero_grad()
-        loss = model(batch)
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)                      # optional: only needed to clip
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        scaler.step(optimizer)                           # skipped when any rank saw inf/NaN
-        scaler.update()
+Precision: the scale is an fp32 number, like GradScaler's scale tensor; growth and backoff are computed in
+fp64 and rounded to fp32, the reciprocal used to unscale is taken in fp64 and rounded to fp32 once.
 
-Precision: the scale is kept as an fp32 number, like GradScaler's scale tensor; each growth or backoff
-is computed in fp64 and rounded to fp32, so trajectories match GradScaler's exactly. The reciprocal used
-to unscale is taken in fp64 and rounded to fp32 once.
-
-Synchronisation: ``step`` (or ``has_overflow``) reads the overflow flag on the host, once per optimizer
-per iteration. When ``torch.distributed`` is initialised the flag is first all-reduced (MAX, one fp32
-element) over ``group``, so every rank skips or steps together; this costs one tiny collective.
+Synchronisation: ``step`` (or ``has_overflow``) reads the overflow flag on the host once per optimizer per
+iteration, after an all-reduce (MAX, one fp32 element) over ``group`` when ``torch.distributed`` is initialised,
+so every rank skips or steps together.
 """
 
 from __future__ import annotations
@@ -30,7 +22,7 @@ import math
 import struct
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
@@ -38,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec.comm.agree import agree_any
-from mixprec.core.validate import check_choice, check_fraction, check_positive_float, check_positive_int
+from mixprec.core.validate import check_bool, check_choice, check_fraction, check_positive_float, check_positive_int
 
 __all__ = ["DynamicLossScaler", "LossScaleFloorError", "LossScaler", "StaticLossScaler"]
 
@@ -68,12 +60,37 @@ class _OptimizerState:
 _FP32_TINY = 2.0**-126
 
 
+def _check_scale(name: str, value: Any) -> float:
+    """A loss scale: a finite number > 0 that rounds to a normal fp32 number (its reciprocal is then finite)."""
+    scale = _round_to_fp32(check_positive_float(name, value))
+    if not _FP32_TINY <= scale < math.inf:
+        raise ValueError(f"{name} must be a normal fp32 number, in [2**-126, 3.4e38]; got {value!r}")
+    return scale
+
+
+def _check_count(name: str, value: Any) -> int:
+    """A counter read from a saved state: an int >= 0 (a float such as 2.0 is refused, as by the constructor)."""
+    return check_positive_int(name, value, minimum=0)
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
+        raise TypeError(
+            "optimizer must be a torch optimizer (or MasterWeightOptimizer / ShardedOptimizer) with param_groups "
+            f"and step(); got {type(optimizer).__name__}"
+        )
+
+
 def _round_to_fp32(x: float) -> float:
     """Round a Python float (fp64) to the nearest fp32 value, overflowing to +-inf like a C cast."""
     try:
         return struct.unpack("f", struct.pack("f", x))[0]
     except OverflowError:
         return math.copysign(math.inf, x)
+
+
+# Gradient dtypes unscale_ accepts (fp16 has its own error message: keep fp32 master gradients instead).
+_UNSCALE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 class LossScaler(abc.ABC):
@@ -83,10 +100,8 @@ class LossScaler(abc.ABC):
     """
 
     def __init__(self, init_scale: float, *, enabled: bool = True, group: dist.ProcessGroup | None = None):
-        self._scale = _round_to_fp32(check_positive_float("init_scale", init_scale))
-        if not _FP32_TINY <= self._scale < math.inf:
-            raise ValueError(f"init_scale must be a normal fp32 number, in [2**-126, 3.4e38]; got {init_scale!r}")
-        self._enabled = bool(enabled)
+        self._enabled = check_bool("enabled", enabled)
+        self._scale = _check_scale("init_scale", init_scale)
         self._group = group
         self._per_optimizer: dict[int, _OptimizerState] = {}
         self.steps_taken = 0
@@ -134,6 +149,7 @@ class LossScaler(abc.ABC):
         """
         if not self._enabled:
             return
+        _check_optimizer(optimizer)
         state = self._state_of(optimizer)
         if state.stage is _Stage.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
@@ -159,6 +175,11 @@ class LossScaler(abc.ABC):
                         "zero. Keep fp32 master weights (mixprec.MasterWeightOptimizer) and give their "
                         "optimizer to the scaler."
                     )
+                if g.dtype not in _UNSCALE_DTYPES:
+                    raise TypeError(
+                        f"optimizer's parameters must have float32, float64 or bfloat16 gradients to unscale; got "
+                        f"{g.dtype} (shape {tuple(g.shape)}): loss scaling of fp8 or complex gradients is not supported"
+                    )
                 if g.is_sparse:
                     if g.dtype is not torch.float32 or not g.is_coalesced():
                         p.grad = g = g.coalesce()
@@ -183,6 +204,7 @@ class LossScaler(abc.ABC):
         """
         if not self._enabled:
             return False
+        _check_optimizer(optimizer)
         state = self._state_of(optimizer)
         if state.stage is _Stage.READY:
             self.unscale_(optimizer)
@@ -201,6 +223,7 @@ class LossScaler(abc.ABC):
 
         Returns what ``optimizer.step`` returned, or None when the step was skipped.
         """
+        _check_optimizer(optimizer)
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
@@ -273,19 +296,29 @@ class LossScaler(abc.ABC):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` saved; every value is checked as the constructor checks its arguments."""
         if not self._enabled:
             return
+        scale, taken, skipped = self._check_base_state(state_dict)
+        self._scale = scale
+        self.steps_taken = taken
+        self.steps_skipped = skipped
+        self._end_iteration()
+
+    @staticmethod
+    def _check_base_state(state_dict: dict[str, Any]) -> tuple[float, int, int]:
+        """Validate the keys every scaler saves, as the constructor validates its arguments; change nothing."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict; got {type(state_dict).__name__}")
         if len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled scaler.")
         if "scale" not in state_dict:
             raise KeyError("state_dict has no 'scale' entry; was it saved by a loss scaler?")
-        scale = _round_to_fp32(check_positive_float("state_dict['scale']", state_dict["scale"]))
-        self._scale = scale
-        self.steps_taken = int(state_dict.get("steps_taken", 0))
-        self.steps_skipped = int(state_dict.get("steps_skipped", 0))
-        self._end_iteration()
+        return (
+            _check_scale("state_dict['scale']", state_dict["scale"]),
+            _check_count("state_dict['steps_taken']", state_dict.get("steps_taken", 0)),
+            _check_count("state_dict['steps_skipped']", state_dict.get("steps_skipped", 0)),
+        )
 
 
 class StaticLossScaler(LossScaler):
@@ -305,6 +338,55 @@ class StaticLossScaler(LossScaler):
 
     def __repr__(self) -> str:
         return f"StaticLossScaler(scale={self._scale!r})"
+
+
+_RULE_KEYS = (
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_scale",
+    "max_scale",
+)
+
+
+def _check_rule(
+    name: Callable[[str], str],
+    *,
+    scale: float,
+    scale_name: str,
+    growth_factor: Any,
+    backoff_factor: Any,
+    growth_interval: Any,
+    hysteresis: Any,
+    consecutive_hysteresis: Any,
+    min_scale: Any,
+    max_scale: Any,
+) -> dict[str, Any]:
+    """Validate a dynamic scaler's rule; ``name(key)`` is how an error names the argument (the constructor's
+    name, or ``state_dict['key']`` when loading). Shared by ``__init__`` and ``load_state_dict``, so a saved
+    state is refused exactly where the constructor would refuse the same values."""
+    growth = check_positive_float(name("growth_factor"), growth_factor)
+    if growth <= 1.0:
+        raise ValueError(f"{name('growth_factor')} must be > 1; got {growth_factor!r}")
+    lo = None if min_scale is None else _check_scale(name("min_scale"), min_scale)
+    hi = None if max_scale is None else _check_scale(name("max_scale"), max_scale)
+    if lo is not None and hi is not None and hi < lo:
+        raise ValueError(f"{name('max_scale')} ({max_scale}) must be >= {name('min_scale')} ({min_scale})")
+    if lo is not None and scale < lo:
+        raise ValueError(f"{scale_name} ({scale}) must be >= {name('min_scale')} ({min_scale})")
+    if hi is not None and scale > hi:
+        raise ValueError(f"{scale_name} ({scale}) must be <= {name('max_scale')} ({max_scale})")
+    return {
+        "growth_factor": growth,
+        "backoff_factor": check_fraction(name("backoff_factor"), backoff_factor),
+        "growth_interval": check_positive_int(name("growth_interval"), growth_interval),
+        "hysteresis": check_positive_int(name("hysteresis"), hysteresis),
+        "consecutive_hysteresis": check_bool(name("consecutive_hysteresis"), consecutive_hysteresis),
+        "min_scale": lo,
+        "max_scale": hi,
+    }
 
 
 class DynamicLossScaler(LossScaler):
@@ -359,23 +441,25 @@ class DynamicLossScaler(LossScaler):
         enabled: bool = True,
     ):
         super().__init__(init_scale, enabled=enabled, group=group)
-        self.growth_factor = check_positive_float("growth_factor", growth_factor)
-        if self.growth_factor <= 1.0:
-            raise ValueError(f"growth_factor must be > 1; got {growth_factor!r}")
-        self.backoff_factor = check_fraction("backoff_factor", backoff_factor)
-        self.growth_interval = check_positive_int("growth_interval", growth_interval)
-        self.hysteresis = check_positive_int("hysteresis", hysteresis)
-        if not isinstance(consecutive_hysteresis, bool):
-            raise TypeError(f"consecutive_hysteresis must be a bool; got {consecutive_hysteresis!r}")
-        self.consecutive_hysteresis = consecutive_hysteresis
-        self.min_scale = None if min_scale is None else check_positive_float("min_scale", min_scale)
-        self.max_scale = None if max_scale is None else check_positive_float("max_scale", max_scale)
-        if self.min_scale is not None and self.max_scale is not None and self.max_scale < self.min_scale:
-            raise ValueError(f"max_scale ({max_scale}) must be >= min_scale ({min_scale})")
-        if self.min_scale is not None and self._scale < self.min_scale:
-            raise ValueError(f"init_scale ({init_scale}) must be >= min_scale ({min_scale})")
-        if self.max_scale is not None and self._scale > self.max_scale:
-            raise ValueError(f"init_scale ({init_scale}) must be <= max_scale ({max_scale})")
+        rule = _check_rule(
+            str,
+            scale=self._scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            scale_name="init_scale",
+        )
+        self.growth_factor: float = rule["growth_factor"]
+        self.backoff_factor: float = rule["backoff_factor"]
+        self.growth_interval: int = rule["growth_interval"]
+        self.hysteresis: int = rule["hysteresis"]
+        self.consecutive_hysteresis: bool = rule["consecutive_hysteresis"]
+        self.min_scale: float | None = rule["min_scale"]
+        self.max_scale: float | None = rule["max_scale"]
         self.on_min_scale: OnMinScale = check_choice("on_min_scale", on_min_scale, ("raise", "warn", "ignore"))
         self.min_patience = check_positive_int("min_patience", min_patience)
         self._growth_tracker = 0
@@ -445,35 +529,48 @@ class DynamicLossScaler(LossScaler):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by this class or by ``torch.amp.GradScaler`` (its keys only: the rest resets).
 
-        As with GradScaler, the saved factors and interval replace the constructor's.
+        As with GradScaler, the saved factors and interval replace the constructor's. Every value is checked as
+        the constructor checks its arguments (one error naming the key); nothing changes unless all are valid.
         """
         if not self._enabled:
             return
-        super().load_state_dict(state_dict)
-        growth_factor = check_positive_float(
-            "state_dict['growth_factor']", state_dict.get("growth_factor", self.growth_factor)
+        scale, taken, skipped = self._check_base_state(state_dict)
+
+        def key(name: str) -> str:
+            return f"state_dict[{name!r}]"
+
+        rule = _check_rule(
+            key,
+            scale=scale,
+            scale_name=key("scale"),
+            **{name: state_dict.get(name, getattr(self, name)) for name in _RULE_KEYS},
         )
-        if growth_factor <= 1.0:
-            raise ValueError(f"state_dict['growth_factor'] must be > 1; got {growth_factor!r}")
-        self.growth_factor = growth_factor
-        self.backoff_factor = check_fraction(
-            "state_dict['backoff_factor']", state_dict.get("backoff_factor", self.backoff_factor)
-        )
-        self.growth_interval = check_positive_int(
-            "state_dict['growth_interval']", int(state_dict.get("growth_interval", self.growth_interval))
-        )
-        self._growth_tracker = int(state_dict.get("_growth_tracker", 0))
-        self.hysteresis = check_positive_int(
-            "state_dict['hysteresis']", int(state_dict.get("hysteresis", self.hysteresis))
-        )
-        self._hysteresis_left = int(state_dict.get("hysteresis_left", self.hysteresis))
-        self.consecutive_hysteresis = bool(state_dict.get("consecutive_hysteresis", self.consecutive_hysteresis))
-        for key in ("min_scale", "max_scale"):
-            if key in state_dict:
-                value = state_dict[key]
-                setattr(self, key, None if value is None else check_positive_float(f"state_dict[{key!r}]", value))
-        self.overflows_at_floor = int(state_dict.get("overflows_at_floor", 0))
-        self.total_overflows_at_floor = int(state_dict.get("total_overflows_at_floor", 0))
+        tracker = _check_count(key("_growth_tracker"), state_dict.get("_growth_tracker", 0))
+        if tracker >= rule["growth_interval"]:
+            raise ValueError(
+                f"{key('_growth_tracker')} must be < growth_interval ({rule['growth_interval']}); got {tracker}"
+            )
+        # saved by older versions as low as -(overflows in a row); any value <= 0 means "back off at the next one"
+        left = state_dict.get("hysteresis_left", rule["hysteresis"])
+        if isinstance(left, bool) or not isinstance(left, int) or left > rule["hysteresis"]:
+            raise ValueError(
+                f"{key('hysteresis_left')} must be an int <= hysteresis ({rule['hysteresis']}); got {left!r}"
+            )
+        at_floor = _check_count(key("overflows_at_floor"), state_dict.get("overflows_at_floor", 0))
+        total_at_floor = _check_count(key("total_overflows_at_floor"), state_dict.get("total_overflows_at_floor", 0))
+        if total_at_floor < at_floor:
+            raise ValueError(
+                f"{key('total_overflows_at_floor')} ({total_at_floor}) must be >= "
+                f"{key('overflows_at_floor')} ({at_floor})"
+            )
+        self._scale, self.steps_taken, self.steps_skipped = scale, taken, skipped
+        for name in _RULE_KEYS:
+            setattr(self, name, rule[name])
+        self._growth_tracker = tracker
+        self._hysteresis_left = max(left, 0)
+        self.overflows_at_floor = at_floor
+        self.total_overflows_at_floor = total_at_floor
+        self._end_iteration()
 
     def __repr__(self) -> str:
         return (

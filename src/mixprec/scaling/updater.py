@@ -1,5 +1,6 @@
 """One call per optimizer step: gradient accumulation over microbatches with loss scaling (after NNabla's
-``DynamicLossScalingUpdater``, seed 004), with a bounded retry instead of its unbounded recursion.
+``DynamicLossScalingUpdater`` from its mixed-precision training tutorial), with a bounded retry where NNabla
+recurses.
 """
 
 from __future__ import annotations
@@ -39,12 +40,28 @@ class UpdateResult:
     retries: int
 
 
+def _check_not_empty(name: str, microbatch: Any) -> None:
+    """Refuse a microbatch whose tensors have no rows: the mean loss over it is NaN while its gradients are zero,
+    so the step would look clean and the optimizer (weight decay, momentum) would still move the weights."""
+    items = (
+        microbatch.values()
+        if isinstance(microbatch, dict)
+        else (microbatch if isinstance(microbatch, list | tuple) else (microbatch,))
+    )
+    for item in items:
+        if isinstance(item, torch.Tensor) and item.dim() >= 1 and item.shape[0] == 0:
+            raise ValueError(
+                f"{name} is empty (a tensor of shape {tuple(item.shape)}): a microbatch needs at least one row "
+                "(drop the empty one and lower num_microbatches, or use drop_last=True in the DataLoader)"
+            )
+
+
 class Updater:
     """Zero-grad, accumulate over microbatches, reduce, check overflow, then skip or unscale/clip/decay/step.
 
     Each microbatch's loss is divided by ``num_microbatches`` and multiplied by the loss scale before its
-    backward, so the accumulated gradient is the mean over the whole batch (seed 002's
-    ``loss'/num_microbatches * loss_scale``). When ``model`` has ``no_sync()`` (torch DDP, mixprec's
+    backward, so the accumulated gradient is the mean over the whole batch (the practitioners' rule for gradient
+    accumulation: ``loss / num_microbatches * loss_scale``). When ``model`` has ``no_sync()`` (torch DDP, mixprec's
     DistributedDataParallel) every microbatch but the last runs under it, so gradients are reduced once.
 
     Args:
@@ -57,7 +74,8 @@ class Updater:
             check, to reduce ``.grad`` in place (e.g. an all-reduce); None when the model reduces itself.
         clip_grad_norm: clip the global norm (fp32) to this value after unscaling; None or 0 disables.
         weight_decay: L2 coefficient added to the gradient (``grad += weight_decay * param``) after
-            clipping, as in seed 004; 0 disables. Prefer the optimizer's own decoupled decay (AdamW).
+            clipping, as NNabla's ``DynamicLossScalingUpdater`` does; 0 disables. Prefer the optimizer's own
+            decoupled decay (AdamW).
         max_retries: on overflow, redo the same microbatches at the backed-off scale up to this many times
             (0 = just skip, as GradScaler does). Only useful with a dynamic scaler.
     """
@@ -114,6 +132,8 @@ class Updater:
             raise ValueError(
                 f"microbatches holds {len(microbatches)} items; num_microbatches is {self.num_microbatches}"
             )
+        for i, mb in enumerate(microbatches):
+            _check_not_empty(f"microbatches[{i}]", mb)
         retries = 0
         while True:
             scale = self.scaler.get_scale()
