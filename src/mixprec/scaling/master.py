@@ -141,6 +141,7 @@ class MasterWeightOptimizer:
             master_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": masters})
         self.optimizer = optimizer_cls(master_groups, **optimizer_kwargs)
         self._low = [(p, m) for p, m in zip(self._model_params, self._master_params, strict=True) if p is not m]
+        self._model_of = {id(m): p for p, m in zip(self._model_params, self._master_params, strict=True)}
         self._grads_ready = False
 
     # ------------------------------------------------------------------ optimizer-like surface
@@ -158,6 +159,14 @@ class MasterWeightOptimizer:
 
     def model_params(self) -> Iterator[torch.Tensor]:
         return iter(self._model_params)
+
+    def model_param(self, master: torch.Tensor) -> torch.Tensor:
+        """The model parameter whose fp32 master is ``master`` (itself for fp32/fp64 parameters); used to name
+        the parameters of an overflowing step."""
+        model = self._model_of.get(id(master))
+        if model is None:
+            raise KeyError("master is not one of this optimizer's master parameters")
+        return model
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear model gradients; master gradients are refilled from them before every step."""

@@ -21,7 +21,7 @@ import enum
 import math
 import struct
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, overload
@@ -29,7 +29,7 @@ from typing import Any, Literal, overload
 import torch
 import torch.distributed as dist
 
-from mixprec.comm.agree import agree_any
+from mixprec.comm.agree import agree_any, is_distributed
 from mixprec.core.validate import check_bool, check_choice, check_fraction, check_positive_float, check_positive_int
 
 __all__ = ["DynamicLossScaler", "LossScaleFloorError", "LossScaler", "StaticLossScaler"]
@@ -53,6 +53,7 @@ class _OptimizerState:
     stage: _Stage = _Stage.READY
     found_inf: torch.Tensor | None = None  # 1-element fp32, already agreed across ranks
     found_inf_host: bool | None = None
+    culprits: tuple[str, ...] = ()  # agreed across ranks, filled only when the step overflowed
 
 
 # The smallest positive normal fp32 number. A scale below it would be subnormal (its reciprocal overflows fp32
@@ -107,6 +108,30 @@ class LossScaler(abc.ABC):
         self.steps_taken = 0
         self.steps_skipped = 0
         self.last_found_inf: bool | None = None
+        self.last_step_skipped: bool | None = None
+        self.last_culprits: tuple[str, ...] = ()
+        self._param_names: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ names, for the overflow report
+    def name_parameters(self, named: torch.nn.Module | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Tell the scaler what the parameters are called, so that an overflow report names them.
+
+        ``named`` is a module (its ``named_parameters()``) or ``(name, tensor)`` pairs. Costs nothing per step:
+        names are only looked up when a step overflowed. Parameters without a name are reported as
+        ``param_groups[g][i]`` with their shape. :class:`mixprec.Updater` names its model's parameters itself.
+        """
+        if isinstance(named, torch.nn.Module):
+            pairs: Iterable[tuple[str, torch.Tensor]] = named.named_parameters()
+        elif isinstance(named, Iterable) and not isinstance(named, str | torch.Tensor):
+            pairs = named
+        else:
+            raise TypeError(f"named must be an nn.Module or (name, tensor) pairs; got {type(named).__name__}")
+        for item in pairs:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise TypeError(f"named must hold (name, tensor) pairs; got {item!r:.80}")
+            if not isinstance(item[1], torch.Tensor):
+                raise TypeError(f"named must hold (name, tensor) pairs; {item[0]!r} is a {type(item[1]).__name__}")
+            self._param_names[id(item[1])] = item[0]
 
     # ------------------------------------------------------------------ queries
     def is_enabled(self) -> bool:
@@ -208,9 +233,47 @@ class LossScaler(abc.ABC):
         state = self._state_of(optimizer)
         if state.stage is _Stage.READY:
             self.unscale_(optimizer)
+        return self._agreed_overflow(state)
+
+    def _agreed_overflow(self, state: _OptimizerState) -> bool:
+        """The overflow flag of ``state`` agreed across ``group`` (one all-reduce and host sync, once per
+        iteration); on overflow, also the agreed names of the non-finite gradients."""
         if state.found_inf_host is None:
             state.found_inf_host = agree_any(self._recorded_flag(state), self._group)
+            if state.found_inf_host:
+                state.culprits = self._agreed_culprits(state.optimizer)
         return state.found_inf_host
+
+    def _agreed_culprits(self, optimizer: Any) -> tuple[str, ...]:
+        """Names of the parameters whose gradient holds inf/NaN on any rank, sorted; the same on every rank.
+
+        Only called after an agreed overflow, so the fast path pays nothing: here one ``isfinite`` pass per
+        gradient, one host sync, and (distributed) one ``all_gather_object`` of the names over ``group``.
+        """
+        model_param = getattr(optimizer, "model_param", None)
+        labels: list[str] = []
+        grads: list[torch.Tensor] = []
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    g = g.coalesce()._values()
+                name = self._param_names.get(id(p))
+                if name is None and callable(model_param):
+                    name = self._param_names.get(id(model_param(p)))
+                labels.append(name if name is not None else f"param_groups[{gi}][{pi}] {tuple(p.shape)}")
+                grads.append(g)
+        bad: list[str] = []
+        if grads:
+            finite = torch.stack([torch.isfinite(g).all().to(grads[0].device) for g in grads]).tolist()
+            bad = [label for label, ok in zip(labels, finite, strict=True) if not ok]
+        if is_distributed():
+            gathered: list[Any] = [None] * dist.get_world_size(self._group)
+            dist.all_gather_object(gathered, bad, group=self._group)
+            bad = [name for names in gathered for name in names]
+        return tuple(sorted(set(bad)))
 
     @staticmethod
     def _recorded_flag(state: _OptimizerState) -> torch.Tensor:
@@ -221,7 +284,8 @@ class LossScaler(abc.ABC):
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Unscale if needed, then call ``optimizer.step(*args, **kwargs)`` unless any rank overflowed.
 
-        Returns what ``optimizer.step`` returned, or None when the step was skipped.
+        Returns what ``optimizer.step`` returned, or None when the step was skipped (GradScaler's contract);
+        ``last_step_skipped`` then says which it was, also for optimizers whose ``step`` returns None.
         """
         _check_optimizer(optimizer)
         if not self._enabled:
@@ -233,6 +297,7 @@ class LossScaler(abc.ABC):
             raise RuntimeError("step() has already been called since the last update().")
         overflow = self.has_overflow(optimizer)
         state.stage = _Stage.STEPPED
+        self.last_step_skipped = overflow
         if overflow:
             return None
         return optimizer.step(*args, **kwargs)
@@ -244,6 +309,10 @@ class LossScaler(abc.ABC):
             found_inf: None to use what ``unscale_``/``step`` recorded (any optimizer overflowed), or a
                 bool (or a tensor, non-zero meaning overflow) for users who check gradients themselves.
                 Either way the flag is agreed across ``group`` before it is used.
+
+        Afterwards ``last_step_skipped`` is True when this iteration overflowed (no optimizer step ran) and
+        ``last_culprits`` names the parameters whose gradients were inf/NaN on any rank (empty when clean or
+        when ``found_inf`` was given).
         """
         if not self._enabled:
             return
@@ -256,20 +325,25 @@ class LossScaler(abc.ABC):
                 )
             overflow = False
             for st in states:
-                if st.found_inf_host is None:
-                    st.found_inf_host = agree_any(self._recorded_flag(st), self._group)
-                overflow = overflow or st.found_inf_host
+                overflow = self._agreed_overflow(st) or overflow
         elif isinstance(found_inf, bool | torch.Tensor):
             overflow = agree_any(found_inf, self._group)
         else:
             raise TypeError(f"found_inf must be None, a bool or a tensor; got {type(found_inf).__name__}")
         self.last_found_inf = overflow
+        self.last_step_skipped = overflow
+        self.last_culprits = tuple(sorted({n for st in self._per_optimizer.values() for n in st.culprits}))
         if overflow:
             self.steps_skipped += 1
         else:
             self.steps_taken += 1
+        self._record_overflow(overflow)
         self._end_iteration()
         self._apply_rule(overflow)
+
+    def _record_overflow(self, overflow: bool) -> None:
+        """Hook for subclasses that keep an overflow history (the dynamic scaler's floor report)."""
+        return None
 
     def _end_iteration(self) -> None:
         # Optimizers that stage gradients (fp32 master grads) must not reuse them in the next iteration, also
@@ -348,7 +422,9 @@ _RULE_KEYS = (
     "consecutive_hysteresis",
     "min_scale",
     "max_scale",
+    "growth_delay",
 )
+FloorCounts = Literal["overflows", "backoffs"]
 
 
 def _check_rule(
@@ -363,6 +439,7 @@ def _check_rule(
     consecutive_hysteresis: Any,
     min_scale: Any,
     max_scale: Any,
+    growth_delay: Any,
 ) -> dict[str, Any]:
     """Validate a dynamic scaler's rule; ``name(key)`` is how an error names the argument (the constructor's
     name, or ``state_dict['key']`` when loading). Shared by ``__init__`` and ``load_state_dict``, so a saved
@@ -386,6 +463,7 @@ def _check_rule(
         "consecutive_hysteresis": check_bool(name("consecutive_hysteresis"), consecutive_hysteresis),
         "min_scale": lo,
         "max_scale": hi,
+        "growth_delay": check_positive_int(name("growth_delay"), growth_delay, minimum=0),
     }
 
 
@@ -401,10 +479,13 @@ class DynamicLossScaler(LossScaler):
     * clean step: the growth counter increments; when it reaches ``growth_interval`` the scale is
       multiplied by ``growth_factor`` (clamped at ``max_scale``; a result that would overflow fp32 is
       not taken) and hysteresis refills. With ``consecutive_hysteresis=True`` every clean step refills
-      hysteresis (DeepSpeed), so only ``hysteresis`` overflows in a row back off.
+      hysteresis (DeepSpeed), so only ``hysteresis`` overflows in a row back off. After the start and
+      after every overflow the counter starts at ``-growth_delay``, so the first growth comes after
+      ``growth_interval + growth_delay`` clean steps and the next ones every ``growth_interval``.
 
     With ``hysteresis=1``, ``min_scale=None`` and ``max_scale=None`` the trajectory equals
-    ``torch.amp.GradScaler``'s for the same overflow sequence.
+    ``torch.amp.GradScaler``'s for the same overflow sequence; :func:`mixprec.scaling.scaler_from` builds the
+    settings that reproduce torch, DeepSpeed, Megatron-LM and NNabla.
 
     Args:
         init_scale: starting scale, > 0 (default 2**16), within [min_scale, max_scale].
@@ -420,6 +501,11 @@ class DynamicLossScaler(LossScaler):
         on_min_scale: ``"raise"`` (LossScaleFloorError), ``"warn"`` (RuntimeWarning) or ``"ignore"``: what
             happens after ``min_patience`` consecutive overflows at the floor.
         min_patience: consecutive overflows at the floor before ``on_min_scale`` acts, int >= 1.
+        growth_delay: extra clean steps before the first growth after the start or an overflow, int >= 0
+            (default 0; 1 is DeepSpeed's FP16_Optimizer and NNabla's rule).
+        floor_counts: which overflows at the floor count towards ``min_patience``: ``"overflows"`` (every
+            one, default) or ``"backoffs"`` (only those that would back off, not those hysteresis absorbs:
+            DeepSpeed's ZeRO loss scaler, which raises when a due backoff finds the scale at its minimum).
         enabled: False makes every method a pass-through.
         group: process group over which overflow is agreed; None = the default group when distributed.
     """
@@ -439,6 +525,8 @@ class DynamicLossScaler(LossScaler):
         *,
         min_patience: int = 10,
         enabled: bool = True,
+        growth_delay: int = 0,
+        floor_counts: FloorCounts = "overflows",
     ):
         super().__init__(init_scale, enabled=enabled, group=group)
         rule = _check_rule(
@@ -451,6 +539,7 @@ class DynamicLossScaler(LossScaler):
             consecutive_hysteresis=consecutive_hysteresis,
             min_scale=min_scale,
             max_scale=max_scale,
+            growth_delay=growth_delay,
             scale_name="init_scale",
         )
         self.growth_factor: float = rule["growth_factor"]
@@ -460,24 +549,39 @@ class DynamicLossScaler(LossScaler):
         self.consecutive_hysteresis: bool = rule["consecutive_hysteresis"]
         self.min_scale: float | None = rule["min_scale"]
         self.max_scale: float | None = rule["max_scale"]
+        self.growth_delay: int = rule["growth_delay"]
+        # floor policy, like on_min_scale and min_patience: configuration, not saved state
+        self.floor_counts: FloorCounts = check_choice("floor_counts", floor_counts, ("overflows", "backoffs"))
         self.on_min_scale: OnMinScale = check_choice("on_min_scale", on_min_scale, ("raise", "warn", "ignore"))
         self.min_patience = check_positive_int("min_patience", min_patience)
-        self._growth_tracker = 0
+        self._growth_tracker = -self.growth_delay
         self._hysteresis_left = self.hysteresis
         self.overflows_at_floor = 0  # consecutive, reset by a clean step
         self.total_overflows_at_floor = 0
+        # (iteration, culprits) of the overflowing iterations among the last growth_interval ones
+        self._overflow_history: deque[tuple[int, tuple[str, ...]]] = deque()
+
+    def _record_overflow(self, overflow: bool) -> None:
+        now = self.steps_taken + self.steps_skipped
+        if overflow:
+            self._overflow_history.append((now, self.last_culprits))
+        while self._overflow_history and self._overflow_history[0][0] <= now - self.growth_interval:
+            self._overflow_history.popleft()
 
     def _apply_rule(self, found_inf: bool) -> None:
         if found_inf:
-            self._growth_tracker = 0
+            self._growth_tracker = -self.growth_delay
             floor = self.min_scale if self.min_scale is not None else _FP32_TINY
-            if self._scale <= floor:
+            # at most 0: any value <= 0 means "back off now", and a bounded counter saves and loads cleanly
+            self._hysteresis_left = max(self._hysteresis_left - 1, 0)
+            backoff = self._hysteresis_left <= 0
+            counted = self._scale <= floor and (backoff or self.floor_counts == "overflows")
+            if counted:
                 self.overflows_at_floor += 1
                 self.total_overflows_at_floor += 1
-            self._hysteresis_left -= 1
-            if self._hysteresis_left <= 0:
+            if backoff:
                 self._scale = max(_round_to_fp32(self._scale * self.backoff_factor), floor)
-            if self.overflows_at_floor and self.overflows_at_floor % self.min_patience == 0:
+            if counted and self.overflows_at_floor % self.min_patience == 0:
                 self._stuck_at_floor()
             return
         self.overflows_at_floor = 0
@@ -499,12 +603,25 @@ class DynamicLossScaler(LossScaler):
             f"loss scale is stuck at its floor {floor}: {self.overflows_at_floor} "
             f"consecutive iterations overflowed there (min_patience={self.min_patience}). The gradients are "
             "inf/NaN even unscaled: look for a diverged loss, a too-high learning rate, or an fp16 "
-            "activation overflow; or lower min_scale."
+            f"activation overflow; or lower min_scale. {self._overflow_summary()}"
         )
         if self.on_min_scale == "raise":
             raise LossScaleFloorError(msg)
         if self.on_min_scale == "warn":
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    def _overflow_summary(self) -> str:
+        """The parameters whose gradients overflowed most often over the last ``growth_interval`` iterations."""
+        counts = Counter(name for _, names in self._overflow_history for name in names)
+        if not counts:
+            return "No parameter names were recorded (name them with scaler.name_parameters(model))."
+        worst = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:8]
+        listed = ", ".join(f"{name} ({n}x)" for name, n in worst)
+        more = f" and {len(counts) - len(worst)} more" if len(counts) > len(worst) else ""
+        return (
+            f"Parameters with inf/NaN gradients most often over the last {self.growth_interval} iterations "
+            f"({len(self._overflow_history)} overflowed): {listed}{more}."
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Plain scalars. A superset of ``torch.amp.GradScaler.state_dict()``, which can load it (and vice versa)."""
@@ -521,6 +638,7 @@ class DynamicLossScaler(LossScaler):
             consecutive_hysteresis=self.consecutive_hysteresis,
             min_scale=self.min_scale,
             max_scale=self.max_scale,
+            growth_delay=self.growth_delay,
             overflows_at_floor=self.overflows_at_floor,
             total_overflows_at_floor=self.total_overflows_at_floor,
         )
@@ -545,7 +663,8 @@ class DynamicLossScaler(LossScaler):
             scale_name=key("scale"),
             **{name: state_dict.get(name, getattr(self, name)) for name in _RULE_KEYS},
         )
-        tracker = _check_count(key("_growth_tracker"), state_dict.get("_growth_tracker", 0))
+        tracker = state_dict.get("_growth_tracker", -rule["growth_delay"])
+        check_positive_int(key("_growth_tracker"), tracker, minimum=-rule["growth_delay"])
         if tracker >= rule["growth_interval"]:
             raise ValueError(
                 f"{key('_growth_tracker')} must be < growth_interval ({rule['growth_interval']}); got {tracker}"
@@ -576,5 +695,6 @@ class DynamicLossScaler(LossScaler):
         return (
             f"DynamicLossScaler(scale={self._scale!r}, growth_factor={self.growth_factor}, "
             f"backoff_factor={self.backoff_factor}, growth_interval={self.growth_interval}, "
-            f"hysteresis={self.hysteresis}, min_scale={self.min_scale}, max_scale={self.max_scale})"
+            f"hysteresis={self.hysteresis}, min_scale={self.min_scale}, max_scale={self.max_scale}, "
+            f"growth_delay={self.growth_delay})"
         )
