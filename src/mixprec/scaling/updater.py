@@ -9,11 +9,11 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from mixprec.core.validate import check_positive_float, check_positive_int
+from mixprec.core.validate import check_choice, check_positive_float, check_positive_int
 from mixprec.scaling.master import clip_grad_norm_, grad_norm
 from mixprec.scaling.scaler import LossScaler, StaticLossScaler
 
@@ -25,12 +25,15 @@ class UpdateResult:
     """What one :meth:`Updater.step` did.
 
     Attributes:
-        loss: mean unscaled loss over the microbatches of the last attempt (fp64 Python float).
+        loss: mean unscaled loss over the microbatches of the last attempt (fp64 Python float), whatever the
+            ``microbatch_reduction``.
         skipped: True when the last attempt overflowed and no optimizer step was taken.
         scale: the loss scale the last attempt used.
         grad_norm: global gradient norm after unscaling, before clipping (fp32 accumulation);
             None when the step was skipped.
         retries: how many extra attempts were made at a smaller scale (0 when the first one was clean).
+        culprits: when the last attempt overflowed, the names of the parameters whose gradients held inf/NaN
+            on any rank (the same on every rank); empty otherwise.
     """
 
     loss: float
@@ -38,6 +41,7 @@ class UpdateResult:
     scale: float
     grad_norm: float | None
     retries: int
+    culprits: tuple[str, ...] = ()
 
 
 def _check_not_empty(name: str, microbatch: Any) -> None:
@@ -61,8 +65,15 @@ class Updater:
 
     Each microbatch's loss is divided by ``num_microbatches`` and multiplied by the loss scale before its
     backward, so the accumulated gradient is the mean over the whole batch (the practitioners' rule for gradient
-    accumulation: ``loss / num_microbatches * loss_scale``). When ``model`` has ``no_sync()`` (torch DDP, mixprec's
-    DistributedDataParallel) every microbatch but the last runs under it, so gradients are reduced once.
+    accumulation: ``loss / num_microbatches * loss_scale``). ``microbatch_reduction="sum"`` skips the division,
+    as NNabla's ``DynamicLossScalingUpdater`` does: the gradient is then ``num_microbatches`` times the mean.
+    For SGD (and momentum) that multiplies the effective learning rate by ``num_microbatches``: divide ``lr`` by
+    it to match a "mean" run. Adam and AdamW normalise the gradient, so their steps barely change (only the
+    ``eps`` term and coupled L2 ``weight_decay`` see the factor), but ``clip_grad_norm`` acts on the summed norm.
+    In fp16 a sum needs a loss scale ``num_microbatches`` times smaller for the same overflow headroom.
+
+    When ``model`` has ``no_sync()`` (torch DDP, mixprec's DistributedDataParallel) every microbatch but the last
+    runs under it, so gradients are reduced once.
 
     Args:
         model: the module (its parameters get gradients).
@@ -78,6 +89,11 @@ class Updater:
             decoupled decay (AdamW).
         max_retries: on overflow, redo the same microbatches at the backed-off scale up to this many times
             (0 = just skip, as GradScaler does). Only useful with a dynamic scaler.
+        microbatch_reduction: ``"mean"`` (default: divide each loss by ``num_microbatches``) or ``"sum"``
+            (NNabla's accumulation); see above for how it interacts with the learning rate.
+
+    The model's parameter names are given to the scaler (:meth:`LossScaler.name_parameters`), so an overflow
+    is reported by name in ``UpdateResult.culprits`` and in the floor error.
     """
 
     def __init__(
@@ -92,6 +108,7 @@ class Updater:
         clip_grad_norm: float | None = None,
         weight_decay: float = 0.0,
         max_retries: int = 0,
+        microbatch_reduction: Literal["mean", "sum"] = "mean",
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
@@ -122,6 +139,8 @@ class Updater:
         self.clip_grad_norm = None if not clip_grad_norm else check_positive_float("clip_grad_norm", clip_grad_norm)
         self.weight_decay = check_positive_float("weight_decay", weight_decay, allow_zero=True)
         self.max_retries = check_positive_int("max_retries", max_retries, minimum=0)
+        self.microbatch_reduction = check_choice("microbatch_reduction", microbatch_reduction, ("mean", "sum"))
+        self.scaler.name_parameters(model)
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -146,7 +165,14 @@ class Updater:
                 if retries < self.max_retries:
                     retries += 1
                     continue
-                return UpdateResult(loss=loss, skipped=True, scale=scale, grad_norm=None, retries=retries)
+                return UpdateResult(
+                    loss=loss,
+                    skipped=True,
+                    scale=scale,
+                    grad_norm=None,
+                    retries=retries,
+                    culprits=self.scaler.last_culprits,
+                )
             norm = self._clip_and_decay()
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -156,6 +182,7 @@ class Updater:
         self.optimizer.zero_grad(set_to_none=True)
         no_sync = getattr(self.model, "no_sync", None)
         n = self.num_microbatches
+        divisor = n if self.microbatch_reduction == "mean" else 1
         total: torch.Tensor | None = None
         for i, mb in enumerate(microbatches):
             ctx = no_sync() if (callable(no_sync) and i < n - 1) else contextlib.nullcontext()
@@ -163,7 +190,7 @@ class Updater:
                 loss = self.loss_fn(self.model, mb)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise TypeError("loss_fn must return a scalar (one-element) tensor")
-                self.scaler.scale(loss.float() / n).backward()
+                self.scaler.scale(loss.float() / divisor).backward()
             # Summed in fp64 on the loss's device: one host sync per step, not one per microbatch.
             term = loss.detach().reshape(()).double()
             total = term if total is None else total + term
