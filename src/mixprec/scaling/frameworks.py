@@ -1,9 +1,8 @@
 """``scaler_from(framework, **kwargs)``: the loss scaler another framework would run, from its own settings.
 
 Each framework's argument (or config) names build a :class:`DynamicLossScaler` or :class:`StaticLossScaler`
-whose scale trajectory equals that framework's on every overflow sequence, its floor error included, and
-``state_dict=`` loads that framework's saved scaler state so that a run resumes with its scale. The update rules
-reproduced (tested against transcriptions of each in tests/test_scaling_frameworks.py):
+whose scale trajectory equals that framework's on every overflow sequence, floor error included; ``state_dict=``
+loads its saved scaler state so that a run resumes with its scale. Rules reproduced (tests/test_scaling_frameworks.py):
 
 * ``"torch"``: ``torch.amp.GradScaler`` (torch/amp/grad_scaler.py and its ``_amp_update_scale_`` kernel).
 * ``"deepspeed"``: the ``fp16`` config section. ZeRO stages 1-3 use ``DynamicLossScaler`` of
