@@ -84,6 +84,13 @@ def test_enabled_must_be_a_bool(cls):
         cls(*args, enabled=0)
 
 
+@pytest.mark.parametrize("cls", [DynamicLossScaler, StaticLossScaler])
+def test_group_must_be_a_process_group(cls):
+    args = () if cls is DynamicLossScaler else (1.0,)
+    with pytest.raises(TypeError, match=r"group must be a torch\.distributed ProcessGroup"):
+        cls(*args, group="x")  # used to fail only at the first all-reduce, with torch's message
+
+
 @pytest.mark.parametrize("verb", ["unscale_", "step", "has_overflow"])
 def test_scaler_verbs_name_a_missing_optimizer(verb):
     s = DynamicLossScaler()

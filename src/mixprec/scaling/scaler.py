@@ -103,6 +103,8 @@ class LossScaler(abc.ABC):
     def __init__(self, init_scale: float, *, enabled: bool = True, group: dist.ProcessGroup | None = None):
         self._enabled = check_bool("enabled", enabled)
         self._scale = _check_scale("init_scale", init_scale)
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup or None; got {type(group).__name__}")
         self._group = group
         self._per_optimizer: dict[int, _OptimizerState] = {}
         self.steps_taken = 0
