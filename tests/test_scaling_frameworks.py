@@ -54,7 +54,7 @@ class TorchGradScalerRule:
 
 class DeepSpeedZeroRule:
     """microsoft/DeepSpeed (commit 38327e07), deepspeed/runtime/fp16/loss_scaler.py: ``DynamicLossScaler.__init__``
-    (lines 118-139) and ``update_scale`` (lines 170-203), used by ZeRO stages 1-3 (stage_1_and_2.py line 2077,
+    (lines 118-138) and ``update_scale`` (lines 170-203), used by ZeRO stages 1-3 (stage_1_and_2.py line 2077,
     stage3.py line 2464). Built from the fp16 config by deepspeed/runtime/config.py lines 215-241."""
 
     def __init__(self, init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis):
@@ -134,7 +134,7 @@ class DeepSpeedFP16OptimizerRule:
 
 class MegatronRule:
     """NVIDIA/Megatron-LM (commit d98e8a64), megatron/core/optimizer/grad_scaler.py, ``DynamicGradScaler``:
-    ``__init__`` (lines 71-129, factors and minimum held as fp32 tensors), ``update`` (lines 131-153),
+    ``__init__`` (lines 84-129, factors and minimum held as fp32 tensors), ``update`` (lines 131-153),
     ``state_dict`` (lines 155-160)."""
 
     def __init__(self, initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis):
