@@ -1,5 +1,5 @@
 """EmulatedLinear and emulate_linear_layers: drop-in behaviour, forward and gradients against float64 autograd
-within the model's bound, swapping and restoring, and the training-loss gap of seed 002."""
+within the model's bound, swapping and restoring, and the training-loss gap of FC layers with fp16 accumulation."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_forward_and_gradients_within_the_models_bound(mode):
 
 
 def test_output_format_with_bias_rounds_once():
-    # Review M7. fp32 accumulator value 1 + 2**-11 (exact), bias 2**-12, fp16 output (spacing 2**-10 at 1):
+    # fp32 accumulator value 1 + 2**-11 (exact), bias 2**-12, fp16 output (spacing 2**-10 at 1):
     # one rounding of 1 + 3 * 2**-12 gives 1 + 2**-10; rounding the product first (1 + 2**-11 is a tie -> 1,
     # even) and then 1 + 2**-12 (-> 1) would give 1.
     layer = EmulatedLinear(2, 1, mode=MatmulModel(inputs="fp16", accumulator="fp32", output="fp16"))
@@ -269,3 +269,39 @@ def test_fp16_accumulation_opens_a_loss_gap_that_fp32_accumulation_closes():
     gap_32 = _train("fp16/32", seed=0) - base
     assert 0.5 * model_16 <= gap_16 <= 2 * model_16
     assert 0.5 * model_32 <= gap_32 <= 2 * model_32  # 10x below fp16/16's: fp32 accumulation closes the gap
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+def test_empty_batch_and_empty_features_behave_as_nn_linear():
+    torch.manual_seed(0)
+    for shape, (fin, fout) in [((0, 4), (4, 3)), ((2, 0), (0, 3)), ((2, 4), (4, 0)), ((5, 0, 4), (4, 3))]:
+        ref = nn.Linear(fin, fout)
+        emu = EmulatedLinear.from_linear(ref, "fp16/32")
+        x = torch.randn(*shape, requires_grad=True)
+        y = emu(x)
+        assert y.shape == ref(x).shape
+        y.sum().backward()
+        assert x.grad.shape == x.shape and emu.weight.grad.shape == emu.weight.shape
+        if x.numel() == 0:
+            assert torch.equal(emu.weight.grad, torch.zeros_like(emu.weight))
+
+
+def test_zero_dim_input_raises_what_nn_linear_raises():
+    x = torch.tensor(1.0)
+    with pytest.raises(RuntimeError) as torch_error:
+        nn.Linear(4, 3)(x)
+    with pytest.raises(RuntimeError) as ours:
+        EmulatedLinear(4, 3)(x)
+    assert str(ours.value) == str(torch_error.value)
+
+
+def test_parametrized_subclass_that_would_be_skipped_is_skipped():
+    class Lora(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = nn.Sequential(Lora(4, 4), nn.Linear(4, 2))
+    nn.utils.parametrizations.weight_norm(model[0])
+    with pytest.warns(UserWarning, match="left 1"):
+        swap = emulate_linear_layers(model, "fp16/32")
+    assert swap.names == ["1"] and swap.skipped == ["0"]

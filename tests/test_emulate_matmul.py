@@ -48,7 +48,7 @@ def test_overflow_saturation_and_output_rounding():
 
 
 def test_overflow_from_accumulator_rounding_growth_gives_inf():
-    # Regression (review H1). sum|a_k b_k| = 49152 + 600 * 16.015625 = 58761.4, below 65504 / 1.01, so the old
+    # Regression. sum|a_k b_k| = 49152 + 600 * 16.015625 = 58761.4, below 65504 / 1.01, so the old
     # cheap bound skipped the per-step overflow check. But with k_group=1 the fp16 accumulator (spacing 32 in
     # [32768, 65536)) rounds every "+16.015625" up to "+32": the true model value reaches 65536 after 512 steps and
     # overflows to inf. The old code returned the finite non-fp16 value 65536.0 on the 64x64 product (where the
@@ -84,7 +84,7 @@ def test_large_products_near_the_accumulators_max_match_the_always_checked_path(
     # A 16x32 output computes the growth bound and may skip the per-step overflow check; one output row at a time
     # (operands larger than the per-step checks) always checks. Column j: one large term 1.5 * 2**emax, then
     # n_j groups whose sum is (1/2 + 2**-6) of the accumulator's top spacing, so every group rounds up by a whole
-    # spacing (growth ~2x the exact sum, as in the H1 case), and zeros after: about half the columns overflow,
+    # spacing (growth ~2x the exact sum, as in the test above), and zeros after: about half the columns overflow,
     # although every exact sum stays below max / 1.01. Both paths must agree bit for bit (inf included).
     acc = get_format(model.accumulator)
     kg = model.k_group
@@ -241,7 +241,7 @@ def test_bounds_values():
     assert b16.deterministic == pytest.approx(64 * u / (1 - 64 * u))
     at_1 = bounds(1024, "fp16/16", lam=1.0)
     assert at_1.probabilistic == pytest.approx(math.expm1(8 * u + 64 * u * u / (1 - u)))
-    assert at_1.probability == 0.0  # 2 * 64 * exp(-1/2) > 1: lam = 1 guarantees nothing (review M2)
+    assert at_1.probability == 0.0  # 2 * 64 * exp(-1/2) > 1: lam = 1 guarantees nothing
     # the default solves lam for 99% per output: 2 * 64 * exp(-lam^2 (1 - u)^2 / 2) = 0.01
     lam = math.sqrt(2 * math.log(2 * 64 / 0.01)) / (1 - u)
     assert b16.lam == pytest.approx(lam) and b16.probability == pytest.approx(0.99)
@@ -304,3 +304,14 @@ def test_operands_that_require_grad_are_refused_not_silently_detached():
 def test_bad_arguments_raise_clear_errors(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+@pytest.mark.parametrize("mode", ["fp16/16", "two_stage", "fp8/promote128"])
+def test_empty_contraction_gives_zeros_as_torch_matmul(mode):
+    # K = 0: every output is an empty sum, 0, as torch.matmul returns (batched and shared-b shapes too)
+    for a, b in [(torch.randn(3, 0), torch.randn(0, 4)), (torch.randn(2, 3, 0), torch.randn(2, 0, 4))]:
+        got = matmul(a, b, mode=mode)
+        assert got.shape == torch.matmul(a, b).shape and got.dtype == torch.float32
+        assert torch.equal(got, torch.zeros_like(got))
+    assert matmul(torch.randn(2, 3, 0), torch.randn(0, 5)).shape == (2, 3, 5)
+    assert matmul(torch.randn(0, 3), torch.randn(3, 4)).shape == (0, 4)

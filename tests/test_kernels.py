@@ -32,7 +32,7 @@ def test_cpu_fallback_is_the_emulator():
 
 
 def test_one_fixed_default_block_k_on_every_path():
-    # review M3: the default K block is a constant (the GPU autotunes only the M/N tiles), so the default call's
+    # the default K block is a constant (the GPU autotunes only the M/N tiles), so the default call's
     # numerics are those of two_stage_model(BLOCK_K) wherever it runs
     if _interpreting() and triton_available():
         pytest.skip("TRITON_INTERPRET is set: CPU tensors go to the interpreted kernel")

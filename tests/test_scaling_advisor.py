@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mixprec.cli.main import main
-from mixprec.scaling import GradientStats, advise, grad_range_report, rescale_for_dp
+from mixprec.scaling import GradientStats, advise, grad_range_by_layer, grad_range_report, rescale_for_dp
 
 
 def codes(advice):
@@ -165,3 +165,24 @@ def test_grad_range_invalid():
         grad_range_report([torch.ones(2)], 0.0)
     with pytest.raises(TypeError, match="floating-point"):
         grad_range_report([torch.ones(2, dtype=torch.int32)], 1.0)
+
+
+def test_grad_range_by_layer_is_the_report_of_each_layers_gradients():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2, bias=False))
+    model[0].weight.grad = torch.randn(8, 4) * 1e-6
+    model[0].bias.grad = torch.full((8,), 3e4)
+    model[2].weight.grad = torch.randn(2, 8)
+    layers = grad_range_by_layer(model, 4.0)
+    assert list(layers) == ["0", "2"]
+    assert layers["0"] == grad_range_report([model[0].weight.grad, model[0].bias.grad], 4.0)
+    assert layers["0"].overflow == pytest.approx(8 / 40) and layers["2"].overflow == 0.0
+    per_param = grad_range_by_layer(model.named_parameters(), 4.0, per="parameter")
+    assert list(per_param) == ["0.weight", "0.bias", "2.weight"]
+    assert per_param["0.bias"].overflow == 1.0
+    model[2].weight.grad = None
+    assert list(grad_range_by_layer(model, 4.0)) == ["0"]
+    with pytest.raises(ValueError, match="per"):
+        grad_range_by_layer(model, 4.0, per="layer")
+    with pytest.raises(TypeError, match="named"):
+        grad_range_by_layer(torch.zeros(3), 4.0)

@@ -3,18 +3,9 @@
 A format has 1 sign bit, ``exp_bits`` exponent bits and ``man_bits`` stored fraction bits (precision
 ``p = man_bits + 1``). Every value of every supported format is exactly representable in fp32, which is what
 lets the emulator hold rounded values in fp32 tensors: hence ``exp_bits <= 8`` and ``man_bits <= 23``.
-
-Two conventions for the top exponent:
-
-* ``has_inf=True`` (IEEE 754): the all-ones exponent encodes inf and NaN; the largest finite value is
-  ``(2 - 2**-man_bits) * 2**emax`` with ``emax = bias``.
-* ``has_inf=False`` (the "fn" formats, e.g. fp8 e4m3fn): the all-ones exponent holds finite values except the
-  all-ones fraction, which is NaN; the largest finite value is ``(2 - 2**(1 - man_bits)) * 2**emax`` with
-  ``emax = 2**exp_bits - 1 - bias`` (448 for e4m3).
-
-What happens to a value whose rounded magnitude exceeds the largest finite value is set by ``saturate``
-(see :func:`mixprec.emulate.round_to` for the rule per rounding mode): ``saturate=True`` gives +-max
-(inf inputs included), otherwise +-inf when the format has inf and NaN when it has none.
+``has_inf=True`` is IEEE 754's top-exponent convention (inf and NaN); ``has_inf=False`` is the "fn" one of fp8
+e4m3fn (finite values up to 448, only the all-ones pattern is NaN). ``saturate`` sends overflow to +-max.
+The two conventions' largest finite values are worked out in ``docs/emulate.md``.
 """
 
 from __future__ import annotations

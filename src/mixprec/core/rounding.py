@@ -2,39 +2,15 @@
 
 Results are held in fp32 (every supported format is a subset of fp32) and are bit-exact with torch's own casts
 ``x.to(dtype).float()`` for fp16, bf16, float8_e4m3fn and float8_e5m2 on fp32/fp16/bf16 inputs: ties to even,
-subnormals, overflow (to +-inf; +-448 for e4m3fn, whose torch 2.13 cast saturates, inf included), signed zeros
-and NaN. NaN payloads and the sign of NaN are not reproduced (torch's own NaN bits differ between its scalar and
-vectorised code paths); a NaN input gives a NaN.
+subnormals, overflow, signed zeros and NaN (NaN payloads are not reproduced). fp64 inputs are rounded once,
+directly from fp64. Modes: ``"nearest"`` (ties to even), ``"toward_zero"`` and ``"stochastic"`` (unbiased).
 
-How (all vectorised, no per-element Python):
+Overflow: nearest and stochastic give +-max if ``fmt.saturate``, else +-inf (NaN for formats without inf);
+toward_zero sends finite inputs to +-max. ``fmt.subnormals=False`` flushes results below the smallest normal.
 
-* Round to nearest, formats with 8 exponent bits (bf16, tf32) on fp32: the integer trick on the fp32 bit pattern
-  (int32 view) ``bits += ((bits >> d) & 1) + 2**(d-1) - 1; bits &= ~(2**d - 1)`` with ``d = 23 - man_bits``. The
-  carry runs into the exponent exactly as rounding up a binade should, fp32 subnormals are the target's
-  subnormals, and a carry out of the largest binade gives the inf pattern.
-* Round to nearest, other formats: a per-element "magic" constant ``C = 1.5 * 2**(e + M - man_bits)``, where
-  ``e`` is the input's exponent clamped to ``[emin, emax + 1]`` (integer ops on the exponent field, ``M`` = 23
-  for fp32 or 52 for fp64 work). ``x + C`` lies in C's binade, whose spacing is the target's spacing at ``x``
-  (fixed at ``2**(emin - man_bits)`` in the subnormal range, thanks to the clamp), so the hardware's own
-  round-to-nearest-even addition rounds ``x`` to the target grid, ties to even (C/spacing is even); ``- C`` is
-  then exact. Needs ``M - man_bits >= 2``; fp32 work covers man_bits <= 21, the rest goes through fp64.
-* toward_zero and stochastic: the nearest result, moved one spacing toward zero where it rounded away (fp64
-  work, exact). Stochastic rounding then adds one spacing (away from zero) with probability
-  ``frac = (|x| - |trunc(x)|) / spacing``, using a uniform draw in fp64 (53-bit resolution), so
-  ``E[round(x)] = x`` up to ``2**-53`` of a spacing and the result is always one of the two neighbours.
-
-Input dtypes: fp32, fp16, bf16 and the float8 types are widened to fp32 exactly. fp64 inputs are rounded directly
-from fp64 (one rounding, int64 bit operations); note that torch's own fp64 -> fp16/bf16/fp8 casts round twice
-(through fp32) and can differ from this correctly rounded result on values within 2**-24 relative of a midpoint.
-
-Overflow (a rounded magnitude above the format's largest finite value, or an infinite input):
-
-* nearest and stochastic: +-max if ``fmt.saturate``, else +-inf if ``fmt.has_inf``, else NaN.
-* toward_zero: a finite input goes to +-max (IEEE round-toward-zero never overflows to inf); an infinite input
-  follows the rule above.
-
-``fmt.subnormals=False`` flushes non-zero results below the smallest normal to a zero of the same sign
-(tininess after rounding).
+The in-place work-tensor primitives (``round_nearest_grid_``, ``apply_overflow_``, ``flush_subnormals_``,
+``round_directed_``) are public for the matmul emulator's hot loop. How each rounding is computed (the integer
+trick, the "magic constant" addition, stochastic draws) is derived in ``docs/emulate.md``.
 """
 
 from __future__ import annotations
@@ -78,7 +54,7 @@ def _magic_ok(fmt: FloatFormat, work: torch.dtype) -> bool:
     return m_bits - fmt.man_bits >= 2 and (fmt.exp_bits <= 7 or work == torch.float64)
 
 
-def _nearest_magic_(w: torch.Tensor, fmt: FloatFormat, c: torch.Tensor, *, keep_zero_sign: bool = True) -> None:
+def round_nearest_grid_(w: torch.Tensor, fmt: FloatFormat, c: torch.Tensor, *, keep_zero_sign: bool = True) -> None:
     """Round ``w`` (fp32/fp64, in place) to nearest-even on ``fmt``'s grid, exponent range unbounded above
     (overflow is left to the caller). ``c`` is an int workspace shaped like ``w``.
 
@@ -119,7 +95,7 @@ def _overflow_value(fmt: FloatFormat) -> float:
     return float("inf") if fmt.has_inf else float("nan")
 
 
-def _fix_overflow_(w: torch.Tensor, fmt: FloatFormat) -> None:
+def apply_overflow_(w: torch.Tensor, fmt: FloatFormat) -> None:
     """Map magnitudes above ``fmt.max_finite`` (inf included) to +-max, +-inf or NaN per ``fmt``, in place."""
     if w.numel() == 0:
         return
@@ -136,7 +112,7 @@ def _fix_overflow_(w: torch.Tensor, fmt: FloatFormat) -> None:
         w.copy_(torch.where(over, torch.copysign(torch.full_like(w, value), w), w))
 
 
-def _flush_subnormals_(w: torch.Tensor, fmt: FloatFormat) -> None:
+def flush_subnormals_(w: torch.Tensor, fmt: FloatFormat) -> None:
     if fmt.subnormals:
         return
     tiny = (w.abs() < fmt.min_normal) & (w != 0)
@@ -150,19 +126,19 @@ def _round_nearest_work_(w: torch.Tensor, fmt: FloatFormat) -> None:
     if w.dtype == torch.float32 and fmt.exp_bits == 8:
         _nearest_int_trick_(w, fmt)
     else:
-        _nearest_magic_(w, fmt, torch.empty_like(w.view(_WORK[w.dtype][0])))
-    _fix_overflow_(w, fmt)
-    _flush_subnormals_(w, fmt)
+        round_nearest_grid_(w, fmt, torch.empty_like(w.view(_WORK[w.dtype][0])))
+    apply_overflow_(w, fmt)
+    flush_subnormals_(w, fmt)
 
 
-def _round_directed_work_(w: torch.Tensor, fmt: FloatFormat, rounding: str, generator: torch.Generator | None) -> None:
+def round_directed_(w: torch.Tensor, fmt: FloatFormat, rounding: str, generator: torch.Generator | None) -> None:
     """toward_zero / stochastic in place on fp64 ``w``."""
     int_dtype, m_bits, _, exp_mask, _ = _WORK[torch.float64]
     x0 = w.clone()
     c = torch.bitwise_and(w.view(int_dtype), exp_mask)
     c.clamp_(_pow2_bits(fmt.emin, torch.float64), _pow2_bits(fmt.emax + 1, torch.float64))
     spacing = (c - (fmt.man_bits << m_bits)).view(torch.float64)  # 2**(e - man_bits): the grid at x
-    _nearest_magic_(w, fmt, torch.empty_like(c), keep_zero_sign=False)
+    round_nearest_grid_(w, fmt, torch.empty_like(c), keep_zero_sign=False)
     rounded_away = w.abs() > x0.abs()
     trunc = torch.where(rounded_away, w - torch.copysign(spacing, x0), w)
     if rounding == "toward_zero":
@@ -174,8 +150,8 @@ def _round_directed_work_(w: torch.Tensor, fmt: FloatFormat, rounding: str, gene
         u = torch.rand(x0.shape, generator=generator, dtype=torch.float64, device=x0.device)
         result = trunc + torch.copysign(spacing, x0) * (u < frac)
     w.copy_(torch.copysign(result, x0))  # zeros keep the input's sign
-    _fix_overflow_(w, fmt)
-    _flush_subnormals_(w, fmt)
+    apply_overflow_(w, fmt)
+    flush_subnormals_(w, fmt)
 
 
 def _check_input(x: object, name: str) -> torch.Tensor:
@@ -226,7 +202,7 @@ def round_to(
     if rounding == "nearest":
         _round_nearest_work_(w, fmt)
     else:
-        _round_directed_work_(w, fmt, rounding, generator)
+        round_directed_(w, fmt, rounding, generator)
     if out is None:
         return w.to(torch.float32)
     if w is not out:
@@ -267,6 +243,6 @@ def round_to_(
     if rounding == "nearest":
         _round_nearest_work_(w, fmt)
     else:
-        _round_directed_work_(w, fmt, rounding, generator)
+        round_directed_(w, fmt, rounding, generator)
     x.copy_(w)
     return x

@@ -17,6 +17,7 @@ shares the original layer's Parameter objects, so optimizers and tied weights ke
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Any
 
@@ -26,7 +27,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn.utils import parametrize
 
 from mixprec.core.rounding import round_to, round_to_
-from mixprec.emulate.matmul import MatmulModel, _matmul_model, get_matmul_model
+from mixprec.emulate.matmul import MatmulModel, get_matmul_model, matmul_with_model
 
 __all__ = ["EmulatedLinear", "LinearSwap", "emulate_linear_layers"]
 
@@ -37,16 +38,17 @@ class _EmulatedLinearFunction(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, model: MatmulModel
     ) -> torch.Tensor:
         # the operands are rounded once here and saved rounded (fp32), so the backward products reuse them
-        x_r = round_to(x.reshape(-1, x.shape[-1]), model.inputs)
+        # explicit row count, not -1: in_features = 0 leaves -1 undetermined
+        x_r = round_to(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), model.inputs)
         w_r = round_to(weight, model.inputs)
         if bias is None or model.output is None:
-            y = _matmul_model(x_r, w_r.t(), model, rounded=True)
+            y = matmul_with_model(x_r, w_r.t(), model, rounded=True)
             if bias is not None:
                 y.add_(bias.float())
         else:
             # GEMM epilogue: fp32 accumulator + bias in fp32, then ONE rounding to the output format (rounding the
             # product to ``output`` before the bias would round twice)
-            y = _matmul_model(x_r, w_r.t(), dataclasses.replace(model, output=None), rounded=True)
+            y = matmul_with_model(x_r, w_r.t(), dataclasses.replace(model, output=None), rounded=True)
             y.add_(bias.float())
             round_to_(y, model.output)
         ctx.save_for_backward(x_r, w_r)
@@ -63,13 +65,13 @@ class _EmulatedLinearFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x_r, w_r = ctx.saved_tensors
         model: MatmulModel = ctx.model
-        gy = grad_y.reshape(-1, w_r.shape[0])
+        gy = grad_y.reshape(x_r.shape[0], w_r.shape[0])
         gy_r = round_to(gy, model.inputs)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = _matmul_model(gy_r, w_r, model, rounded=True).reshape(ctx.x_shape).to(ctx.x_dtype)
+            grad_x = matmul_with_model(gy_r, w_r, model, rounded=True).reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = _matmul_model(gy_r.t(), x_r, model, rounded=True).to(ctx.w_dtype)
+            grad_w = matmul_with_model(gy_r.t(), x_r, model, rounded=True).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = gy.float().sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None
@@ -116,6 +118,11 @@ class EmulatedLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"EmulatedLinear expects a tensor input; got {type(x).__name__}")
+        if x.dim() == 0:
+            # nn.Linear's own error (F.linear) for a 0-d input, so that the swap changes no error a caller handles
+            raise RuntimeError("both arguments to linear need to be at least 1D, but they are 0D and 2D")
         if x.shape[-1] != self.in_features:
             raise ValueError(f"EmulatedLinear expects input (..., {self.in_features}); got {tuple(x.shape)}")
         return _EmulatedLinearFunction.apply(x, self.weight, self.bias, self.mode)
@@ -157,6 +164,13 @@ class LinearSwap:
         return len(self._swapped)
 
 
+def _declared_type(module: nn.Module) -> type:
+    """The module's class before ``torch.nn.utils.parametrize`` swapped in its generated ``Parametrized<Class>``
+    subclass (whose only base is the original class)."""
+    cls = type(module)
+    return cls.__bases__[0] if parametrize.is_parametrized(module) else cls
+
+
 def emulate_linear_layers(
     model: nn.Module, mode: MatmulModel | str, *, include: tuple[type[nn.Linear], ...] = ()
 ) -> LinearSwap:
@@ -173,8 +187,8 @@ def emulate_linear_layers(
     Raises:
         TypeError: ``model`` is not an nn.Module, or ``include`` is not a tuple of nn.Linear subclasses.
         ValueError: ``model`` is itself a Linear (wrap it in a container: it needs a parent), or a layer to swap
-            has parametrizations (``torch.nn.utils.parametrize``): its weight is computed at every access, and an
-            EmulatedLinear would see only a frozen snapshot.
+            (not a skipped one) has parametrizations (``torch.nn.utils.parametrize``): its weight is computed at
+            every access, and an EmulatedLinear would see only a frozen snapshot.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
@@ -191,15 +205,15 @@ def emulate_linear_layers(
     for name, module in model.named_modules():
         if not name or not isinstance(module, nn.Linear) or isinstance(module, EmulatedLinear):
             continue
+        if _declared_type(module) not in swap_types:
+            skipped.append(name)  # keeps its own forward, parametrized or not
+            continue
         if parametrize.is_parametrized(module):
             raise ValueError(
                 f"module {name!r} ({type(module).__name__}) has parametrizations: an EmulatedLinear would hold a "
                 "frozen snapshot of its weight; remove them first (torch.nn.utils.parametrize.remove_parametrizations)"
             )
-        if type(module) in swap_types:
-            targets.append((name, module))
-        else:
-            skipped.append(name)
+        targets.append((name, module))
     quiet = nn.modules.linear.NonDynamicallyQuantizableLinear
     loud = [name for name in skipped if type(model.get_submodule(name)) is not quiet]
     if loud:

@@ -1,48 +1,16 @@
 """Matrix products with a modelled accumulator: ``matmul``, the presets by name, and ``bounds``.
 
-The model of one output element ``y = sum_k a_k b_k`` (``MatmulModel``):
+The model of one output element ``y = sum_k a_k b_k`` (:class:`MatmulModel`): the operands are rounded to
+``inputs``; products are exact; the K products are summed in groups of ``k_group`` (one MMA instruction), each
+group sum added to the running accumulator and rounded once to ``accumulator``; with ``promote_every=P`` that
+accumulator is added into fp32 every P products and reset (the two-stage kernel of "Improving FP16/16 matmul
+accuracy with two-stage accumulation", and DeepSeek-V3's promotion of fp8 GEMM partial sums); ``output`` rounds
+the result. ``align_bits=F`` adds a tensor-core alignment model (Fasi et al. 2021; MMA-Sim, Xie et al. 2025).
 
-1. ``a`` and ``b`` are rounded to ``inputs`` (round to nearest even, :func:`round_to`).
-2. Products are exact (a product of two p-bit significands has at most 2p <= 48 bits; they are formed in fp64).
-3. The K products are cut into consecutive groups of ``k_group`` (one MMA instruction's fused dot; the last
-   group is padded with zeros). Each group is summed exactly and added to the running accumulator, and that
-   sum is rounded once to ``accumulator``: ``acc <- round(acc + sum(group))``. ``k_group=1`` is a fully
-   sequential low-precision accumulation.
-4. With ``promote_every=P`` (a multiple of ``k_group``), the low-precision accumulator is added into an fp32
-   accumulator (round to nearest in fp32, "CUDA cores") after every P products and reset to zero: the two-stage
-   kernel of seed 003 and DeepSeek-V3's promotion of fp8 GEMM partial sums.
-5. ``output`` (optional) rounds the final result.
-
-Optional tensor-core alignment model (``align_bits=F``, after Fasi et al. 2021, "Numerical behavior of NVIDIA
-tensor cores", and MMA-Sim, Xie et al. 2025): in each group the products and the incoming accumulator are
-aligned to the largest exponent among them and truncated (toward zero) to ``F`` fraction bits below it, summed
-exactly, and the sum rounded to ``accumulator`` with ``align_rounding`` (``"toward_zero"`` is what Fasi et al.
-observed for fp32 outputs on V100/T4/A100). ``TENSOR_CORE_ALIGN_BITS`` lists F per device. This is a model of the
-dominant effect, not a bit-exact simulation of any GPU: MMA-Sim documents further per-architecture details
-(extra carry bits, normalisation points) that are not reproduced.
-
-Checked against hardware (H200, torch 2.11, N(0,1) fp16 data, M=N=K=1024 and 4096; benchmarks/RESULTS.md):
-"fp16/16" equals cuBLAS's fp16 GEMM with fp16 accumulation bit for bit on 99.5-99.9% of the outputs;
-"fp16/32-h100" equals cuBLAS's fp16 GEMM with fp32 output on 95% (plain "fp16/32", exact group sums, on 1%,
-with a 20x smaller median error); "fp8/nopromote" equals ``torch._scaled_mm(use_fast_accum=True)`` on 82-86%, with
-the same error statistics.
-
-How exact the "exact" group sum is: the group sum and the addition of the accumulator are computed in fp64
-(``baddbmm`` on fp64 copies). All terms are multiples of ``2**(2 * (emin - man_bits))`` of the input format, so the
-fp64 result is exact whenever the terms of one step span fewer than 53 bits: ``|acc| + sum|p| <
-2**53 * smallest nonzero term's spacing``. For fp16 inputs this holds unless products near ``2**-40`` meet sums
-near 2**13 in the same step; when it fails, the fp64 sum carries a relative error below ``2**-53 * (k_group+1)``,
-far below any accumulator's unit roundoff, and the subsequent rounding to ``accumulator`` is then a double
-rounding that can differ from the exact model only for sums within that distance of a rounding midpoint.
-Signed zeros in the low-precision accumulator are not modelled (a step that cancels or underflows to zero
-gives +0).
-
-Cost: one fp64 ``baddbmm`` of a ``k_group``-wide slice plus 5 elementwise passes over the accumulator per group,
-on row tiles that stay in cache (on a CPU, tiles small enough that each op runs single-threaded, spread over a
-thread pool). At M=N=K=1024 "fp16/16" measured 23x (1 thread) to 44x (2 threads) the time of a plain fp32
-``torch.matmul`` on a quiet 2-core CPU (benchmarks/RESULTS.md). The alignment model materialises the products of
-a group (``rows x k_group x N``) and is another 10-20x slower on a CPU: use it on row subsets or on a GPU. Works
-on any device torch supports (fp64 on CUDA).
+``matmul`` is the user entry point; ``matmul_with_model`` is the same product for callers that already hold a
+:class:`MatmulModel` (EmulatedLinear, ``mixprec.kernels``' CPU fallback). ``bounds`` gives Higham's deterministic
+and Higham & Mary's probabilistic error bounds. The exactness argument of the fp64 group sums, the hardware
+comparison and the cost model are in ``docs/emulate.md``.
 """
 
 from __future__ import annotations
@@ -57,10 +25,10 @@ import torch
 
 from mixprec.core.formats import FORMAT_PRESETS, FloatFormat, get_format
 from mixprec.core.rounding import (
-    _fix_overflow_,
-    _flush_subnormals_,
-    _nearest_magic_,
-    _round_directed_work_,
+    apply_overflow_,
+    flush_subnormals_,
+    round_directed_,
+    round_nearest_grid_,
     round_to,
     round_to_,
 )
@@ -74,6 +42,7 @@ __all__ = [
     "bounds",
     "get_matmul_model",
     "matmul",
+    "matmul_with_model",
 ]
 
 _ALIGN_ROUNDINGS = ("toward_zero", "nearest")
@@ -152,7 +121,7 @@ MATMUL_PRESETS: dict[str, MatmulModel] = {
     "fp16/32-h100": MatmulModel(
         inputs="fp16", accumulator="fp32", k_group=16, align_bits=TENSOR_CORE_ALIGN_BITS["h100"], name="fp16/32-h100"
     ),
-    # seed 003's kernel 3.2: each m16n8k16 MMA accumulates in fp16 from zero, its result is added in fp32
+    # two-stage kernel 3.2 (spatters/mma-matmul): each m16n8k16 MMA accumulates in fp16 from zero, then into fp32
     "two_stage": MatmulModel(inputs="fp16", accumulator="fp16", k_group=16, promote_every=16, name="two_stage"),
     # DeepSeek-V3: fp8 e4m3 WGMMA (K=32 per instruction) with ~14-bit accumulation, promoted every 128
     "fp8/promote128": MatmulModel(
@@ -254,7 +223,7 @@ def matmul(
         model = get_matmul_model(mode)
         if overrides:
             model = dataclasses.replace(model, name="", **overrides)
-    return _matmul_model(a, b, model)
+    return matmul_with_model(a, b, model)
 
 
 def _check_operand(x: object, name: str) -> torch.Tensor:
@@ -264,7 +233,7 @@ def _check_operand(x: object, name: str) -> torch.Tensor:
     return x
 
 
-def _matmul_model(a: torch.Tensor, b: torch.Tensor, model: MatmulModel, *, rounded: bool = False) -> torch.Tensor:
+def matmul_with_model(a: torch.Tensor, b: torch.Tensor, model: MatmulModel, *, rounded: bool = False) -> torch.Tensor:
     """Validate, round the operands to ``model.inputs`` (skipped when the caller passes ``rounded=True``
     operands that already hold representable values, e.g. EmulatedLinear's saved ones), broadcast, accumulate."""
     _check_operand(a, "a")
@@ -282,13 +251,15 @@ def _matmul_model(a: torch.Tensor, b: torch.Tensor, model: MatmulModel, *, round
     with torch.autocast(device_type=a.device.type, enabled=False), torch.no_grad():
         ar = a.double() if rounded else round_to(a, model.inputs).double()
         br = b.double() if rounded else round_to(b, model.inputs).double()
+        # explicit sizes, not -1: with K = 0 a reshape cannot infer the other dimension
+        nbatch = math.prod(batch)
         if math.prod(b.shape[:-2]) == 1:
             # b is shared by the whole batch: fold the batch into rows (one big product, no copies of b)
-            a3 = ar.expand(*batch, m, k).reshape(1, -1, k)
+            a3 = ar.expand(*batch, m, k).reshape(1, nbatch * m, k)
             b3 = br.reshape(1, k, n)
         else:
-            a3 = ar.expand(*batch, m, k).reshape(-1, m, k)
-            b3 = br.expand(*batch, k, n).reshape(-1, k, n)
+            a3 = ar.expand(*batch, m, k).reshape(nbatch, m, k)
+            b3 = br.expand(*batch, k, n).reshape(nbatch, k, n)
         y = _accumulate(a3, b3, model)
         if model.output is not None:
             round_to_(y, model.output)
@@ -432,10 +403,10 @@ def _round_acc_(
         scratch32.copy_(acc)  # torch's fp64 -> fp32 cast rounds to nearest even (one rounding), inf on overflow
         acc.copy_(scratch32)
         return
-    _nearest_magic_(acc, fmt, work, keep_zero_sign=False)
+    round_nearest_grid_(acc, fmt, work, keep_zero_sign=False)
     if check_overflow or fmt.saturate:
-        _fix_overflow_(acc, fmt)
-    _flush_subnormals_(acc, fmt)
+        apply_overflow_(acc, fmt)
+    flush_subnormals_(acc, fmt)
 
 
 def _aligned_step_(
@@ -461,7 +432,7 @@ def _aligned_step_(
     elif fast_rz:
         _truncate_normal_(acc, fmt)
     else:
-        _round_directed_work_(acc, fmt, "toward_zero", None)
+        round_directed_(acc, fmt, "toward_zero", None)
 
 
 def _truncate_normal_(acc: torch.Tensor, fmt: FloatFormat) -> None:
@@ -473,7 +444,7 @@ def _truncate_normal_(acc: torch.Tensor, fmt: FloatFormat) -> None:
         if not (bool(lo >= -fmt.max_finite) and bool(hi <= fmt.max_finite)):
             finite = torch.isfinite(acc)
             acc.copy_(torch.where(finite, acc.clamp(-fmt.max_finite, fmt.max_finite), acc))
-            _fix_overflow_(acc, fmt)  # what is still above max is +-inf: the format's rule for inf
+            apply_overflow_(acc, fmt)  # what is still above max is +-inf: the format's rule for inf
 
 
 # ---------------------------------------------------------------------------------------------- error bounds

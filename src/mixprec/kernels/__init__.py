@@ -1,30 +1,29 @@
-"""GPU kernels (Triton, imported lazily) with CPU fallbacks through the emulator.
+"""GPU kernels (Triton, imported lazily: an optional, heavy dependency) with CPU fallbacks through the emulator.
 
-``two_stage_matmul(a, b)``: seed 003's two-stage fp16 matmul. Each K block is an fp16 ``tl.dot`` that
-accumulates in fp16 (``out_dtype=tl.float16``: the tensor-core MMAs of the block chain through an fp16
-accumulator), and the block's result is added into fp32 registers outside the MMA. Speed close to an fp16/16
-GEMM, error close to one fp16 rounding per block instead of one per MMA of the whole K.
+``two_stage_matmul(a, b)``: the two-stage fp16 matmul of "Improving FP16/16 matmul accuracy with two-stage
+accumulation" (spatters/mma-matmul, kernel 3.2). Each K block is an fp16 ``tl.dot`` that accumulates in fp16
+(``out_dtype=tl.float16``: the tensor-core MMAs of the block chain through an fp16 accumulator), and the block's
+result is added into fp32 registers outside the MMA. Speed close to an fp16/16 GEMM, error close to one fp16
+rounding per block instead of one per MMA of the whole K.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from mixprec.core.validate import check_dtype, check_tensor
-
-if TYPE_CHECKING:
-    from mixprec.emulate import MatmulModel
+from mixprec.emulate.matmul import MatmulModel, matmul_with_model
 
 __all__ = ["BLOCK_K", "BLOCK_K_CHOICES", "triton_available", "two_stage_matmul", "two_stage_model"]
 
 # The kernel's K block, i.e. the products between promotions to fp32. One fixed default on every path (GPU, Triton
 # interpreter, CPU emulator), so that the numerics do not depend on where it runs or on what an autotuner picks:
 # the autotuner only chooses the M/N tile sizes. 64 is the BLOCK_K the H200 autotuner chose among {32, 64} at
-# M=N=K=4096 and 8192 (benchmarks/RESULTS.md); pass block_k=16 for seed 003's design (promotion every MMA).
+# M=N=K=4096 and 8192 (benchmarks/RESULTS.md); pass block_k=16 for the original kernel 3.2 design (promotion every MMA).
 BLOCK_K = 64
 BLOCK_K_CHOICES = (16, 32, 64, 128)
 
@@ -52,8 +51,6 @@ def two_stage_model(block_k: int = BLOCK_K) -> MatmulModel:
     """The emulator's model of the kernel with K blocks of ``block_k`` (16, 32, 64 or 128): fp16 inputs, m16n8k16
     MMAs (``k_group`` 16) chained in an fp16 accumulator within a block, promoted into fp32 every ``block_k``
     products."""
-    from mixprec.emulate import MatmulModel
-
     _check_block_k(block_k)
     return MatmulModel(
         inputs="fp16", accumulator="fp16", k_group=16, promote_every=block_k, name=f"two_stage/bk{block_k}"
@@ -102,6 +99,4 @@ def two_stage_matmul(
 
         return launch(a, b, out_dtype=out_dtype, block_k=block_k)
 
-    from mixprec.emulate.matmul import _matmul_model
-
-    return _matmul_model(a, b, two_stage_model(block_k)).to(out_dtype)
+    return matmul_with_model(a, b, two_stage_model(block_k)).to(out_dtype)

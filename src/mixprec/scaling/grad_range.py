@@ -1,6 +1,6 @@
 """Where would gradients land in fp16 (or bf16) at a given loss scale: zero, subnormal, normal, or inf?
 
-Two entry points:
+Two entry points (and :func:`grad_range_by_layer`, the first one per layer):
 
 * :func:`grad_range_report` on the gradients themselves: exact for the model it states, because it forms
   ``g * scale`` in fp32 (as a backward computed in fp32 would) and rounds that with torch's own cast (round to
@@ -19,12 +19,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
-from mixprec.core.validate import check_dtype, check_positive_float
+from mixprec.core.validate import check_choice, check_dtype, check_positive_float
 
-__all__ = ["GradRangeReport", "GradientStats", "grad_range_report"]
+__all__ = ["GradRangeReport", "GradientStats", "grad_range_by_layer", "grad_range_report"]
 
 _TARGETS = (torch.float16, torch.bfloat16)
 _CHUNK = 1 << 22  # elements per cast; bounds the temporary memory at 4M * (4 + 2) bytes
@@ -75,7 +76,7 @@ def grad_range_report(
     check_positive_float("scale", scale)
     check_dtype("dtype", dtype, _TARGETS)
     tiny = torch.finfo(dtype).tiny
-    counts = dict(zero=0, underflow=0, subnormal=0, normal=0, overflow=0, nonfinite=0)
+    counts = dict(nonfinite=0, zero=0, underflow=0, subnormal=0, overflow=0, normal=0)
     total = 0
     for g in grads:
         if not isinstance(g, torch.Tensor) or not g.is_floating_point():
@@ -87,15 +88,52 @@ def grad_range_report(
             y = (x * scale).to(dtype)
             ay = y.abs()
             nz = x != 0
-            counts["nonfinite"] += int((~finite).sum())
-            counts["zero"] += int((~nz).sum())
-            counts["underflow"] += int((nz & (y == 0)).sum())
-            counts["subnormal"] += int(((ay > 0) & (ay < tiny)).sum())
-            counts["overflow"] += int((finite & torch.isinf(y)).sum())
-            counts["normal"] += int((torch.isfinite(y) & (ay >= tiny)).sum())
+            masks = (
+                ~finite,
+                ~nz,
+                nz & (y == 0),
+                (ay > 0) & (ay < tiny),
+                finite & torch.isinf(y),
+                torch.isfinite(y) & (ay >= tiny),
+            )
+            # one host sync per chunk for all six counts
+            for key, n in zip(counts, torch.stack([m.sum() for m in masks]).tolist(), strict=True):
+                counts[key] += int(n)
             total += x.numel()
     denom = max(total, 1)
     return GradRangeReport(dtype, float(scale), total, **{k: v / denom for k, v in counts.items()})
+
+
+def grad_range_by_layer(
+    named: torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
+    scale: float,
+    dtype: torch.dtype = torch.float16,
+    *,
+    per: Literal["module", "parameter"] = "module",
+) -> dict[str, GradRangeReport]:
+    """:func:`grad_range_report` of the gradients of each layer: ``{module path: report}`` (or one entry per
+    parameter with ``per="parameter"``), in the order the parameters come. Parameters without a gradient are left
+    out. ``named`` is a module (its ``named_parameters()``) or ``(name, parameter)`` pairs. For headroom
+    telemetry: which layer's gradients are about to underflow or overflow at the current scale."""
+    check_choice("per", per, ("module", "parameter"))
+    if isinstance(named, torch.nn.Module):
+        pairs: Iterable[tuple[str, torch.Tensor]] = named.named_parameters()
+    elif isinstance(named, Iterable) and not isinstance(named, str | torch.Tensor):
+        pairs = named
+    else:
+        raise TypeError(f"named must be an nn.Module or (name, parameter) pairs; got {type(named).__name__}")
+    groups: dict[str, list[torch.Tensor]] = {}
+    for item in pairs:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError(f"named must hold (name, parameter) pairs; got {item!r:.80}")
+        name, p = item
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"named must hold (name, parameter) pairs; {name!r} is a {type(p).__name__}")
+        if p.grad is None:
+            continue
+        key = (name.rpartition(".")[0] or name) if per == "module" else name
+        groups.setdefault(key, []).append(p.grad)
+    return {key: grad_range_report(grads, scale, dtype) for key, grads in groups.items()}
 
 
 @dataclass

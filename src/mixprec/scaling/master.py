@@ -17,6 +17,8 @@ from mixprec.core.validate import check_norm_type, check_positive_float
 __all__ = ["MasterWeightOptimizer", "clip_coefficient", "clip_grad_norm_", "grad_norm"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+# float32/float64 parameters are their own masters; the low-precision ones get an fp32 master copy
+_PARAM_DTYPES = (torch.float32, torch.float64, *_LOW_PRECISION)
 
 
 def grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
@@ -100,6 +102,13 @@ class MasterWeightOptimizer:
         /,
         **optimizer_kwargs: Any,
     ) -> None:
+        if isinstance(optimizer_cls, str) or not callable(optimizer_cls):
+            raise TypeError(
+                "optimizer_cls must be a torch optimizer class (or a callable taking param groups), e.g. "
+                f"torch.optim.AdamW; got {type(optimizer_cls).__name__} {optimizer_cls!r}"
+            )
+        if isinstance(params, torch.Tensor):
+            raise TypeError("params must be an iterable of tensors or param-group dicts; got a single tensor")
         groups = list(params)
         if not groups:
             raise ValueError("params is empty: the optimizer would have nothing to step")
@@ -116,8 +125,11 @@ class MasterWeightOptimizer:
             for p in plist:
                 if not isinstance(p, torch.Tensor):
                     raise TypeError(f"params must hold tensors; got {type(p).__name__}")
-                if not p.is_floating_point():
-                    raise TypeError(f"parameters must be floating point; got {p.dtype}")
+                if p.dtype not in _PARAM_DTYPES:
+                    raise TypeError(
+                        f"params must be floating point: float32, float64, float16 or bfloat16; got {p.dtype} (shape "
+                        f"{tuple(p.shape)}): fp8 and complex parameters have no fp32 master weight here"
+                    )
                 if p.dtype in _LOW_PRECISION:
                     m = p.detach().clone().float()
                     m.requires_grad_(p.requires_grad)
@@ -129,6 +141,7 @@ class MasterWeightOptimizer:
             master_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": masters})
         self.optimizer = optimizer_cls(master_groups, **optimizer_kwargs)
         self._low = [(p, m) for p, m in zip(self._model_params, self._master_params, strict=True) if p is not m]
+        self._model_of = {id(m): p for p, m in zip(self._model_params, self._master_params, strict=True)}
         self._grads_ready = False
 
     # ------------------------------------------------------------------ optimizer-like surface
@@ -146,6 +159,14 @@ class MasterWeightOptimizer:
 
     def model_params(self) -> Iterator[torch.Tensor]:
         return iter(self._model_params)
+
+    def model_param(self, master: torch.Tensor) -> torch.Tensor:
+        """The model parameter whose fp32 master is ``master`` (itself for fp32/fp64 parameters); used to name
+        the parameters of an overflowing step."""
+        model = self._model_of.get(id(master))
+        if model is None:
+            raise KeyError("master is not one of this optimizer's master parameters")
+        return model
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear model gradients; master gradients are refilled from them before every step."""

@@ -1,5 +1,6 @@
 """One call per optimizer step: gradient accumulation over microbatches with loss scaling (after NNabla's
-``DynamicLossScalingUpdater``, seed 004), with a bounded retry instead of its unbounded recursion.
+``DynamicLossScalingUpdater`` from its mixed-precision training tutorial), with a bounded retry where NNabla
+recurses.
 """
 
 from __future__ import annotations
@@ -8,11 +9,11 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from mixprec.core.validate import check_positive_float, check_positive_int
+from mixprec.core.validate import check_choice, check_positive_float, check_positive_int
 from mixprec.scaling.master import clip_grad_norm_, grad_norm
 from mixprec.scaling.scaler import LossScaler, StaticLossScaler
 
@@ -24,12 +25,15 @@ class UpdateResult:
     """What one :meth:`Updater.step` did.
 
     Attributes:
-        loss: mean unscaled loss over the microbatches of the last attempt (fp64 Python float).
+        loss: mean unscaled loss over the microbatches of the last attempt (fp64 Python float), whatever the
+            ``microbatch_reduction``.
         skipped: True when the last attempt overflowed and no optimizer step was taken.
         scale: the loss scale the last attempt used.
         grad_norm: global gradient norm after unscaling, before clipping (fp32 accumulation);
             None when the step was skipped.
         retries: how many extra attempts were made at a smaller scale (0 when the first one was clean).
+        culprits: when the last attempt overflowed, the names of the parameters whose gradients held inf/NaN
+            on any rank (the same on every rank); empty otherwise.
     """
 
     loss: float
@@ -37,15 +41,39 @@ class UpdateResult:
     scale: float
     grad_norm: float | None
     retries: int
+    culprits: tuple[str, ...] = ()
+
+
+def _check_not_empty(name: str, microbatch: Any) -> None:
+    """Refuse a microbatch whose tensors have no rows: the mean loss over it is NaN while its gradients are zero,
+    so the step would look clean and the optimizer (weight decay, momentum) would still move the weights."""
+    items = (
+        microbatch.values()
+        if isinstance(microbatch, dict)
+        else (microbatch if isinstance(microbatch, list | tuple) else (microbatch,))
+    )
+    for item in items:
+        if isinstance(item, torch.Tensor) and item.dim() >= 1 and item.shape[0] == 0:
+            raise ValueError(
+                f"{name} is empty (a tensor of shape {tuple(item.shape)}): a microbatch needs at least one row "
+                "(drop the empty one and lower num_microbatches, or use drop_last=True in the DataLoader)"
+            )
 
 
 class Updater:
     """Zero-grad, accumulate over microbatches, reduce, check overflow, then skip or unscale/clip/decay/step.
 
     Each microbatch's loss is divided by ``num_microbatches`` and multiplied by the loss scale before its
-    backward, so the accumulated gradient is the mean over the whole batch (seed 002's
-    ``loss'/num_microbatches * loss_scale``). When ``model`` has ``no_sync()`` (torch DDP, mixprec's
-    DistributedDataParallel) every microbatch but the last runs under it, so gradients are reduced once.
+    backward, so the accumulated gradient is the mean over the whole batch (the practitioners' rule for gradient
+    accumulation: ``loss / num_microbatches * loss_scale``). ``microbatch_reduction="sum"`` skips the division,
+    as NNabla's ``DynamicLossScalingUpdater`` does: the gradient is then ``num_microbatches`` times the mean.
+    For SGD (and momentum) that multiplies the effective learning rate by ``num_microbatches``: divide ``lr`` by
+    it to match a "mean" run. Adam and AdamW normalise the gradient, so their steps barely change (only the
+    ``eps`` term and coupled L2 ``weight_decay`` see the factor), but ``clip_grad_norm`` acts on the summed norm.
+    In fp16 a sum needs a loss scale ``num_microbatches`` times smaller for the same overflow headroom.
+
+    When ``model`` has ``no_sync()`` (torch DDP, mixprec's DistributedDataParallel) every microbatch but the last
+    runs under it, so gradients are reduced once.
 
     Args:
         model: the module (its parameters get gradients).
@@ -57,9 +85,15 @@ class Updater:
             check, to reduce ``.grad`` in place (e.g. an all-reduce); None when the model reduces itself.
         clip_grad_norm: clip the global norm (fp32) to this value after unscaling; None or 0 disables.
         weight_decay: L2 coefficient added to the gradient (``grad += weight_decay * param``) after
-            clipping, as in seed 004; 0 disables. Prefer the optimizer's own decoupled decay (AdamW).
+            clipping, as NNabla's ``DynamicLossScalingUpdater`` does; 0 disables. Prefer the optimizer's own
+            decoupled decay (AdamW).
         max_retries: on overflow, redo the same microbatches at the backed-off scale up to this many times
             (0 = just skip, as GradScaler does). Only useful with a dynamic scaler.
+        microbatch_reduction: ``"mean"`` (default: divide each loss by ``num_microbatches``) or ``"sum"``
+            (NNabla's accumulation); see above for how it interacts with the learning rate.
+
+    The model's parameter names are given to the scaler (:meth:`LossScaler.name_parameters`), so an overflow
+    is reported by name in ``UpdateResult.culprits`` and in the floor error.
     """
 
     def __init__(
@@ -74,6 +108,7 @@ class Updater:
         clip_grad_norm: float | None = None,
         weight_decay: float = 0.0,
         max_retries: int = 0,
+        microbatch_reduction: Literal["mean", "sum"] = "mean",
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
@@ -104,6 +139,8 @@ class Updater:
         self.clip_grad_norm = None if not clip_grad_norm else check_positive_float("clip_grad_norm", clip_grad_norm)
         self.weight_decay = check_positive_float("weight_decay", weight_decay, allow_zero=True)
         self.max_retries = check_positive_int("max_retries", max_retries, minimum=0)
+        self.microbatch_reduction = check_choice("microbatch_reduction", microbatch_reduction, ("mean", "sum"))
+        self.scaler.name_parameters(model)
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -114,6 +151,8 @@ class Updater:
             raise ValueError(
                 f"microbatches holds {len(microbatches)} items; num_microbatches is {self.num_microbatches}"
             )
+        for i, mb in enumerate(microbatches):
+            _check_not_empty(f"microbatches[{i}]", mb)
         retries = 0
         while True:
             scale = self.scaler.get_scale()
@@ -126,7 +165,14 @@ class Updater:
                 if retries < self.max_retries:
                     retries += 1
                     continue
-                return UpdateResult(loss=loss, skipped=True, scale=scale, grad_norm=None, retries=retries)
+                return UpdateResult(
+                    loss=loss,
+                    skipped=True,
+                    scale=scale,
+                    grad_norm=None,
+                    retries=retries,
+                    culprits=self.scaler.last_culprits,
+                )
             norm = self._clip_and_decay()
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -136,6 +182,7 @@ class Updater:
         self.optimizer.zero_grad(set_to_none=True)
         no_sync = getattr(self.model, "no_sync", None)
         n = self.num_microbatches
+        divisor = n if self.microbatch_reduction == "mean" else 1
         total: torch.Tensor | None = None
         for i, mb in enumerate(microbatches):
             ctx = no_sync() if (callable(no_sync) and i < n - 1) else contextlib.nullcontext()
@@ -143,7 +190,7 @@ class Updater:
                 loss = self.loss_fn(self.model, mb)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise TypeError("loss_fn must return a scalar (one-element) tensor")
-                self.scaler.scale(loss.float() / n).backward()
+                self.scaler.scale(loss.float() / divisor).backward()
             # Summed in fp64 on the loss's device: one host sync per step, not one per microbatch.
             term = loss.detach().reshape(()).double()
             total = term if total is None else total + term
