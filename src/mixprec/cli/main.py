@@ -21,6 +21,8 @@ _SUBCOMMAND_MODULES = (
     "mixprec.cli.compare",
     "mixprec.cli.check_config",
     "mixprec.cli.study",
+    "mixprec.cli.audit",
+    "mixprec.cli.probe",
 )
 
 
