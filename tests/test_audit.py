@@ -58,6 +58,8 @@ def test_run_audit_validates_before_forking(monkeypatch):
         run_audit(SMALL, nproc=2, backend="nccl")
     with pytest.raises(ValueError, match="backend"):
         run_audit(SMALL, nproc=2, backend="mpi")
+    with pytest.raises(ValueError, match="at most 64 ranks"):
+        run_audit(SMALL, nproc=65)
 
 
 def test_three_gloo_ranks_against_fp64_bounds():

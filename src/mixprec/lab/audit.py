@@ -17,10 +17,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,6 +57,7 @@ DEFAULT_MAX_BYTES = 16 * MIB
 # Forked ranks when neither torchrun nor --nproc says: with 2 ranks every element is one addition, rounded once
 # whatever the accumulator, so a sum in the wire dtype shows only from 3 ranks on.
 DEFAULT_NPROC = 4
+MAX_FORKED_RANKS = 64
 _PAIR = {"reduce_scatter": "all_reduce", "reduce_scatter_fp32_accumulate": "all_reduce_fp32_accumulate"}
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -163,7 +163,6 @@ class AuditRow:
     size_invariant: bool
     ranks_agree: bool | None
     matches_all_reduce: bool | None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------- one rank
@@ -385,6 +384,8 @@ def run_audit(
         nproc = DEFAULT_NPROC
     if backend == "nccl":
         raise ValueError("--nproc forks gloo ranks on the CPU; run under torchrun for NCCL")
+    if isinstance(nproc, int) and not isinstance(nproc, bool) and nproc > MAX_FORKED_RANKS:
+        raise ValueError(f"--nproc forks at most {MAX_FORKED_RANKS} ranks on one machine; got {nproc}")
     config.check_world_size(nproc)
     return run_distributed(_forked_rank, nproc, config, progress, timeout=float(timeout))[0]
 
