@@ -483,7 +483,10 @@ def plot_rows(rows: list[AuditRow], path: Path) -> Path | None:
     for ax, dtype in zip(axes[0], dtypes):
         for op in dict.fromkeys(r.op for r in rows):
             pts = sorted((r.bytes, r.bits) for r in rows if r.op == op and r.dtype == dtype)
-            ax.plot([p for p, _ in pts], [b for _, b in pts], marker="o", label=op)
+            # reduce-scatter often equals its all-reduce exactly: dashed and hollow, so both stay visible
+            scatter = op.startswith("reduce_scatter")
+            style = {"linestyle": "--", "marker": "s", "fillstyle": "none"} if scatter else {"marker": "o"}
+            ax.plot([p for p, _ in pts], [b for _, b in pts], label=op, **style)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("message bytes per rank")
         ax.set_ylabel("effective bits, -log2(rel L2 error)")
