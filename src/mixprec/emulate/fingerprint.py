@@ -307,7 +307,7 @@ def _emulate_probes(probes: Sequence[Probe], k: int, model: MatmulModel) -> torc
 
 
 def _same_bits(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Elementwise equality that counts NaN == NaN and tells +0 from -0 apart only through ``==`` (both zero)."""
+    """Elementwise equality of values, NaN equal to NaN ("bit-equal" here counts +0 and -0 as equal)."""
     return (x == y) | (x.isnan() & y.isnan())
 
 
@@ -436,8 +436,8 @@ def _fingerprint(
     kept = (y[1 : 1 + len(js)] != 0).tolist()
     lost_at = _first(kept, js, False)
     bits = lost_at  # B + B 2**-j is kept for j < bits: a precision of `bits` bits
-    if bits is not None and not all(kept[: js.index(lost_at)]):
-        notes.append("small addends were lost and kept again at smaller sizes (not a fixed precision)")
+    if bits is not None and any(kept[js.index(lost_at) :]):
+        notes.append("a smaller addend was kept after a larger one was lost (not a fixed precision)")
     f_kept = (y[1 + len(js) :] != 0).tolist()
     f_lost = _first(f_kept, js, False)
     align = None if f_lost is None else f_lost - 1
