@@ -166,3 +166,13 @@ def test_cli_writes_table_json_and_plot(capsys, tmp_path):
         assert "no PNG" in out
     else:
         assert (tmp_path / "audit_collectives.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("n", [1023, 4096, 3 * 1_000_003])
+def test_probe_positions_are_distinct_and_move_with_the_size(n):
+    positions = audit._probe_positions(1023, n, salt=12345)
+    assert positions.unique().numel() == 1023 and int(positions.min()) >= 0 and int(positions.max()) < n
+    if n > 1023:
+        # the same probe value lands in a different quarter of the message than at the smallest size
+        small = audit._probe_positions(1023, 1023, salt=999)
+        assert bool(((positions * 4 // n) != (small * 4 // 1023)).any())
