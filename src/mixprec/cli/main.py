@@ -26,6 +26,8 @@ _SUBCOMMAND_MODULES = (
     "mixprec.cli.compare",
     "mixprec.cli.check_config",
     "mixprec.cli.study",
+    "mixprec.cli.audit",
+    "mixprec.cli.probe",
 )
 
 # reStructuredText markup that docstrings use and a terminal should not show.

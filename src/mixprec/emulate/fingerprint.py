@@ -1,0 +1,604 @@
+"""Infer how a matmul accumulates, from crafted inputs: ``fingerprint(fn, dtype)``.
+
+Each probe is one dot product of exactly representable terms (a large ``B``, its negative ``-B`` and small
+addends), placed on the diagonal of an ``(m, k) @ (k, n)`` call to ``fn``; whether a small addend survives the
+cancellation of ``B`` tells one fact about the accumulation. In this order: are products exact; the effective
+precision of adding to a large accumulator and its rounding (nearest or truncation); the alignment width
+inside one fused group; the size of the groups summed exactly (``k_group``); the promotion interval; split-K
+(an interval that scales with K). The result is a :class:`~mixprec.emulate.MatmulModel`, named after the preset
+it equals, with the fraction of the outputs of a random ``(m, k) @ (k, n)`` product that it reproduces bit for
+bit. The probes, their assumptions and their limits are in docs/audit.md.
+
+:meth:`Fingerprint.save` / :meth:`Fingerprint.load` keep a result as JSON; :func:`load_model` reads back its
+:class:`MatmulModel`, which ``mixprec.emulate.matmul(a, b, mode=model)`` then uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mixprec.core.formats import FORMAT_PRESETS, FloatFormat, get_format
+from mixprec.core.validate import check_bool, check_positive_int
+from mixprec.emulate.matmul import MATMUL_PRESETS, MatmulModel, matmul
+
+__all__ = [
+    "FINGERPRINT_DTYPES",
+    "Fingerprint",
+    "fingerprint",
+    "load_model",
+    "model_from_dict",
+    "model_to_dict",
+]
+
+FINGERPRINT_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
+_FILE_FORMAT = "mixprec-matmul-fingerprint"
+_FILE_VERSION = 1
+# Largest group size and promotion interval looked for; the g scan needs positions up to _MAX_GROUP + 1 and a
+# final -B beyond them, hence the minimum k.
+_MAX_GROUP = 256
+_MIN_K = 2 * _MAX_GROUP
+
+Term = tuple[int, float, float]  # (position in K, a value, b value): the product a * b at that position
+Probe = list[Term]
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What :func:`fingerprint` inferred. Precisions count the implicit bit (fp32: 24, fp16: 11, bf16: 8).
+
+    Attributes:
+        inputs, output: the operand format and the format of ``fn``'s result (``None`` for fp64).
+        m, n, k: the shape of the calls (probes and the random check).
+        products_exact: ``a_k b_k`` entered the sum exactly (all ``2p`` bits).
+        effective_bits: precision at which a small addend to a large accumulated value is kept (the smaller of
+            the accumulator's precision and the alignment width + 1); ``None`` = more than measurable (30).
+        rounding: "nearest", "toward_zero" (truncation) or "other", of that addition.
+        align_bits: fraction bits kept when a fused group is aligned to its largest term; ``None`` = the group
+            is summed exactly (no truncation seen up to 2**-30).
+        k_group: products summed together before each accumulator rounding (one MMA's K).
+        promote_every: products between promotions of the accumulator into fp32 (or a CPU BLAS's K blocking);
+            ``None`` = none seen below k / 2.
+        split_k: K is split into this many slices whose partial sums are added (the interval scaled with K);
+            ``None`` = no split seen. The model then uses ``promote_every = k / split_k``, right at this k only.
+        model: the inferred :class:`MatmulModel`; ``preset``: the preset it equals apart from ``output``
+            (``None``: a custom model); ``closest_preset``: the preset of the same inputs with the highest
+            ``preset_bit_equal`` (each scored with the model's ``output``).
+        bit_equal: fraction of the outputs of ``fn`` on random N(0, 1) operands that ``model`` reproduces bit
+            for bit; ``probe_agreement``: the same over the crafted probes.
+        notes: caveats found on the way (ambiguities, behaviour the model cannot express).
+    """
+
+    inputs: str
+    output: str | None
+    m: int
+    n: int
+    k: int
+    products_exact: bool
+    effective_bits: int | None
+    rounding: str
+    align_bits: int | None
+    k_group: int
+    promote_every: int | None
+    split_k: int | None
+    model: MatmulModel
+    preset: str | None
+    closest_preset: str | None
+    bit_equal: float
+    probe_agreement: float
+    preset_bit_equal: dict[str, float] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    label: str = ""
+
+    def summary(self) -> str:
+        """One paragraph: the inferred parameters, the model and its bit-equal fractions."""
+        bits = ">30" if self.effective_bits is None else str(self.effective_bits)
+        align = "exact group sums" if self.align_bits is None else f"aligned to {self.align_bits} fraction bits"
+        promote = "none" if self.promote_every is None else str(self.promote_every)
+        name = self.preset or "custom"
+        if self.preset and self.model.output is not None:
+            name += f" + {self.model.output.name} output"
+        lines = [
+            f"{self.label or 'matmul'} [{self.inputs} -> {self.output or 'fp64'}, m=n={self.m}, k={self.k}]:",
+            f"  products {'exact' if self.products_exact else 'ROUNDED'}; accumulation keeps {bits} bits, "
+            f"rounding {self.rounding}; {align}; k_group {self.k_group}; promotion every {promote}; "
+            f"split-K {self.split_k or 'none'}",
+            f"  model: {self.model.name} ({name}); bit-equal {self.bit_equal:.1%} on random data, "
+            f"{self.probe_agreement:.1%} of the probes",
+        ]
+        if self.preset is None and self.closest_preset is not None:
+            lines.append(
+                f"  closest preset: {self.closest_preset} (bit-equal {self.preset_bit_equal[self.closest_preset]:.1%})"
+            )
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able fields; ``model`` as :func:`model_to_dict`."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["model"] = model_to_dict(self.model)
+        out["notes"] = list(self.notes)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Fingerprint:
+        if not isinstance(data, dict):
+            raise TypeError(f"a fingerprint must be a dict; got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(names - set(data) - {"preset_bit_equal", "notes", "label"})
+        if missing:
+            raise ValueError(f"fingerprint is missing {', '.join(missing)}")
+        kwargs = {k: v for k, v in data.items() if k in names}
+        kwargs["model"] = model_from_dict(data["model"])
+        kwargs["notes"] = tuple(data.get("notes", ()))
+        return cls(**kwargs)
+
+    def save(self, path: str | os.PathLike[str]) -> str:
+        """Write this fingerprint as JSON (atomically); returns the path."""
+        path = os.fspath(path)
+        payload = {"format": _FILE_FORMAT, "version": _FILE_VERSION, **self.to_dict()}
+        tmp = path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(payload, fh, indent=2)
+            fh.write("\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Fingerprint:
+        """Read a file written by :meth:`save` (ValueError naming the path if it is not one)."""
+        path = os.fspath(path)
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read a fingerprint from {path!r}: {exc}") from None
+        if not isinstance(data, dict) or data.get("format") != _FILE_FORMAT:
+            raise ValueError(f"{path!r} is not a matmul fingerprint (no 'format': {_FILE_FORMAT!r})")
+        if data.get("version") != _FILE_VERSION:
+            raise ValueError(f"{path!r} has fingerprint version {data.get('version')!r}; this mixprec reads 1")
+        return cls.from_dict(data)
+
+
+def load_model(path: str | os.PathLike[str]) -> MatmulModel:
+    """The :class:`MatmulModel` of a fingerprint file written by :meth:`Fingerprint.save`."""
+    return Fingerprint.load(path).model
+
+
+# ---------------------------------------------------------------------------------------------- model <-> JSON
+def _format_to_json(fmt: FloatFormat | None) -> str | dict[str, Any] | None:
+    if fmt is None:
+        return None
+    if FORMAT_PRESETS.get(fmt.name) == fmt:
+        return fmt.name
+    return {
+        "exp_bits": fmt.exp_bits,
+        "man_bits": fmt.man_bits,
+        "has_inf": fmt.has_inf,
+        "saturate": fmt.saturate,
+        "subnormals": fmt.subnormals,
+        "name": fmt.name,
+    }
+
+
+def _format_from_json(value: Any, arg: str) -> FloatFormat | None:
+    if value is None or isinstance(value, str):
+        return None if value is None else get_format(value, arg=arg)
+    if isinstance(value, dict):
+        exp_bits, man_bits = value.get("exp_bits"), value.get("man_bits")
+        flags = {k: value[k] for k in ("has_inf", "saturate", "subnormals", "name") if k in value}
+        return FloatFormat(exp_bits, man_bits, **flags)
+    raise TypeError(f"{arg} must be a format name or a dict of FloatFormat fields; got {type(value).__name__}")
+
+
+def model_to_dict(model: MatmulModel) -> dict[str, Any]:
+    """A :class:`MatmulModel` as JSON-able fields (formats by preset name, or their fields when custom)."""
+    return {
+        "inputs": _format_to_json(model.inputs),
+        "accumulator": _format_to_json(model.accumulator),
+        "k_group": model.k_group,
+        "promote_every": model.promote_every,
+        "output": _format_to_json(model.output),
+        "align_bits": model.align_bits,
+        "align_rounding": model.align_rounding,
+        "name": model.name,
+    }
+
+
+def model_from_dict(data: dict[str, Any]) -> MatmulModel:
+    """Inverse of :func:`model_to_dict` (MatmulModel validates the fields)."""
+    if not isinstance(data, dict):
+        raise TypeError(f"a matmul model must be a dict; got {type(data).__name__}")
+    unknown = set(data) - {f.name for f in dataclasses.fields(MatmulModel)}
+    if unknown:
+        raise ValueError(f"unknown matmul model fields: {', '.join(sorted(unknown))}")
+    kwargs = dict(data)
+    for key in ("inputs", "accumulator", "output"):
+        if key in kwargs:
+            kwargs[key] = _format_from_json(kwargs[key], key)
+    return MatmulModel(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- probing
+class _Prober:
+    """Builds probes as exact products and runs them through ``fn`` (diagonal embedding) or through a model."""
+
+    def __init__(
+        self, fn: Callable[..., torch.Tensor], dtype: torch.dtype, device: torch.device, m: int, n: int, bar: Any
+    ) -> None:
+        self.fn, self.dtype, self.device, self.m, self.n, self.bar = fn, dtype, device, m, n, bar
+        self.fmt = get_format(dtype)
+        self.calls = 0
+        self.log: list[tuple[int, list[Probe], torch.Tensor]] = []  # every probe batch and fn's answers
+
+    def representable(self, x: float) -> bool:
+        fmt = self.fmt
+        if x == 0:
+            return True
+        if not math.isfinite(x) or abs(x) > fmt.max_finite:
+            return False
+        exponent = math.frexp(abs(x))[1] - 1
+        spacing_exp = max(exponent, fmt.emin) - fmt.man_bits
+        return math.ldexp(abs(x), -spacing_exp).is_integer()
+
+    def term(self, pos: int, value: float) -> Term:
+        """``value`` at ``pos`` as a product ``a * b`` of two representable numbers, ``b`` a power of two."""
+        if value == 0:
+            return (pos, 0.0, 0.0)
+        exponent = math.frexp(value)[1]
+        fmt = self.fmt
+        for eb in sorted(range(fmt.emin - fmt.man_bits, fmt.emax + 1), key=lambda e: abs(2 * e - exponent)):
+            a, b = math.ldexp(value, -eb), math.ldexp(1.0, eb)
+            if self.representable(a) and self.representable(b):
+                return (pos, a, b)
+        raise RuntimeError(f"fingerprint: {value!r} is not a product of two {fmt.name} numbers (probe design bug)")
+
+    def call(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = self.fn(a, b)
+        self.calls += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            raise TypeError(f"fn must return a floating-point torch.Tensor; got {type(out).__name__}")
+        if tuple(out.shape) != (a.shape[0], b.shape[1]):
+            raise ValueError(f"fn(a, b) must return shape {(a.shape[0], b.shape[1])}; got {tuple(out.shape)}")
+        return out
+
+    def run(self, probes: Sequence[Probe], k: int) -> torch.Tensor:
+        """fp64 results of ``fn`` on the probes (each a dot product of length ``k``)."""
+        per_call = min(self.m, self.n)
+        results = []
+        for start in range(0, len(probes), per_call):
+            chunk = probes[start : start + per_call]
+            a = torch.zeros(self.m, k, dtype=torch.float64)
+            b = torch.zeros(k, self.n, dtype=torch.float64)
+            for i, terms in enumerate(chunk):
+                for pos, x, y in terms:
+                    a[i, pos] = x
+                    b[pos, i] = y
+            out = self.call(a.to(self.device, self.dtype), b.to(self.device, self.dtype))
+            results.append(out.diagonal()[: len(chunk)].double().cpu())
+        y = torch.cat(results)
+        self.log.append((k, list(probes), y))
+        return y
+
+
+def _emulate_probes(probes: Sequence[Probe], k: int, model: MatmulModel) -> torch.Tensor:
+    a = torch.zeros(len(probes), 1, k, dtype=torch.float64)
+    b = torch.zeros(len(probes), k, 1, dtype=torch.float64)
+    for i, terms in enumerate(probes):
+        for pos, x, y in terms:
+            a[i, 0, pos] = x
+            b[i, pos, 0] = y
+    return matmul(a, b, mode=model).reshape(-1).double()
+
+
+def _same_bits(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Elementwise equality of values, NaN equal to NaN ("bit-equal" here counts +0 and -0 as equal)."""
+    return (x == y) | (x.isnan() & y.isnan())
+
+
+def _first(flags: Sequence[bool], values: Sequence[int], want: bool) -> int | None:
+    for flag, value in zip(flags, values):
+        if flag == want:
+            return value
+    return None
+
+
+def _acc_format(bits: int, inputs: FloatFormat) -> FloatFormat:
+    """The accumulator format of ``bits`` precision: fp32, bf16, fp16 (for inputs with <= 5 exponent bits), else
+    a format with fp32's exponent range (``tf32`` for 11 bits)."""
+    if bits == 11 and inputs.exp_bits <= 5:
+        return FORMAT_PRESETS["fp16"]
+    return FloatFormat(8, bits - 1)
+
+
+def fingerprint(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    dtype: torch.dtype,
+    *,
+    m: int = 64,
+    n: int = 64,
+    k: int = 512,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    label: str = "",
+    progress: bool = False,
+) -> Fingerprint:
+    """Infer how ``fn(a, b)`` (a matmul of ``dtype`` operands) accumulates, and the model that reproduces it.
+
+    Args:
+        fn: called as ``fn(a, b)`` with ``a (m, K)`` and ``b (K, n)`` of ``dtype`` on ``device`` (K = ``k`` and
+            ``2 k``, the latter for split-K); must return an ``(m, n)`` floating-point tensor. E.g. ``torch.matmul``,
+            ``lambda a, b: mixprec.emulate.matmul(a, b, mode="fp16/16")``, or a wrapper of ``torch._scaled_mm``.
+        dtype: operand dtype, one of ``FINGERPRINT_DTYPES`` (fp32, fp16, bf16, float8_e4m3fn, float8_e5m2).
+        m, n: output shape of each call, >= 2 (``min(m, n)`` probes per call; GEMM libraries pick kernels by shape,
+            so use the shape you care about).
+        k: dot-product length, >= 512 (the group scan looks up to 256). Promotion and split-K are looked for at
+            ``k`` and ``2 k``; a CPU BLAS's K blocking can depend on K (MKL's does), so probe the k you use.
+        device: where the operands are built.
+        seed: seed of the random operands of the bit-equal check.
+        label: a name for the summary.
+        progress: show a tqdm bar over the calls.
+
+    Returns:
+        A :class:`Fingerprint`. Cost: about ``600 / min(m, n) + 2`` calls of ``fn`` plus emulations of the
+        model (a second or two for the emulator's presets on a CPU).
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, e.g. torch.matmul; got {type(fn).__name__}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype; got {type(dtype).__name__} {dtype!r}")
+    if dtype not in FINGERPRINT_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(map(str, FINGERPRINT_DTYPES))}; got {dtype}")
+    check_positive_int("m", m, minimum=2)
+    check_positive_int("n", n, minimum=2)
+    check_positive_int("k", k, minimum=_MIN_K)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int; got {type(seed).__name__}")
+    check_bool("progress", progress)
+    device = torch.device(device)
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm  # a dependency of mixprec; imported here to keep `import mixprec` light
+
+        per_call = min(m, n)
+        bar = tqdm(total=-(-600 // per_call) + 4, desc=f"probe {label or dtype}", unit="call", leave=False)
+    try:
+        return _fingerprint(fn, dtype, m, n, k, device, seed, label, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _fingerprint(
+    fn: Callable[..., torch.Tensor],
+    dtype: torch.dtype,
+    m: int,
+    n: int,
+    k: int,
+    device: torch.device,
+    seed: int,
+    label: str,
+    bar: Any,
+) -> Fingerprint:
+    pr = _Prober(fn, dtype, device, m, n, bar)
+    fin = pr.fmt
+    notes: list[str] = []
+    with torch.no_grad():
+        out_dtype = pr.call(
+            torch.zeros(m, k, dtype=dtype, device=device), torch.zeros(k, n, dtype=dtype, device=device)
+        ).dtype
+    out_fmt = None if out_dtype == torch.float64 else get_format(out_dtype, arg="fn's result dtype")
+    out_emin = -1022 if out_fmt is None else out_fmt.emin
+
+    # B and the range of exponents j of the small addends B * 2**-j: B a product of two inputs, every addend too
+    prod_max, prod_min = 2 * fin.emax, 2 * (fin.emin - fin.man_bits)
+    b_exp = min(12, prod_max - 2)
+    j_max = min(30, b_exp - prod_min - 2)
+    # B = 1.5 * 2**b: numbers just below B have B's spacing, so -B cancels B without finer rounding nearby
+    base = math.ldexp(1.0, b_exp)
+    big = 1.5 * base
+    last = k - 1
+
+    def t(pos: int, value: float) -> Term:
+        return pr.term(pos, value)
+
+    # 1. products exact: -(1 + 2u') S then (1 + u')^2 S sum to 2**-(2p-2) S only if the product kept all its bits
+    p = fin.precision
+    h = max(0, math.ceil((out_emin + 2 * p - 2 + 2) / 2))
+    x1 = math.ldexp(1.0 + math.ldexp(1.0, 1 - p), h)
+    exact_probe = [t(0, -math.ldexp(1.0 + math.ldexp(1.0, 2 - p), 2 * h)), (1, x1, x1)]
+    expected_exact = math.ldexp(1.0, 2 * h - (2 * p - 2))
+    # 2. effective bits: is B + B 2**-j kept?  3. alignment: is B 2**-f kept after B - B inside one group?
+    js = list(range(2, j_max + 1))
+    q_probes = [[t(0, big), t(1, math.ldexp(base, -j)), t(last, -big)] for j in js]
+    f_probes = [[t(0, big), t(1, -big), t(2, math.ldexp(base, -j))] for j in js]
+    with torch.no_grad():
+        y = pr.run([exact_probe, *q_probes, *f_probes], k)
+    products_exact = bool(y[0] == expected_exact)
+    if not products_exact:
+        notes.append(f"products are rounded (the exact-product probe gave {y[0].item():g}, not {expected_exact:g})")
+    kept = (y[1 : 1 + len(js)] != 0).tolist()
+    lost_at = _first(kept, js, False)
+    bits = lost_at  # B + B 2**-j is kept for j < bits: a precision of `bits` bits
+    if bits is not None and any(kept[js.index(lost_at) :]):
+        notes.append("a smaller addend was kept after a larger one was lost (not a fixed precision)")
+    f_kept = (y[1 + len(js) :] != 0).tolist()
+    f_lost = _first(f_kept, js, False)
+    align = None if f_lost is None else f_lost - 1
+
+    q = bits if bits is not None else j_max + 1
+    if bits is None:
+        notes.append(f"the accumulation kept every addend down to 2**-{j_max} of B: wider than the model's fp32")
+    # 4. rounding at that precision, and the group scans
+    ulp = math.ldexp(base, 1 - q)
+    r_probes = [[t(0, big), t(1, c * ulp), t(last, -big)] for c in (0.75, 0.25, 1.75)]
+    gs = list(range(2, _MAX_GROUP + 2))
+    small_n = math.ldexp(base, -(q + 2))  # lost when added to B by the accumulator
+    n_probes = [[t(0, big), t(1, small_n), t(j, -big)] for j in gs]
+    resolve = [[t(0, small_n), t(2, big), t(3, -big)]]
+    a_probes: list[Probe] = []
+    if align is not None:
+        small_a = math.ldexp(base, -(align + 2))  # lost inside an aligned group that holds B
+        a_probes = [[t(0, big), t(1, -big), t(j, small_a)] for j in gs]
+    with torch.no_grad():
+        y = pr.run([*r_probes, *n_probes, *resolve, *a_probes], k)
+    r75, r25, r175 = (y[i].item() for i in range(3))
+    if r75 == ulp and r25 == 0 and r175 == 2 * ulp:
+        rounding = "nearest"
+    elif r75 == 0 and r25 == 0 and r175 == ulp:
+        rounding = "toward_zero"
+    else:
+        rounding = "other"
+        notes.append(f"rounding is neither nearest nor truncation (B + 0.75/0.25/1.75 ulp gave {r75}, {r25}, {r175})")
+    n_kept = (y[3 : 3 + len(gs)] != 0).tolist()
+    resolve_kept = bool(y[3 + len(gs)] != 0)
+    if align is not None:
+        a_kept = (y[4 + len(gs) :] != 0).tolist()
+        g = _first(a_kept, gs, True)
+        if g is None:
+            notes.append(f"no group boundary up to {_MAX_GROUP}: k_group set to {_MAX_GROUP}")
+            g = _MAX_GROUP
+        elif g == 2:
+            g = 1
+    else:
+        g = _first(n_kept, gs, False)
+        if g is None:
+            notes.append(f"no group boundary up to {_MAX_GROUP}: k_group set to {_MAX_GROUP}")
+            g = _MAX_GROUP
+        elif g == 2 and not resolve_kept:
+            g = 1
+
+    # 5. promotion: B at 0, c copies of d (one group apart) from t on, -B last. Each copy alone is lost on B in the
+    # accumulator; c of them summed in a fresh block are kept when the block is added in fp32 (or, when the
+    # accumulator is fp32, summed with -B in the last block), and c - 1 are not: the first t that shows
+    # them is the first block boundary.
+    d = 0.75 * math.ldexp(base, -q)
+    copies = 1
+    while copies * d <= math.ldexp(base, -24):
+        copies += 1
+    per_call = min(m, n)
+
+    def promotion_scan(length: int) -> int | None:
+        starts = list(range(g, length - 1 - copies * g, g))
+        for first in range(0, len(starts), per_call):
+            chunk = starts[first : first + per_call]
+            probes = [[t(0, big), *(t(s + i * g, d) for i in range(copies)), t(length - 1, -big)] for s in chunk]
+            with torch.no_grad():
+                seen = (pr.run(probes, length) != 0).tolist()
+            hit = _first(seen, chunk, True)
+            if hit is not None:
+                return hit
+        return None
+
+    p1 = promotion_scan(k)
+    p2 = promotion_scan(2 * k)
+    split_k = None
+    if p1 is None and p2 is None:
+        promote = None
+    elif p1 == p2:
+        promote = p1
+    elif p1 is not None and p2 == 2 * p1:
+        promote, split_k = p1, k // p1
+    elif p1 is None:
+        promote = None
+        notes.append(f"a promotion interval of {p2} appeared only at k={2 * k}")
+    else:
+        promote = p1
+        notes.append(f"promotion interval {p1} at k={k} but {p2} at k={2 * k}: neither fixed nor split-K")
+    if promote is not None and promote % g:
+        notes.append(f"promotion interval {promote} is not a multiple of k_group {g}: k_group set to 1")
+        g = 1
+
+    # 6. the model
+    if align is not None:
+        accumulator = _acc_format(q, fin) if q < align + 1 else FORMAT_PRESETS["fp32"]
+        align_rounding = "nearest" if rounding == "nearest" else "toward_zero"
+    else:
+        accumulator = _acc_format(min(q, 24), fin)
+        align_rounding = "toward_zero"
+        if rounding == "toward_zero":
+            align = 40  # truncating accumulator: the aligned model with an (almost) exact group sum
+    acc_bits = 24 if promote is not None else accumulator.precision
+    output = out_fmt if out_fmt is not None and out_fmt.precision < acc_bits else None
+    model = MatmulModel(
+        inputs=fin,
+        accumulator=accumulator,
+        k_group=g,
+        promote_every=promote,
+        output=output,
+        align_bits=align,
+        align_rounding=align_rounding,
+    )
+    preset = _matching_preset(model)
+    if preset is not None:
+        model = dataclasses.replace(model, name=preset if output is None else f"{preset}+{output.name}-out")
+
+    # 7. check: the model against every probe and on random operands
+    agree = total = 0
+    for length, probes, answers in pr.log:
+        predicted = _emulate_probes(probes, length, model)
+        agree += int(_same_bits(predicted, answers).sum())
+        total += len(probes)
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=gen, dtype=torch.float64).to(dtype)
+    b = torch.randn(k, n, generator=gen, dtype=torch.float64).to(dtype)
+    with torch.no_grad():
+        real = pr.call(a.to(device), b.to(device)).double().cpu()
+    scores: dict[str, float] = {}
+    bit_equal = _bit_equal(real, a, b, model)
+    for name, candidate in MATMUL_PRESETS.items():
+        if candidate.inputs == fin:
+            scores[name] = _bit_equal(real, a, b, dataclasses.replace(candidate, output=output))
+    closest = max(scores, key=lambda name: scores[name]) if scores else None
+    return Fingerprint(
+        inputs=fin.name,
+        output=None if out_fmt is None else out_fmt.name,
+        m=m,
+        n=n,
+        k=k,
+        products_exact=products_exact,
+        effective_bits=bits,
+        rounding=rounding,
+        align_bits=None if align == 40 else align,
+        k_group=g,
+        promote_every=promote,
+        split_k=split_k,
+        model=model,
+        preset=preset,
+        closest_preset=closest,
+        bit_equal=bit_equal,
+        probe_agreement=agree / total,
+        preset_bit_equal=scores,
+        notes=tuple(notes),
+        label=label,
+    )
+
+
+def _bit_equal(real: torch.Tensor, a: torch.Tensor, b: torch.Tensor, model: MatmulModel) -> float:
+    predicted = matmul(a.cpu(), b.cpu(), mode=model).double()
+    return float(_same_bits(predicted, real).double().mean())
+
+
+def _matching_preset(model: MatmulModel) -> str | None:
+    """The preset equal to ``model`` apart from ``output`` (and the name), or None."""
+    bare = dataclasses.replace(model, output=None)
+    for name, preset in MATMUL_PRESETS.items():
+        if dataclasses.replace(preset, output=None) == bare:
+            return name
+    return None
