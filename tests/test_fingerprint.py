@@ -11,7 +11,7 @@ import torch
 
 from mixprec.cli.main import main
 from mixprec.emulate import MATMUL_PRESETS, MatmulModel, matmul
-from mixprec.emulate.fingerprint import Fingerprint, fingerprint, load_model, model_from_dict, model_to_dict
+from mixprec.emulate.fingerprints import Fingerprint, fingerprint, load_model, model_from_dict, model_to_dict
 
 
 def _emulated(model):

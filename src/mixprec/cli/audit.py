@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from mixprec.cli.args import check_output_dir
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,21 +38,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung collective fails")
     c.add_argument("--out-dir", type=Path, default=Path("mixprec_out/audit"), help="where JSON and PNG go")
     c.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    c.set_defaults(func=run)
+    c.set_defaults(prepare=prepare)
 
 
-def run(args: argparse.Namespace) -> int:
+def prepare(args: argparse.Namespace) -> Callable[[], int]:
+    """Check every argument (and how the ranks will be started) before any rank starts."""
     from mixprec.lab.audit import (
         AUDIT_OPS,
         DEFAULT_MAX_BYTES,
         FULL_MAX_BYTES,
         AuditConfig,
-        format_table,
+        check_launch,
         parse_size,
-        plot_rows,
-        run_audit,
-        verdicts,
-        write_json,
     )
 
     def names(text: str) -> tuple[str, ...]:
@@ -65,6 +66,14 @@ def run(args: argparse.Namespace) -> int:
         factor=args.factor,
         seed=args.seed,
     )
+    check_launch(config, nproc=args.nproc, backend=args.backend, timeout=args.timeout)
+    check_output_dir("--out-dir", args.out_dir)
+    return lambda: _run(args, config)
+
+
+def _run(args: argparse.Namespace, config: Any) -> int:
+    from mixprec.lab.audit import format_table, plot_rows, run_audit, verdicts, write_json
+
     start = time.monotonic()
     rows = run_audit(config, nproc=args.nproc, backend=args.backend, timeout=args.timeout, progress=True)
     if rows is None:  # a torchrun rank other than 0

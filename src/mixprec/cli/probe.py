@@ -4,7 +4,7 @@ For each ``--dtypes`` entry, crafted dot products go through the matmul (torch.m
 for fp8 on a Hopper GPU, or one of mixprec's own emulation presets as a check of the method); prints what was
 inferred (product exactness, effective bits and rounding, alignment, k_group, promotion, split-K), the model and
 its bit-equal fraction on random data. ``--save DIR`` writes one JSON fingerprint per dtype
-(``mixprec.emulate.fingerprint.Fingerprint.load`` reads it back). Methods: docs/audit.md.
+(``mixprec.emulate.fingerprints.Fingerprint.load`` reads it back). Methods: docs/audit.md.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from mixprec.cli.args import check_output_dir
 
 _DTYPES = {
     "fp32": "float32",
@@ -45,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--shape", default="64,64,512", help="M,N,K of the calls (default 64,64,512)")
     m.add_argument("--seed", type=int, default=0, help="seed of the random bit-equal check")
     m.add_argument("--save", type=Path, default=None, metavar="DIR", help="write DIR/matmul_<dtype>.json")
-    m.set_defaults(func=run)
+    m.set_defaults(prepare=prepare)
 
 
 def _shape(text: str) -> tuple[int, int, int]:
@@ -56,11 +58,11 @@ def _shape(text: str) -> tuple[int, int, int]:
     return m, n, k
 
 
-def run(args: argparse.Namespace) -> int:
+def prepare(args: argparse.Namespace) -> Callable[[], int]:
+    """Check every argument before any matmul runs."""
     import torch
 
     from mixprec.emulate import MATMUL_PRESETS, matmul
-    from mixprec.emulate.fingerprint import fingerprint
 
     names = [v.strip() for v in args.dtypes.split(",") if v.strip()]
     bad = [v for v in names if v not in _DTYPES]
@@ -87,6 +89,17 @@ def run(args: argparse.Namespace) -> int:
     fp8 = [v for v in names if v.startswith("fp8")]
     if fn is None and fp8 and args.device != "cuda":
         raise ValueError(f"{', '.join(fp8)} through torch needs --device cuda (torch._scaled_mm)")
+    if args.save is not None:
+        check_output_dir("--save", args.save)
+    return lambda: _run(args, names, (m, n, k), fn)
+
+
+def _run(args: argparse.Namespace, names: list[str], shape: tuple[int, int, int], fn: Any) -> int:
+    import torch
+
+    from mixprec.emulate import fingerprint
+
+    m, n, k = shape
     if args.save is not None:
         args.save.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()

@@ -1,7 +1,9 @@
-"""Precision emulation: bit-exact rounding to low-precision formats and matmuls with modelled accumulators."""
+"""Precision emulation: bit-exact rounding to low-precision formats, matmuls with modelled accumulators, and
+:func:`fingerprint`, which infers the accumulator model of a real matmul from crafted inputs."""
 
 from mixprec.core.formats import FORMAT_PRESETS, FloatFormat, get_format
 from mixprec.core.rounding import ROUNDING_MODES, round_to, round_to_
+from mixprec.emulate.fingerprints import Fingerprint, fingerprint
 from mixprec.emulate.linear import EmulatedLinear, LinearSwap, emulate_linear_layers
 from mixprec.emulate.matmul import (
     MATMUL_PRESETS,
@@ -18,11 +20,13 @@ __all__ = [
     "ROUNDING_MODES",
     "EmulatedLinear",
     "ErrorBounds",
+    "Fingerprint",
     "FloatFormat",
     "LinearSwap",
     "MatmulModel",
     "bounds",
     "emulate_linear_layers",
+    "fingerprint",
     "get_format",
     "get_matmul_model",
     "matmul",

@@ -341,6 +341,31 @@ def _torchrun_env() -> dict[str, int] | None:
         raise ValueError(f"torchrun environment variables must be integers ({exc})") from None
 
 
+def check_launch(config: AuditConfig, *, nproc: int | None, backend: str, timeout: float) -> int | None:
+    """Check how the audit is launched, before any process starts; returns the number of ranks to fork
+    (None under torchrun). ValueError names the argument at fault."""
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl'; got {backend!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}")
+    env = _torchrun_env()
+    if env is not None:
+        if nproc is not None:
+            raise ValueError("--nproc cannot be used under torchrun (torchrun starts the ranks)")
+        config.check_world_size(env["WORLD_SIZE"])
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend 'nccl' needs CUDA, which is not available")
+        return None
+    if nproc is None:
+        nproc = DEFAULT_NPROC
+    if backend == "nccl":
+        raise ValueError("--nproc forks gloo ranks on the CPU; run under torchrun for NCCL")
+    if isinstance(nproc, int) and not isinstance(nproc, bool) and nproc > MAX_FORKED_RANKS:
+        raise ValueError(f"--nproc forks at most {MAX_FORKED_RANKS} ranks on one machine; got {nproc}")
+    config.check_world_size(nproc)
+    return nproc
+
+
 def run_audit(
     config: AuditConfig,
     *,
@@ -359,18 +384,10 @@ def run_audit(
         backend: "auto" (NCCL when CUDA is available under torchrun, else gloo), "gloo" or "nccl".
         timeout: seconds for the process group (a hung collective raises) and for the forked run.
     """
-    if backend not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl'; got {backend!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}")
+    nproc = check_launch(config, nproc=nproc, backend=backend, timeout=timeout)
     env = _torchrun_env()
     if env is not None:
-        if nproc is not None:
-            raise ValueError("--nproc cannot be used under torchrun (torchrun starts the ranks)")
-        config.check_world_size(env["WORLD_SIZE"])
         use_nccl = backend == "nccl" or (backend == "auto" and torch.cuda.is_available())
-        if use_nccl and not torch.cuda.is_available():
-            raise ValueError("backend 'nccl' needs CUDA, which is not available")
         device = torch.device("cuda", env["LOCAL_RANK"]) if use_nccl else torch.device("cpu")
         if use_nccl:
             torch.cuda.set_device(device)
@@ -380,13 +397,7 @@ def run_audit(
         finally:
             dist.destroy_process_group()
         return rows if env["RANK"] == 0 else None
-    if nproc is None:
-        nproc = DEFAULT_NPROC
-    if backend == "nccl":
-        raise ValueError("--nproc forks gloo ranks on the CPU; run under torchrun for NCCL")
-    if isinstance(nproc, int) and not isinstance(nproc, bool) and nproc > MAX_FORKED_RANKS:
-        raise ValueError(f"--nproc forks at most {MAX_FORKED_RANKS} ranks on one machine; got {nproc}")
-    config.check_world_size(nproc)
+    assert nproc is not None
     return run_distributed(_forked_rank, nproc, config, progress, timeout=float(timeout))[0]
 
 
