@@ -133,15 +133,15 @@ def test_metrics_reader_names_the_bad_line(tmp_path, text, match) -> None:
 def test_resume_accepts_a_checkpoint_from_before_a_field_existed() -> None:
     """A field added later (absent from an older checkpoint's config) counts as its default, the old behaviour;
     a field that is present and differs is still refused."""
-    from mixprec.lab.config import TrainConfig
-    from mixprec.lab.train import _check_resume_compatible
+    from mixprec.lab.checkpoint import check_resume_compatible
+    from mixprec.lab.config import TrainConfig, TrainingConfig
 
     cfg = TrainConfig()
     saved = cfg.to_dict()
-    del saved["max_consecutive_skips"], saved["scale_min_patience"]
-    _check_resume_compatible(saved, cfg)
+    del saved["training"]["max_consecutive_skips"], saved["scaler"]["min_patience"]
+    check_resume_compatible(saved, cfg)
     with pytest.raises(ValueError, match="max_consecutive_skips: checkpoint 20, now 5"):
-        _check_resume_compatible(saved, TrainConfig(max_consecutive_skips=5))
+        check_resume_compatible(saved, TrainConfig(training=TrainingConfig(max_consecutive_skips=5)))
 
 
 def test_torchrun_ranks_meet_at_a_barrier_before_rank_0_writes_the_run_dir(tmp_path, monkeypatch) -> None:
@@ -153,7 +153,7 @@ def test_torchrun_ranks_meet_at_a_barrier_before_rank_0_writes_the_run_dir(tmp_p
     import torch.distributed as dist
 
     import mixprec.lab.launch as launch_mod
-    from mixprec.lab.config import TrainConfig
+    from mixprec.lab.config import merge_config
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -174,7 +174,12 @@ def test_torchrun_ranks_meet_at_a_barrier_before_rank_0_writes_the_run_dir(tmp_p
     monkeypatch.setattr(dist, "barrier", spy("barrier", dist.barrier))
     monkeypatch.setattr(launch_mod, "prepare_run_dir", spy("prepare", launch_mod.prepare_run_dir))
     monkeypatch.setattr(launch_mod, "train_rank", lambda *a, **k: calls.append("train"))
-    cfg = TrainConfig(out_dir=str(tmp_path / "r"), n_layer=1, n_embd=16, n_head=2, block_size=16, nproc=1)
+    cfg = merge_config(
+        {
+            "training": {"out_dir": str(tmp_path / "r")},
+            "model": {"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 16},
+        }
+    )
     launch_mod.launch(cfg)
     assert calls[:4] == ["init", "barrier", "prepare", "barrier"] and calls[-1] == "train"
     assert (tmp_path / "r" / "config.toml").exists()
