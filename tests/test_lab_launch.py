@@ -183,3 +183,27 @@ def test_torchrun_ranks_meet_at_a_barrier_before_rank_0_writes_the_run_dir(tmp_p
     launch_mod.launch(cfg)
     assert calls[:4] == ["init", "barrier", "prepare", "barrier"] and calls[-1] == "train"
     assert (tmp_path / "r" / "config.toml").exists()
+
+
+def test_the_timeout_reaches_every_group_mixprec_creates(tmp_path, monkeypatch) -> None:
+    """parallel.timeout goes into init_process_group, so mixprec.comm.groups.new_group (which the hierarchical
+    topology and the hook's extra group use) inherits it instead of the backend's 30-minute default."""
+    from datetime import timedelta
+
+    import mixprec.lab.launch as launch_mod
+    from mixprec.comm.groups import group_timeout, new_group
+    from mixprec.lab.config import merge_config
+
+    seen: dict[str, timedelta | None] = {}
+
+    def fake_train_rank(*args, **kwargs):
+        seen["default"] = group_timeout()
+        seen["new_group"] = group_timeout(new_group([0]))
+
+    monkeypatch.setattr(launch_mod, "train_rank", fake_train_rank)
+    cfg = merge_config({"parallel": {"timeout": 7.0}})
+    launch_mod.run_rank(
+        cfg, rank=0, world_size=1, local_rank=0, device_type="cpu", resume=False, progress=False,
+        init_method=f"file://{tmp_path / 'store'}",
+    )  # fmt: skip
+    assert seen == {"default": timedelta(seconds=7), "new_group": timedelta(seconds=7)}
