@@ -19,20 +19,17 @@ import itertools
 import math
 import os
 import tomllib
-import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from mixprec.core.dtypes import Rounding
+from mixprec.core.dtypes import ROUNDINGS
 from mixprec.core.validate import check_choice, check_positive_float, check_positive_int
 from mixprec.scaling import DynamicLossScaler, LossScaler, StaticLossScaler, advise
-from mixprec.scaling.scaler import OnMinScale
 
 __all__ = [
     "DEVICES",
     "LINEAR_MODES",
     "LOSS_SCALERS",
-    "ON_MIN_SCALE",
     "OPTIMIZERS",
     "PRECISIONS",
     "REDUCE_ROUNDINGS",
@@ -59,8 +56,7 @@ REDUCTIONS = ("native", "fp32_accumulate", "uint8", "uint8_hierarchical")
 OPTIMIZERS = ("adamw", "sgd")
 LINEAR_MODES = ("off", "fp16/16", "fp16/32", "bf16/32", "two_stage", "fp8/promote128")
 DEVICES = ("auto", "cpu", "cuda")
-REDUCE_ROUNDINGS: tuple[str, ...] = typing.get_args(Rounding)
-ON_MIN_SCALE: tuple[str, ...] = typing.get_args(OnMinScale)
+REDUCE_ROUNDINGS = ROUNDINGS
 
 # Fields a resumed run may change: none of them touches the numerics of a training step.
 RESUMABLE_FIELDS = frozenset(
