@@ -207,3 +207,29 @@ def test_the_timeout_reaches_every_group_mixprec_creates(tmp_path, monkeypatch) 
         init_method=f"file://{tmp_path / 'store'}",
     )  # fmt: skip
     assert seen == {"default": timedelta(seconds=7), "new_group": timedelta(seconds=7)}
+
+
+class _ExitsBetweenReads:
+    """A rank that is still running at the first read of its exit code and has failed at every later read."""
+
+    def __init__(self, code: int) -> None:
+        self.code, self.reads = code, 0
+        read_end, write_end = mp.Pipe(duplex=False)
+        write_end.close()
+        self._conn = read_end  # at EOF: always ready
+        self.sentinel = read_end.fileno()
+
+    @property
+    def exitcode(self) -> int | None:
+        self.reads += 1
+        return None if self.reads == 1 else self.code
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def test_watch_sees_ranks_that_fail_between_two_reads_of_their_exit_code() -> None:
+    """Both ranks exit with 1 just after the launcher looked at them: it must report the failure, not return as
+    if the run had finished."""
+    with pytest.raises(TrainingFailed, match=r"^rank 0 exited with code 1;"):
+        _watch([_ExitsBetweenReads(1), _ExitsBetweenReads(1)], timeout=5.0)

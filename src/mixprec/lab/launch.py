@@ -287,10 +287,11 @@ def _watch(procs: list[Any], timeout: float) -> None:
     docstring)."""
     observed: list[int] = []  # ranks in the order their non-zero exits were seen
     while True:
-        for rank, p in enumerate(procs):
-            if p.exitcode not in (None, 0) and rank not in observed:
-                observed.append(rank)
-        running = [p for p in procs if p.exitcode is None]
+        # One read of each exit code per round: a rank exiting between two reads must not be seen as still
+        # running by one and as exited (and not failed) by the other.
+        codes = [p.exitcode for p in procs]
+        observed += [r for r, code in enumerate(codes) if code not in (None, 0) and r not in observed]
+        running = [p for p, code in zip(procs, codes, strict=True) if code is None]
         if observed or not running:
             break
         multiprocessing.connection.wait([p.sentinel for p in running], timeout=1.0)
