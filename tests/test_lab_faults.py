@@ -123,3 +123,46 @@ def test_a_file_size_limit_while_checkpointing_is_one_line_not_a_traceback(tmp_p
     assert "cannot write the checkpoint" in done.stderr and "File too large" in done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert sorted(os.listdir(run)) == ["config.toml", "metrics.jsonl"]
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as fh:
+        return [int(c) for c in fh.read().split()]
+
+
+@pytest.mark.slow  # the peers' timeout, the launcher's grace period and SIGTERM wait: about 20 s
+def test_a_stopped_rank_is_detected_by_the_timeout_and_blamed(tmp_path) -> None:
+    """SIGSTOP on rank 1 (a frozen machine, a debugger): rank 0's next collective times out after --timeout, the
+    launcher terminates the stopped rank (SIGKILL, as SIGTERM waits for a stopped process) and names it."""
+    from mixprec.lab.launch import GRACE_S
+
+    timeout = 4.0
+    run = tmp_path / "r"
+    proc = subprocess.Popen(
+        _command(run, "--nproc", "2", "--steps", "100000", "--checkpoint-interval", "2", "--timeout", str(timeout)),
+        env=_env(),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(run / "checkpoint.pt") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGSTOP)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        elapsed = time.monotonic() - start
+        assert proc.returncode == 1, err
+        assert "rank(s) 1 stopped responding (hung)" in err
+        # timeout, then GRACE_S, SIGTERM and 5 s, SIGKILL; 15 s for a loaded machine.
+        assert elapsed < timeout + GRACE_S + 5 + 15
+        assert _wait_group_gone(proc.pid, 10)
+    finally:
+        if _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGCONT)
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert load_checkpoint(str(run / "checkpoint.pt"))["step"] >= 2
