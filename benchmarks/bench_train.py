@@ -11,7 +11,7 @@ the timed region on both sides.
   torch alone.
 * mixprec: ``mixprec.lab.launch.launch`` (the ``mixprec train`` command without argument parsing), with
   ``reduce`` native and fp32_accumulate. On a CPU its bf16/fp16 runs hold bf16/fp16 parameters and gradients but
-  compute matmuls in fp32 (see mixprec.lab.train), while the baseline's autocast runs real bf16/fp16 CPU matmuls:
+  compute matmuls in fp32 (see docs/lab.md), while the baseline's autocast runs real bf16/fp16 CPU matmuls:
   the CPU ratio for bf16/fp16 compares two ways of studying low precision on a CPU, not equal arithmetic.
 
     python benchmarks/bench_train.py [--quick] [--device cpu|cuda]
@@ -50,24 +50,27 @@ class _TorchLoop:
     torch.autocast in bf16/fp16, torch.amp.GradScaler for fp16, clip_grad_norm_, AdamW."""
 
     def __init__(self, cfg: TrainConfig, vocab_size: int, device: torch.device, world_size: int) -> None:
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.training.seed)
         self.model = GPT(
             GPTConfig(
                 vocab_size=vocab_size,
-                block_size=cfg.block_size,
-                n_layer=cfg.n_layer,
-                n_head=cfg.n_head,
-                n_embd=cfg.n_embd,
+                block_size=cfg.model.block_size,
+                n_layer=cfg.model.n_layer,
+                n_head=cfg.model.n_head,
+                n_embd=cfg.model.n_embd,
             )
         ).to(device)
         distributed = dist.is_initialized() and world_size > 1
         self.ddp = torch.nn.parallel.DistributedDataParallel(self.model) if distributed else self.model
         # Same hyperparameters as mixprec's optimizer (torch's AdamW defaults to weight_decay=0.01, the lab to 0).
         self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
+            self.model.parameters(),
+            lr=cfg.optimizer.lr,
+            betas=cfg.optimizer.betas,
+            weight_decay=cfg.optimizer.weight_decay,
         )
-        self.amp_dtype = _AMP[cfg.precision]
-        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+        self.amp_dtype = _AMP[cfg.model.precision]
+        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.model.precision == "fp16")
         self.device = device
         self.cfg = cfg
 
@@ -81,7 +84,7 @@ class _TorchLoop:
                     _, loss = self.ddp(x, y)
                 self.scaler.scale(loss / nmb).backward()
         self.scaler.unscale_(self.opt)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.training.clip_grad_norm)
         self.scaler.step(self.opt)
         self.scaler.update()
         float(loss.detach())  # the host sync mixprec's loop does to log the loss
@@ -90,11 +93,11 @@ class _TorchLoop:
 def _batches(corpus: Corpus, cfg: TrainConfig, step: int, rank: int, world_size: int, device: torch.device) -> list:
     mbs = train_microbatches(
         corpus.train,
-        seed=cfg.seed,
+        seed=cfg.training.seed,
         step=step,
-        global_batch_size=cfg.global_batch_size,
-        micro_batch_size=cfg.micro_batch_size,
-        block_size=cfg.block_size,
+        global_batch_size=cfg.data.global_batch_size,
+        micro_batch_size=cfg.data.micro_batch_size,
+        block_size=cfg.model.block_size,
         rank=rank,
         world_size=world_size,
     )
@@ -113,11 +116,11 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
 
 def _baseline_rank(rank: int, world_size: int, cfg: TrainConfig, warmup: int, device: str) -> list[float]:
     """Seconds per optimizer step of the torch-only loop on this rank (timed steps only)."""
-    corpus = load_corpus(cfg.corpus)
+    corpus = load_corpus(cfg.data.corpus)
     dev = torch.device(device)
     loop = _TorchLoop(cfg, corpus.vocab_size, dev, world_size)
     times = []
-    for step in range(cfg.steps):
+    for step in range(cfg.training.steps):
         mbs = _batches(corpus, cfg, step, rank, world_size, dev)
         t = _timed(lambda mbs=mbs: loop.step(mbs), dev)
         if step >= warmup:
@@ -133,7 +136,7 @@ def _interleaved_rank(
     what ``mixprec train`` times: ``Updater.step`` over the parts ``build_parts`` makes (model in the precision's
     dtype, DistributedDataParallel, master-weight optimizer, loss scaler) plus the loss all-reduce."""
     from mixprec.comm.objects import all_reduce_sum_fp64
-    from mixprec.lab.train import build_parts
+    from mixprec.lab.build import build_parts
 
     corpus = load_corpus(cfgs[0].corpus)
     dev = torch.device(device)
@@ -156,29 +159,29 @@ def _interleaved_rank(
 
 
 def baseline_tokens_per_s(cfg: TrainConfig, warmup: int, device: str) -> float:
-    if cfg.nproc == 1:
+    if cfg.parallel.nproc == 1:
         times = _baseline_rank(0, 1, cfg, warmup, device)
     else:
-        times = run_distributed(_baseline_rank, cfg.nproc, cfg, warmup, device, timeout=3600)[0]
-    return cfg.global_batch_size * cfg.block_size / statistics.median(times)
+        times = run_distributed(_baseline_rank, cfg.parallel.nproc, cfg, warmup, device, timeout=3600)[0]
+    return cfg.data.global_batch_size * cfg.model.block_size / statistics.median(times)
 
 
 def interleaved_tokens_per_s(cfgs: list[TrainConfig], warmup: int, device: str) -> list[float]:
     """tokens/s of [torch loop, mixprec step for each cfg], measured alternating in the same ranks."""
-    if cfgs[0].nproc == 1:
+    if cfgs[0].parallel.nproc == 1:
         times = _interleaved_rank(0, 1, cfgs, warmup, device)
     else:
-        times = run_distributed(_interleaved_rank, cfgs[0].nproc, cfgs, warmup, device, timeout=3600)[0]
-    tokens = cfgs[0].global_batch_size * cfgs[0].block_size
+        times = run_distributed(_interleaved_rank, cfgs[0].parallel.nproc, cfgs, warmup, device, timeout=3600)[0]
+    tokens = cfgs[0].data.global_batch_size * cfgs[0].model.block_size
     return [tokens / statistics.median(t) for t in times]
 
 
 def mixprec_tokens_per_s(cfg: TrainConfig, warmup: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = TrainConfig(**{**cfg.to_dict(), "out_dir": os.path.join(tmp, "run")})
+        cfg = cfg.replace(training={"out_dir": os.path.join(tmp, "run")})
         with contextlib.redirect_stdout(io.StringIO()):  # the run's own log lines (forked ranks inherit it)
             launch(cfg, overwrite=True, progress=False)
-        rows = list(read_rows(os.path.join(cfg.out_dir, METRICS_NAME)))[warmup:]
+        rows = list(read_rows(os.path.join(cfg.training.out_dir, METRICS_NAME)))[warmup:]
     return statistics.median(r["tokens_per_s"] for r in rows)
 
 
@@ -223,10 +226,12 @@ def main() -> None:
         # and the best run is the one least disturbed by it.
         ref = native = acc = 0.0
         for _ in range(repeats):
-            ref = max(ref, baseline_tokens_per_s(TrainConfig(**base, precision=precision), warmup, args.device))
-            native = max(native, mixprec_tokens_per_s(TrainConfig(**base, precision=precision), warmup))
+            ref = max(
+                ref, baseline_tokens_per_s(TrainConfig.from_dict({**base, "precision": precision}), warmup, args.device)
+            )
+            native = max(native, mixprec_tokens_per_s(TrainConfig.from_dict({**base, "precision": precision}), warmup))
             if nproc > 1:
-                cfg = TrainConfig(**base, precision=precision, reduce="fp32_accumulate")
+                cfg = TrainConfig.from_dict({**base, "precision": precision, "reduce": "fp32_accumulate"})
                 acc = max(acc, mixprec_tokens_per_s(cfg, warmup))
         row: list[object] = [precision, round(ref), round(native), native / ref]
         row += [round(acc), acc / ref] if nproc > 1 else ["- (1 rank)", "-"]
@@ -249,7 +254,7 @@ def main() -> None:
     reductions = ["native", "fp32_accumulate"] if nproc > 1 else ["native"]
     rows = []
     for precision in ("fp32", "bf16", "fp16"):
-        cfgs = [TrainConfig(**base, precision=precision, reduce=r) for r in reductions]
+        cfgs = [TrainConfig.from_dict({**base, "precision": precision, "reduce": r}) for r in reductions]
         tps = interleaved_tokens_per_s(cfgs, warmup, args.device)
         row = [precision, round(tps[0])]
         for value in tps[1:]:

@@ -21,3 +21,13 @@ torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 def dist_run():
     """``dist_run(fn, world_size, *args, timeout=120, **kwargs) -> [result per rank]``."""
     return run_distributed
+
+
+@pytest.fixture
+def one_thread():
+    """The 1-rank reference runs in this process: give it the thread count of a forked rank (1), so that its
+    matmuls split their work exactly as the ranks' do."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

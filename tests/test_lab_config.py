@@ -2,23 +2,40 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
 
 from mixprec.cli.main import main
-from mixprec.lab.config import TrainConfig, config_from_toml, config_to_toml, field_docs, merge_config
+from mixprec.lab.config import (
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    ScalerConfig,
+    TrainConfig,
+    TrainingConfig,
+    config_from_toml,
+    config_to_toml,
+    field_docs,
+    flat_fields,
+    merge_config,
+)
 
 
 def test_every_field_has_a_docstring() -> None:
     docs = field_docs()
-    missing = [f.name for f in dataclasses.fields(TrainConfig) if not docs.get(f.name)]
+    missing = [f"{s}.{f.name}" for s, f in flat_fields() if not docs.get(f"{s}.{f.name}")]
     assert missing == []
 
 
 def test_toml_round_trip(tmp_path) -> None:
-    cfg = TrainConfig(precision="fp16", loss_scaler="static", loss_scale=512.0, lr=3e-4, out_dir='a "quoted" dir')
+    cfg = TrainConfig(
+        model=ModelConfig(precision="fp16"),
+        scaler=ScalerConfig(kind="static", init_scale=512.0),
+        optimizer=OptimizerConfig(lr=3e-4, betas=(0.8, 0.95)),
+        training=TrainingConfig(out_dir='a "quoted" dir'),
+    )
     path = tmp_path / "c.toml"
     path.write_text(config_to_toml(cfg, "header line"))
     assert merge_config(config_from_toml(str(path))) == cfg
@@ -26,24 +43,69 @@ def test_toml_round_trip(tmp_path) -> None:
 
 def test_flags_win_over_file(tmp_path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text('precision = "bf16"\nsteps = 7\n')
-    cfg = merge_config(config_from_toml(str(path)), {"steps": 9, "precision": None})
-    assert (cfg.precision, cfg.steps) == ("bf16", 9)
+    path.write_text('[model]\nprecision = "bf16"\n[training]\nsteps = 7\n')
+    cfg = merge_config(config_from_toml(str(path)), {"training": {"steps": 9}, "model": {"precision": None}})
+    assert (cfg.model.precision, cfg.training.steps) == ("bf16", 9)
 
 
 def test_int_accepted_for_float_fields_and_bool_refused() -> None:
-    assert TrainConfig(lr=1).lr == 1.0
+    assert OptimizerConfig(lr=1).lr == 1.0
     with pytest.raises(TypeError, match="sharded_optimizer"):
-        TrainConfig(sharded_optimizer=1)  # type: ignore[arg-type]
+        ParallelConfig(sharded_optimizer=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="steps"):
-        TrainConfig(steps=2.0)  # type: ignore[arg-type]
+        TrainingConfig(steps=2.0)  # type: ignore[arg-type]
 
 
 def test_num_microbatches_and_auto_scaler() -> None:
-    cfg = TrainConfig(global_batch_size=32, micro_batch_size=4, nproc=2, precision="fp16")
+    cfg = TrainConfig(
+        data=DataConfig(global_batch_size=32, micro_batch_size=4),
+        parallel=ParallelConfig(nproc=2),
+        model=ModelConfig(precision="fp16"),
+    )
     assert cfg.num_microbatches == 4
     assert cfg.resolved_loss_scaler == "dynamic"
-    assert TrainConfig(precision="bf16").resolved_loss_scaler == "none"
+    assert TrainConfig(model=ModelConfig(precision="bf16")).resolved_loss_scaler == "none"
+
+
+def test_old_flat_keys_are_read_as_the_field_they_became(tmp_path) -> None:
+    """A flat file of before 0.1.0 still reads: each top-level key lands in the field whose former name it is."""
+    path = tmp_path / "old.toml"
+    path.write_text('precision = "fp16"\nloss_scale = 1024.0\nscale_growth_interval = 5\ngrad_clip = 0.5\n'
+                    'optimizer = "sgd"\nreduce_rounding = "stochastic"\nsteps = 3\n')  # fmt: skip
+    cfg = merge_config(config_from_toml(str(path)))
+    assert (cfg.model.precision, cfg.scaler.init_scale, cfg.scaler.growth_interval) == ("fp16", 1024.0, 5)
+    assert (cfg.training.clip_grad_norm, cfg.optimizer.name, cfg.parallel.rounding) == (0.5, "sgd", "stochastic")
+    assert cfg.training.steps == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("beta1 = 0.8\n", "key 'beta1' is now betas = [beta1, beta2] in [optimizer]"),
+        ("[scaler]\nloss_scale = 8.0\n", "unknown key(s) 'loss_scale' in [scaler] ('loss_scale' is now 'init_scale')"),
+        ("loss_scale = 8.0\n[scaler]\ninit_scale = 4.0\n", "scaler.init_scale is given twice"),
+    ],
+)
+def test_old_keys_without_a_one_to_one_successor_fail_in_one_line(tmp_path, capsys, text, words) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    assert _train(tmp_path, "--config", str(path)) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1
+
+
+def test_old_and_new_flags_fill_the_same_field(tmp_path, capsys) -> None:
+    from mixprec.cli.main import build_parser
+    from mixprec.cli.train import config_from_args
+
+    parser = build_parser()
+    old = config_from_args(parser.parse_args(["train", "--loss-scale", "8", "--scale-growth-interval", "3"]))
+    new = config_from_args(parser.parse_args(["train", "--scaler.init-scale", "8", "--scaler.growth-interval", "3"]))
+    assert old == new and (new.scaler.init_scale, new.scaler.growth_interval) == (8.0, 3)
+    betas = config_from_args(parser.parse_args(["train", "--optimizer.betas", "0.8", "0.9"]))
+    assert betas.optimizer.betas == (0.8, 0.9)
+    assert _train(tmp_path, "--beta1", "0.8") == 2
+    assert "--beta1 is replaced by --optimizer.betas B1 B2" in capsys.readouterr().err
 
 
 def _train(tmp_path, *extra: str) -> int:
@@ -59,11 +121,11 @@ def test_unknown_toml_key_exits_2(tmp_path, capsys) -> None:
     assert not os.path.exists(tmp_path / "run")
 
 
-def test_toml_tables_are_unknown_keys(tmp_path, capsys) -> None:
+def test_unknown_toml_tables_are_unknown_keys(tmp_path, capsys) -> None:
     path = tmp_path / "c.toml"
-    path.write_text("[model]\nn_layer = 2\n")
+    path.write_text("[modle]\nn_layer = 2\n")
     assert _train(tmp_path, "--config", str(path)) == 2
-    assert "'model'" in capsys.readouterr().err
+    assert "'modle'" in capsys.readouterr().err
 
 
 def test_invalid_toml_exits_2(tmp_path, capsys) -> None:
@@ -91,21 +153,21 @@ def test_bad_choice_exits_2(tmp_path, capsys) -> None:
         _train(tmp_path, "--precision", "fp8")
     assert info.value.code == 2
     path = tmp_path / "c.toml"
-    path.write_text('reduce = "ring"\n')
+    path.write_text('[parallel]\nreduce = "ring"\n')
     assert _train(tmp_path, "--config", str(path)) == 2
     assert "reduce must be one of 'native', 'fp32_accumulate', 'uint8', 'uint8_hierarchical'" in capsys.readouterr().err
 
 
 def test_wrong_toml_type_exits_2(tmp_path, capsys) -> None:
     path = tmp_path / "c.toml"
-    path.write_text('n_layer = "two"\n')
+    path.write_text('[model]\nn_layer = "two"\n')
     assert _train(tmp_path, "--config", str(path)) == 2
     assert "n_layer must be an integer" in capsys.readouterr().err
 
 
 def test_head_must_divide_width() -> None:
     with pytest.raises(ValueError, match="n_embd"):
-        TrainConfig(n_embd=30, n_head=4)
+        ModelConfig(n_embd=30, n_head=4)
 
 
 def test_missing_config_file_exits_2(tmp_path, capsys) -> None:
@@ -117,7 +179,7 @@ def test_builtin_example_configs_are_valid_and_say_what_to_expect() -> None:
     from mixprec.lab.config import CONFIGS_DIR, builtin_configs
 
     names = builtin_configs()
-    assert {"fp16_dynamic", "bf16_fp32acc", "seed002_fc_fp16", "gpu_bf16"} <= set(names)
+    assert {"fp16_dynamic", "bf16_fp32acc", "fc_fp16_accumulate", "gpu_bf16"} <= set(names)
     for name in names:
         with open(os.path.join(CONFIGS_DIR, name + ".toml")) as fh:
             text = fh.read()
@@ -128,7 +190,7 @@ def test_builtin_example_configs_are_valid_and_say_what_to_expect() -> None:
 
 
 def test_config_name_or_missing_file(tmp_path, capsys) -> None:
-    assert merge_config(config_from_toml("fp16_dynamic.toml")).precision == "fp16"
+    assert merge_config(config_from_toml("fp16_dynamic.toml")).model.precision == "fp16"
     with pytest.raises(ValueError, match=r"built-in examples: .*fp16_dynamic"):
         config_from_toml(str(tmp_path / "nope.toml"))
 
@@ -136,28 +198,29 @@ def test_config_name_or_missing_file(tmp_path, capsys) -> None:
 @pytest.mark.parametrize(
     ("fields", "words"),
     [
-        ({"precision": "fp16", "loss_scale": 0.5}, ["init_scale (0.5) must be >= min_scale (1.0)", "loss_scale"]),
-        ({"max_loss_scale": 0.5}, ["max_scale (0.5) must be >= min_scale", "max_loss_scale"]),
-        ({"on_min_loss_scale": "boom"}, ["'raise', 'warn', 'ignore'", "on_min_loss_scale"]),
-        ({"scale_min_patience": 0}, ["min_patience", "scale_min_patience"]),
-        ({"scale_growth_factor": 1.0}, ["growth_factor must be > 1", "scale_growth_factor"]),
+        ({"model": {"precision": "fp16"}, "scaler": {"init_scale": 0.5}},
+         ["init_scale (0.5) must be >= min_scale (1.0)"]),
+        ({"scaler": {"max_scale": 0.5}}, ["max_scale (0.5) must be >= min_scale"]),
+        ({"scaler": {"on_min_scale": "boom"}}, ["'raise', 'warn', 'ignore'", "on_min_scale"]),
+        ({"scaler": {"min_patience": 0}}, ["min_patience"]),
+        ({"scaler": {"growth_factor": 1.0}}, ["growth_factor must be > 1"]),
     ],
-)
+)  # fmt: skip
 def test_scaler_fields_are_checked_by_the_scaler_and_named_as_fields(fields, words) -> None:
-    """Checked whatever loss_scaler this run uses (a config file is reused), in this configuration's names."""
+    """Checked whatever kind of scaler this run uses (a config file is reused); the scaler's own argument names
+    are the fields' names, so its message names the field as written."""
     with pytest.raises(ValueError) as info:
-        TrainConfig(**fields)
+        merge_config(fields)
     assert all(w in str(info.value) for w in words)
 
 
 def test_build_scaler_carries_every_field() -> None:
     from mixprec.scaling import DynamicLossScaler, StaticLossScaler
 
-    cfg = TrainConfig(
-        precision="fp16", loss_scale=8.0, scale_growth_factor=4.0, scale_backoff_factor=0.25,
-        scale_growth_interval=7, scale_hysteresis=3, scale_consecutive_hysteresis=True, min_loss_scale=0.5,
-        max_loss_scale=64.0, scale_min_patience=4, on_min_loss_scale="warn",
-    )  # fmt: skip
+    cfg = TrainConfig(model=ModelConfig(precision="fp16"), scaler=ScalerConfig(
+        init_scale=8.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=7, hysteresis=3,
+        consecutive_hysteresis=True, min_scale=0.5, max_scale=64.0, min_patience=4, on_min_scale="warn",
+    ))  # fmt: skip
     scaler = cfg.build_scaler()
     assert isinstance(scaler, DynamicLossScaler)
     got = (scaler.get_scale(), scaler.growth_factor, scaler.backoff_factor, scaler.growth_interval,
@@ -165,8 +228,10 @@ def test_build_scaler_carries_every_field() -> None:
            scaler.min_patience, scaler.on_min_scale)  # fmt: skip
     assert got == (8.0, 4.0, 0.25, 7, 3, True, 0.5, 64.0, 4, "warn")
     # 0 = none of its own for the floor and the ceiling.
-    free = TrainConfig(precision="fp16", min_loss_scale=0.0, max_loss_scale=0.0).build_scaler()
-    assert free.max_scale is None and free.min_scale is None  # (the scaler's own floor is fp32's smallest normal)
-    assert type(TrainConfig(loss_scaler="static", loss_scale=16.0).build_scaler()) is StaticLossScaler
-    assert TrainConfig(loss_scaler="static", loss_scale=16.0).build_scaler().get_scale() == 16.0
+    free = merge_config({"model": {"precision": "fp16"}, "scaler": {"min_scale": 0.0, "max_scale": 0.0}})
+    free_scaler = free.build_scaler()
+    assert free_scaler.max_scale is None and free_scaler.min_scale is None  # (its own floor: fp32's smallest normal)
+    static = merge_config({"scaler": {"kind": "static", "init_scale": 16.0}})
+    assert type(static.build_scaler()) is StaticLossScaler
+    assert static.build_scaler().get_scale() == 16.0
     assert TrainConfig().build_scaler().get_scale() == 1.0  # fp32, 'auto' -> none: scale 1, still detects inf/NaN

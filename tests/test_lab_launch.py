@@ -133,15 +133,15 @@ def test_metrics_reader_names_the_bad_line(tmp_path, text, match) -> None:
 def test_resume_accepts_a_checkpoint_from_before_a_field_existed() -> None:
     """A field added later (absent from an older checkpoint's config) counts as its default, the old behaviour;
     a field that is present and differs is still refused."""
-    from mixprec.lab.config import TrainConfig
-    from mixprec.lab.train import _check_resume_compatible
+    from mixprec.lab.checkpoint import check_resume_compatible
+    from mixprec.lab.config import TrainConfig, TrainingConfig
 
     cfg = TrainConfig()
     saved = cfg.to_dict()
-    del saved["max_consecutive_skips"], saved["scale_min_patience"]
-    _check_resume_compatible(saved, cfg)
+    del saved["training"]["max_consecutive_skips"], saved["scaler"]["min_patience"]
+    check_resume_compatible(saved, cfg)
     with pytest.raises(ValueError, match="max_consecutive_skips: checkpoint 20, now 5"):
-        _check_resume_compatible(saved, TrainConfig(max_consecutive_skips=5))
+        check_resume_compatible(saved, TrainConfig(training=TrainingConfig(max_consecutive_skips=5)))
 
 
 def test_torchrun_ranks_meet_at_a_barrier_before_rank_0_writes_the_run_dir(tmp_path, monkeypatch) -> None:
@@ -153,7 +153,7 @@ def test_torchrun_ranks_meet_at_a_barrier_before_rank_0_writes_the_run_dir(tmp_p
     import torch.distributed as dist
 
     import mixprec.lab.launch as launch_mod
-    from mixprec.lab.config import TrainConfig
+    from mixprec.lab.config import merge_config
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -174,7 +174,62 @@ def test_torchrun_ranks_meet_at_a_barrier_before_rank_0_writes_the_run_dir(tmp_p
     monkeypatch.setattr(dist, "barrier", spy("barrier", dist.barrier))
     monkeypatch.setattr(launch_mod, "prepare_run_dir", spy("prepare", launch_mod.prepare_run_dir))
     monkeypatch.setattr(launch_mod, "train_rank", lambda *a, **k: calls.append("train"))
-    cfg = TrainConfig(out_dir=str(tmp_path / "r"), n_layer=1, n_embd=16, n_head=2, block_size=16, nproc=1)
+    cfg = merge_config(
+        {
+            "training": {"out_dir": str(tmp_path / "r")},
+            "model": {"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 16},
+        }
+    )
     launch_mod.launch(cfg)
     assert calls[:4] == ["init", "barrier", "prepare", "barrier"] and calls[-1] == "train"
     assert (tmp_path / "r" / "config.toml").exists()
+
+
+def test_the_timeout_reaches_every_group_mixprec_creates(tmp_path, monkeypatch) -> None:
+    """parallel.timeout goes into init_process_group, so mixprec.comm.groups.new_group (which the hierarchical
+    topology and the hook's extra group use) inherits it instead of the backend's 30-minute default."""
+    from datetime import timedelta
+
+    import mixprec.lab.launch as launch_mod
+    from mixprec.comm.groups import group_timeout, new_group
+    from mixprec.lab.config import merge_config
+
+    seen: dict[str, timedelta | None] = {}
+
+    def fake_train_rank(*args, **kwargs):
+        seen["default"] = group_timeout()
+        seen["new_group"] = group_timeout(new_group([0]))
+
+    monkeypatch.setattr(launch_mod, "train_rank", fake_train_rank)
+    cfg = merge_config({"parallel": {"timeout": 7.0}})
+    launch_mod.run_rank(
+        cfg, rank=0, world_size=1, local_rank=0, device_type="cpu", resume=False, progress=False,
+        init_method=f"file://{tmp_path / 'store'}",
+    )  # fmt: skip
+    assert seen == {"default": timedelta(seconds=7), "new_group": timedelta(seconds=7)}
+
+
+class _ExitsBetweenReads:
+    """A rank that is still running at the first read of its exit code and has failed at every later read."""
+
+    def __init__(self, code: int) -> None:
+        self.code, self.reads = code, 0
+        read_end, write_end = mp.Pipe(duplex=False)
+        write_end.close()
+        self._conn = read_end  # at EOF: always ready
+        self.sentinel = read_end.fileno()
+
+    @property
+    def exitcode(self) -> int | None:
+        self.reads += 1
+        return None if self.reads == 1 else self.code
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def test_watch_sees_ranks_that_fail_between_two_reads_of_their_exit_code() -> None:
+    """Both ranks exit with 1 just after the launcher looked at them: it must report the failure, not return as
+    if the run had finished."""
+    with pytest.raises(TrainingFailed, match=r"^rank 0 exited with code 1;"):
+        _watch([_ExitsBetweenReads(1), _ExitsBetweenReads(1)], timeout=5.0)

@@ -1,86 +1,122 @@
-"""``mixprec train``: train the lab's small GPT with the precision, scaling and reduction under study.
+"""mixprec train: train the lab's small GPT with the precision, scaling and reduction under study.
 
-Every field of :class:`mixprec.lab.config.TrainConfig` is a flag (``n_layer`` -> ``--n-layer``) and a key of the
-``--config`` TOML file; flags win over the file, the file over the defaults. ``--resume`` starts from the run
-directory's saved ``config.toml``. Exit codes: 0 done, 1 a rank failed (the others were stopped) or the run
-diverged (the loss scaler stuck at its floor, or ``max_consecutive_skips`` skipped steps in a row), 2 invalid
-configuration or input (checked before anything is written), 130 interrupted.
+The configuration has one TOML table per component ([model], [data], [scaler], [optimizer], [parallel],
+[training]); every field is also a flag, --section.field or its short name (--model.n-layer or --n-layer).
+Flags win over the --config file, the file over the defaults; --resume starts from the run directory's saved
+config.toml. See docs/lab.md.
 
-With several nodes (torchrun), ``--out-dir`` must be on a filesystem every node sees: rank 0 writes the run files
-and every rank reads the checkpoint on ``--resume``.
+Exit codes: 0 done; 1 a rank failed (the others were stopped), the run diverged (the loss scaler stuck at its
+floor, or max_consecutive_skips skipped steps in a row) or the disk refused a write; 2 invalid configuration or
+input (checked before anything is written); 130 interrupted (SIGINT); 143 terminated (SIGTERM).
+
+With several nodes (torchrun), --out-dir must be on a filesystem every node sees: rank 0 writes the run files
+and every rank reads the checkpoint on --resume.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import errno
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import fields
 from typing import Any
 
 from mixprec.lab.config import (
     DEVICES,
     LINEAR_MODES,
     LOSS_SCALERS,
-    ON_MIN_LOSS_SCALE,
     OPTIMIZERS,
     PRECISIONS,
     REDUCE_ROUNDINGS,
     REDUCTIONS,
+    SECTIONS,
     TrainConfig,
     builtin_configs,
     config_from_toml,
     field_docs,
+    flat_fields,
     merge_config,
 )
 
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "precision": PRECISIONS,
-    "loss_scaler": LOSS_SCALERS,
-    "reduce": REDUCTIONS,
-    "reduce_rounding": REDUCE_ROUNDINGS,
-    "on_min_loss_scale": ON_MIN_LOSS_SCALE,
-    "optimizer": OPTIMIZERS,
-    "linear_mode": LINEAR_MODES,
-    "device": DEVICES,
+    "model.precision": PRECISIONS,
+    "model.linear_mode": LINEAR_MODES,
+    "scaler.kind": LOSS_SCALERS,
+    "optimizer.name": OPTIMIZERS,
+    "parallel.reduce": REDUCTIONS,
+    "parallel.rounding": REDUCE_ROUNDINGS,
+    "training.device": DEVICES,
 }
 _TYPES = {"int": int, "float": float, "str": str}
+# A full disk, a file-size or disk quota, a read-only filesystem, no permission: the environment, not a bug.
+_STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+_REPLACED = "replaced."  # dest prefix of a flag of before 0.1.0 that has no one-to-one successor
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field, defaulting to None so that unset flags do not override the TOML file."""
+    """One flag per field, ``--section.field`` and its flat name of before 0.1.0 (``--model.n-layer``,
+    ``--n-layer``), defaulting to None so that unset flags do not override the TOML file."""
     docs = field_docs()
     defaults = TrainConfig()
-    group = p.add_argument_group("run configuration (also TOML keys; flags win)")
-    for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f"{docs.get(f.name, '')} (default: {getattr(defaults, f.name)!r})".replace("%", "%%")
+    groups = {name: p.add_argument_group(f"[{name}] (TOML table; flags win)") for name in SECTIONS}
+    for section, f in flat_fields():
+        dest = f"{section}.{f.name}"
+        former = f.metadata.get("former", f.name)
+        flags = [f"--{section}.{f.name.replace('_', '-')}"]
+        if isinstance(former, str):
+            flags.append(_flag(former))
+        default = getattr(getattr(defaults, section), f.name)
+        help_text = f"{docs.get(dest, '')} (default: {default!r})".replace("%", "%%")
+        group = groups[section]
         if f.type == "bool":
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            group.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif str(f.type).startswith("tuple"):
+            group.add_argument(
+                *flags, dest=dest, type=float, nargs=2, default=None, metavar=("B1", "B2"), help=help_text
+            )
+            for old in former:
+                group.add_argument(_flag(old), dest=_REPLACED + old, type=float, default=None, help=argparse.SUPPRESS)
         else:
             group.add_argument(
-                flag,
-                dest=f.name,
+                *flags,
+                dest=dest,
                 type=_TYPES[str(f.type)],
-                choices=_CHOICES.get(f.name),
+                choices=_CHOICES.get(dest),
                 default=None,
-                metavar=f.name.upper() if f.name not in _CHOICES else None,
+                metavar=f.name.upper() if dest not in _CHOICES else None,
                 help=help_text,
             )
 
 
+def _flag_layer(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    replaced = [k.removeprefix(_REPLACED) for k, v in vars(args).items() if k.startswith(_REPLACED) and v is not None]
+    if replaced:
+        raise ValueError(f"{_flag(replaced[0])} is replaced by --optimizer.betas B1 B2 ([optimizer] betas in TOML)")
+    layer: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for section, f in flat_fields():
+        layer[section][f.name] = getattr(args, f"{section}.{f.name}")
+    return layer
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Defaults < the run directory's config.toml (with --resume) < --config FILE < flags."""
-    flags = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+    flags = _flag_layer(args)
     env_world = os.environ.get("WORLD_SIZE") if all(k in os.environ for k in ("RANK", "LOCAL_RANK")) else None
-    if env_world is not None and flags["nproc"] is None and env_world.isdigit():
-        flags["nproc"] = int(env_world)  # under torchrun: validate batch sizes against the real world size
-    file_layer: dict[str, Any] = config_from_toml(args.config) if args.config else {}
+    if env_world is not None and flags["parallel"]["nproc"] is None and env_world.isdigit():
+        flags["parallel"]["nproc"] = int(env_world)  # under torchrun: validate batch sizes against the real world
+    file_layer = config_from_toml(args.config) if args.config else {}
     layers = [file_layer, flags]
     if getattr(args, "resume", False):
-        out_dir = flags.get("out_dir") or file_layer.get("out_dir") or TrainConfig().out_dir
+        out_dir = (
+            flags["training"]["out_dir"]
+            or file_layer.get("training", {}).get("out_dir")
+            or TrainConfig().training.out_dir
+        )
         saved = os.path.join(out_dir, "config.toml")
         if not os.path.isfile(saved):
             raise ValueError(f"--resume: {out_dir!r} holds no config.toml (is it a mixprec train run directory?)")
@@ -99,7 +135,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--config",
         metavar="FILE",
         default=None,
-        help="TOML file of configuration keys (flat), or the name of a built-in example: "
+        help="TOML file of [section] tables (see docs/lab.md), or the name of a built-in example: "
         + ", ".join(builtin_configs()),
     )
     p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its checkpoint")
@@ -116,44 +152,44 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def prepare(args: argparse.Namespace) -> Callable[[], int]:
     """Every check the user's input can fail, before anything is written (a ValueError here exits 2)."""
-    from mixprec.lab.launch import check_run, resolve_device, torchrun_env
+    from mixprec.lab.launch import preflight, torchrun_env
 
     cfg = config_from_args(args)
-    if args.nproc is not None and args.nproc > 1 and torchrun_env() is not None:
+    nproc = getattr(args, "parallel.nproc")
+    if nproc is not None and nproc > 1 and torchrun_env() is not None:
         raise ValueError("--nproc starts ranks itself; under torchrun the world size comes from torchrun instead")
-    # launch() checks the configuration with the loss scaler resolved, as the run directory saves it.
-    check_run(
-        dataclasses.replace(cfg, loss_scaler=cfg.resolved_loss_scaler), resume=args.resume, overwrite=args.overwrite
-    )
-    resolve_device(cfg)
-    return lambda: run(args)
+    preflight(cfg, resume=args.resume, overwrite=args.overwrite)
+    return lambda: run(args, cfg)
 
 
-def run(args: argparse.Namespace) -> int:
-    from mixprec.lab.launch import TrainingFailed, launch, torchrun_env
+def run(args: argparse.Namespace, cfg: TrainConfig) -> int:
+    from mixprec.lab.checkpoint import CheckpointWriteError
+    from mixprec.lab.launch import Terminated, TrainingFailed, launch, sigterm_as_interrupt
     from mixprec.lab.train import TrainingDiverged
-    from mixprec.scaling.scaler import LossScaleFloorError
+    from mixprec.scaling import LossScaleFloorError
 
-    cfg = config_from_args(args)
-    if args.nproc is not None and args.nproc > 1 and torchrun_env() is not None:
-        raise ValueError("--nproc starts ranks itself; under torchrun the world size comes from torchrun instead")
     try:
-        summary = launch(cfg, resume=args.resume, overwrite=args.overwrite, progress=args.progress)
-    except TrainingFailed as exc:
+        with sigterm_as_interrupt():
+            summary = launch(cfg, resume=args.resume, overwrite=args.overwrite, progress=args.progress)
+    except (TrainingFailed, TrainingDiverged, LossScaleFloorError, CheckpointWriteError) as exc:
+        # A rank failed, the run diverged, or the disk refused a write: a message, not a traceback (the last
+        # checkpoint is intact).
         print(f"mixprec train: error: {exc}", file=sys.stderr)
         return 1
-    except (TrainingDiverged, LossScaleFloorError) as exc:
-        # The run itself failed (one rank, here): a message, not a traceback; the checkpoint is intact.
-        print(f"mixprec train: error: {exc}", file=sys.stderr)
+    except OSError as exc:
+        if exc.errno not in _STORAGE_ERRNOS:
+            raise
+        print(f"mixprec train: error: cannot write the run directory: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("mixprec train: interrupted; the last checkpoint is intact (continue with --resume)", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        print(f"mixprec train: {how}; the last checkpoint is intact (continue with --resume)", file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130
     if summary is not None:
         print(
             f"mixprec train: done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}"
             + (f", val loss {summary['final_eval_loss']:.4f}" if summary.get("final_eval_loss") is not None else "")
             + f", {summary['skipped_steps']} skipped, {summary['tokens_per_s_median']:,.0f} tokens/s (median); "
-            f"run directory {cfg.out_dir if os.path.isabs(cfg.out_dir) else os.path.abspath(cfg.out_dir)}"
+            f"run directory {os.path.abspath(cfg.training.out_dir)}"
         )
     return 0

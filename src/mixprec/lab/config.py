@@ -1,8 +1,13 @@
-"""The configuration of a ``mixprec train`` run: one validated, keyword-only dataclass.
+"""The configuration of a ``mixprec train`` run: one keyword-only dataclass per component, nested in TrainConfig.
 
-Precedence: field defaults, then a TOML file (flat ``key = value`` pairs, the field names), then command-line
-flags. Unknown keys and wrong types are errors (``ValueError``/``TypeError``; exit code 2 in the CLI). A run saves
-its resolved configuration as ``config.toml`` in its directory, which ``--config`` accepts back.
+Each section's fields carry the argument names of the component it configures ([model]: GPTConfig and the
+emulator's mode; [data]: the batch functions of mixprec.lab.data; [scaler]: DynamicLossScaler; [optimizer]:
+torch.optim.AdamW / SGD; [parallel]: DistributedDataParallel, Topology, init_process_group; [training]: the loop
+and the Updater), and each section validates itself, so an error names the field as the file spells it.
+
+Precedence: field defaults, then a TOML file (one table per section), then command-line flags. A top-level
+``key = value`` in a file is a flat key of the releases before 0.1.0: it is read as the field it became (each
+field's ``former`` name), or refused with one line naming the new key. docs/lab.md lists every field.
 """
 
 from __future__ import annotations
@@ -13,27 +18,31 @@ import inspect
 import itertools
 import math
 import os
-import re
 import tomllib
-import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from mixprec.core.dtypes import Rounding
+from mixprec.core.dtypes import ROUNDINGS
 from mixprec.core.validate import check_choice, check_positive_float, check_positive_int
-from mixprec.scaling.advisor import advise
-from mixprec.scaling.scaler import DynamicLossScaler, LossScaler, OnMinScale, StaticLossScaler
+from mixprec.scaling import DynamicLossScaler, LossScaler, StaticLossScaler, advise
 
 __all__ = [
     "DEVICES",
     "LINEAR_MODES",
     "LOSS_SCALERS",
-    "ON_MIN_LOSS_SCALE",
     "OPTIMIZERS",
     "PRECISIONS",
     "REDUCE_ROUNDINGS",
     "REDUCTIONS",
+    "RESUMABLE_FIELDS",
+    "SECTIONS",
+    "DataConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "ScalerConfig",
     "TrainConfig",
+    "TrainingConfig",
     "builtin_configs",
     "config_from_toml",
     "config_to_toml",
@@ -47,32 +56,55 @@ REDUCTIONS = ("native", "fp32_accumulate", "uint8", "uint8_hierarchical")
 OPTIMIZERS = ("adamw", "sgd")
 LINEAR_MODES = ("off", "fp16/16", "fp16/32", "bf16/32", "two_stage", "fp8/promote128")
 DEVICES = ("auto", "cpu", "cuda")
-REDUCE_ROUNDINGS: tuple[str, ...] = typing.get_args(Rounding)  # mixprec.comm's roundings
-ON_MIN_LOSS_SCALE: tuple[str, ...] = typing.get_args(OnMinScale)  # the dynamic scaler's choices
+REDUCE_ROUNDINGS = ROUNDINGS
 
-# TrainConfig field -> the loss scaler's argument it fills (the scaler's own errors name the argument).
-_SCALER_ARGUMENTS = {
-    "loss_scale": "init_scale",
-    "scale_growth_factor": "growth_factor",
-    "scale_backoff_factor": "backoff_factor",
-    "scale_growth_interval": "growth_interval",
-    "scale_hysteresis": "hysteresis",
-    "scale_consecutive_hysteresis": "consecutive_hysteresis",
-    "min_loss_scale": "min_scale",
-    "max_loss_scale": "max_scale",
-    "on_min_loss_scale": "on_min_scale",
-    "scale_min_patience": "min_patience",
-}
+# Fields a resumed run may change: none of them touches the numerics of a training step.
+RESUMABLE_FIELDS = frozenset(
+    {
+        "training.steps",
+        "training.eval_interval",
+        "training.checkpoint_interval",
+        "training.out_dir",
+        "data.eval_sequences",
+        "parallel.timeout",
+    }
+)
+
+
+def _former(name: str | tuple[str, ...]) -> dict[str, Any]:
+    """Field metadata: the flat key (and flag) this field had before 0.1.0."""
+    return {"former": name}
+
+
+def _check_types(section: Any) -> None:
+    """Type-check every field of a section from its annotation; ints are accepted (and stored) as floats."""
+    for f in fields(section):
+        value = getattr(section, f.name)
+        kind = str(f.type)
+        where = f"{_SECTION_OF[type(section)]}.{f.name}"
+        if kind == "float" and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+            object.__setattr__(section, f.name, value)
+        if kind == "bool" and not isinstance(value, bool):
+            raise TypeError(f"{where} must be true or false; got {type(value).__name__} {value!r}")
+        if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{where} must be an integer; got {type(value).__name__} {value!r}")
+        if kind == "float" and (not isinstance(value, float) or not math.isfinite(value)):
+            raise TypeError(f"{where} must be a finite number; got {type(value).__name__} {value!r}")
+        if kind == "str" and not isinstance(value, str):
+            raise TypeError(f"{where} must be a string; got {type(value).__name__} {value!r}")
+        if kind.startswith("tuple"):
+            ok = isinstance(value, list | tuple) and len(value) == 2
+            ok = ok and all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in value)
+            if not ok:
+                raise TypeError(f"{where} must be two finite numbers, e.g. [0.9, 0.99]; got {value!r}")
+            object.__setattr__(section, f.name, tuple(float(v) for v in value))
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """Everything that defines a training run. The defaults train a 0.45M-parameter GPT for 300 steps.
+class ModelConfig:
+    """The GPT (GPTConfig's arguments; the vocabulary comes from the corpus) and the precision it runs in."""
 
-    Tokens per optimizer step = global_batch_size x block_size (32 x 64 = 2048 with the defaults).
-    """
-
-    # ---------------------------------------------------------------- model
     n_layer: int = 2
     """Transformer blocks."""
     n_head: int = 4
@@ -83,60 +115,154 @@ class TrainConfig:
     """Context length, in characters (tokens)."""
     dropout: float = 0.0
     """Dropout probability; 0 disables. Its randomness is a function of (seed, step, rank), so resume is exact."""
+    precision: str = "fp32"
+    """Parameter and gradient precision: 'fp32', 'bf16' or 'fp16' (low precisions keep fp32 master weights)."""
+    linear_mode: str = "off"
+    """Emulated accumulation of every linear layer ('fp16/16', 'fp16/32', 'bf16/32', 'two_stage',
+    'fp8/promote128'; the mode of mixprec.emulate.emulate_linear_layers), or 'off' for the precision's own
+    matmuls."""
 
-    # ---------------------------------------------------------------- data
+    def __post_init__(self) -> None:
+        _check_types(self)
+        for name in ("n_layer", "n_head", "n_embd", "block_size"):
+            check_positive_int(name, getattr(self, name))
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must lie in [0, 1); got {self.dropout!r}")
+        check_choice("precision", self.precision, PRECISIONS)
+        check_choice("linear_mode", self.linear_mode, LINEAR_MODES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """The corpus and the batches (the arguments of mixprec.lab.data's train_microbatches and eval_chunks)."""
+
     corpus: str = "stdlib"
     """'stdlib' (Python's own standard library sources, built in) or a path to a UTF-8 text file."""
-
-    # ---------------------------------------------------------------- batch
     global_batch_size: int = 32
     """Sequences per optimizer step, summed over all ranks (GBS)."""
     micro_batch_size: int = 8
     """Sequences per forward/backward on one rank (MBS); num_microbatches = GBS / (MBS x ranks)."""
+    eval_sequences: int = 64
+    """Validation sequences (of block_size characters) per evaluation, split over the ranks."""
 
-    # ---------------------------------------------------------------- precision
-    precision: str = "fp32"
-    """Parameter and gradient precision: 'fp32', 'bf16' or 'fp16' (low precisions keep fp32 master weights)."""
-    loss_scaler: str = "auto"
+    def __post_init__(self) -> None:
+        _check_types(self)
+        if not self.corpus:
+            raise ValueError("corpus must be 'stdlib' or a path to a UTF-8 text file; got an empty string")
+        for name in ("global_batch_size", "micro_batch_size", "eval_sequences"):
+            check_positive_int(name, getattr(self, name))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalerConfig:
+    """The loss scaler: ``kind`` picks it, the other fields are DynamicLossScaler's arguments (init_scale is
+    also StaticLossScaler's scale). TOML has no null, so 0 stands for None in min_scale and max_scale."""
+
+    kind: str = field(default="auto", metadata=_former("loss_scaler"))
     """'none' (scale 1, still skips inf/NaN steps), 'static', 'dynamic', or 'auto' (dynamic for fp16, else none)."""
-    loss_scale: float = 65536.0
+    init_scale: float = field(default=65536.0, metadata=_former("loss_scale"))
     """The static loss scale, or the dynamic scaler's initial scale (a multiplier, no unit)."""
-    scale_growth_interval: int = 2000
-    """Dynamic scaler: clean steps between two growths of the scale, in steps."""
-    scale_growth_factor: float = 2.0
-    """Dynamic scaler: multiplier on growth, > 1."""
-    scale_backoff_factor: float = 0.5
-    """Dynamic scaler: multiplier on overflow, in (0, 1)."""
-    scale_hysteresis: int = 1
-    """Dynamic scaler: overflows tolerated before backing off, in steps (1 = back off at once)."""
-    scale_consecutive_hysteresis: bool = False
-    """Dynamic scaler: refill the hysteresis on every clean step, so only consecutive overflows back off
-    (DeepSpeed); false refills it only when the scale grows."""
-    min_loss_scale: float = 1.0
-    """Dynamic scaler: floor of the scale; 0 = none of its own (it still never goes below fp32's smallest normal
+    growth_interval: int = field(default=2000, metadata=_former("scale_growth_interval"))
+    """Dynamic: clean steps between two growths of the scale, in steps."""
+    growth_factor: float = field(default=2.0, metadata=_former("scale_growth_factor"))
+    """Dynamic: multiplier on growth, > 1."""
+    backoff_factor: float = field(default=0.5, metadata=_former("scale_backoff_factor"))
+    """Dynamic: multiplier on overflow, in (0, 1)."""
+    hysteresis: int = field(default=1, metadata=_former("scale_hysteresis"))
+    """Dynamic: overflows tolerated before backing off, in steps (1 = back off at once)."""
+    consecutive_hysteresis: bool = field(default=False, metadata=_former("scale_consecutive_hysteresis"))
+    """Dynamic: refill the hysteresis on every clean step, so only consecutive overflows back off (DeepSpeed);
+    false refills it only when the scale grows."""
+    min_scale: float = field(default=1.0, metadata=_former("min_loss_scale"))
+    """Dynamic: floor of the scale; 0 = none of its own (it still never goes below fp32's smallest normal
     number, 2**-126)."""
-    max_loss_scale: float = 0.0
-    """Dynamic scaler: ceiling of the scale; 0 = none (as torch's GradScaler)."""
-    scale_min_patience: int = 10
-    """Dynamic scaler: consecutive overflowing steps at the floor before on_min_loss_scale acts, in steps."""
-    on_min_loss_scale: str = "raise"
+    max_scale: float = field(default=0.0, metadata=_former("max_loss_scale"))
+    """Dynamic: ceiling of the scale; 0 = none (as torch's GradScaler)."""
+    min_patience: int = field(default=10, metadata=_former("scale_min_patience"))
+    """Dynamic: consecutive overflowing steps at the floor before on_min_scale acts, in steps."""
+    on_min_scale: str = field(default="raise", metadata=_former("on_min_loss_scale"))
     """Dynamic scaler stuck at its floor: 'raise' (stop the run with an error, exit code 1), 'warn' or 'ignore'
     (keep skipping steps)."""
-    max_consecutive_skips: int = 20
-    """Static scaler (and 'none'): stop the run after this many consecutive steps with inf/NaN gradients, in
-    steps (such a scale cannot adapt: the run diverged or the scale is too large); 0 never stops."""
-    linear_mode: str = "off"
-    """Emulated accumulation of every linear layer ('fp16/16', 'fp16/32', 'bf16/32', 'two_stage',
-    'fp8/promote128'; mixprec.emulate), or 'off' for the precision's own matmuls."""
 
-    # ---------------------------------------------------------------- data parallel
+    def __post_init__(self) -> None:
+        _check_types(self)
+        check_choice("kind", self.kind, LOSS_SCALERS)
+        check_positive_float("init_scale", self.init_scale)
+        check_positive_float("min_scale", self.min_scale, allow_zero=True)
+        check_positive_float("max_scale", self.max_scale, allow_zero=True)
+        # The dynamic fields are checked whichever kind this run uses (a config file is edited and reused), by
+        # the scaler itself, from a start its range admits; init_scale against the range in TrainConfig.
+        DynamicLossScaler(**{**self.dynamic_arguments(), "init_scale": self.min_scale or self.max_scale or 1.0})
+
+    def resolved_kind(self, precision: str) -> str:
+        """'none', 'static' or 'dynamic' ('auto': dynamic for fp16, else none)."""
+        if self.kind != "auto":
+            return self.kind
+        return "dynamic" if precision == "fp16" else "none"
+
+    def dynamic_arguments(self) -> dict[str, Any]:
+        """DynamicLossScaler's keyword arguments (0 -> None for min_scale and max_scale)."""
+        args = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "kind"}
+        args["min_scale"] = self.min_scale or None
+        args["max_scale"] = self.max_scale or None
+        return args
+
+    def build(self, precision: str) -> LossScaler:
+        """``StaticLossScaler(1.0)`` for 'none' (it still detects and skips inf/NaN steps),
+        ``StaticLossScaler(init_scale)`` for 'static', else ``DynamicLossScaler(**dynamic_arguments())``."""
+        kind = self.resolved_kind(precision)
+        if kind == "none":
+            return StaticLossScaler(1.0)
+        if kind == "static":
+            return StaticLossScaler(self.init_scale)
+        return DynamicLossScaler(**self.dynamic_arguments())
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """The torch optimizer: ``name`` picks torch.optim.AdamW or SGD, the other fields are their arguments."""
+
+    name: str = field(default="adamw", metadata=_former("optimizer"))
+    """'adamw' or 'sgd' (with momentum)."""
+    lr: float = 2e-3
+    """Learning rate (constant)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay for AdamW, L2 for SGD; 0 disables."""
+    betas: tuple[float, float] = field(default=(0.9, 0.99), metadata=_former(("beta1", "beta2")))
+    """AdamW's first- and second-moment decays."""
+    momentum: float = 0.9
+    """SGD momentum; 0 disables."""
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        check_choice("name", self.name, OPTIMIZERS)
+        check_positive_float("lr", self.lr)
+        check_positive_float("weight_decay", self.weight_decay, allow_zero=True)
+        for what, v in (("betas[0]", self.betas[0]), ("betas[1]", self.betas[1]), ("momentum", self.momentum)):
+            if not 0.0 <= v < 1.0:
+                raise ValueError(f"{what} must lie in [0, 1); got {v!r}")
+
+    def arguments(self) -> dict[str, Any]:
+        """The chosen optimizer's keyword arguments."""
+        if self.name == "adamw":
+            return {"lr": self.lr, "betas": self.betas, "weight_decay": self.weight_decay}
+        return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Data parallelism: the ranks, DistributedDataParallel's reduce / reduce_options / sharded_optimizer,
+    Topology's ranks_per_node, and init_process_group's timeout."""
+
     nproc: int = 1
     """Ranks to start with --nproc (gloo on CPU, NCCL on GPU); under torchrun its WORLD_SIZE replaces it."""
     reduce: str = "fp32_accumulate"
     """Gradient reduction across ranks: 'fp32_accumulate' (gradient-dtype wire, fp32 sum, one rounding), 'native'
     (the backend's own collective, summing in the gradient dtype), 'uint8' or 'uint8_hierarchical' (8-bit
     compression). No effect with one rank."""
-    reduce_rounding: str = "nearest"
+    rounding: str = field(default="nearest", metadata=_former("reduce_rounding"))
     """'nearest' or 'stochastic' (unbiased): the rounding of fp32_accumulate's result to bf16/fp16, or of uint8's
     quantization. native rounds to nearest only."""
     error_feedback: bool = False
@@ -146,198 +272,222 @@ class TrainConfig:
     simulated nodes on one machine)."""
     sharded_optimizer: bool = False
     """ZeRO-1: each rank keeps master weights and optimizer state for its shard only."""
-    device: str = "auto"
-    """'cpu', 'cuda' or 'auto' (cuda when available)."""
     timeout: float = 300.0
-    """Process-group timeout, in seconds: a rank waiting longer than this on a collective stops with an error."""
+    """Process-group timeout, in seconds (every group mixprec creates inherits it): a rank waiting longer than
+    this on a collective stops with an error."""
 
-    # ---------------------------------------------------------------- optimizer
-    optimizer: str = "adamw"
-    """'adamw' or 'sgd' (with momentum)."""
-    lr: float = 2e-3
-    """Learning rate (constant)."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay for AdamW, L2 for SGD; 0 disables."""
-    beta1: float = 0.9
-    """AdamW's first-moment decay."""
-    beta2: float = 0.99
-    """AdamW's second-moment decay."""
-    momentum: float = 0.9
-    """SGD momentum; 0 disables."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm (taken in fp32) to this value; 0 disables."""
+    def __post_init__(self) -> None:
+        _check_types(self)
+        check_positive_int("nproc", self.nproc)
+        check_positive_int("ranks_per_node", self.ranks_per_node, minimum=0)
+        check_choice("reduce", self.reduce, REDUCTIONS)
+        check_choice("rounding", self.rounding, REDUCE_ROUNDINGS)
+        check_positive_float("timeout", self.timeout)
+        if self.reduce == "native" and self.rounding != "nearest":
+            raise ValueError("rounding='stochastic' needs reduce 'fp32_accumulate', 'uint8' or 'uint8_hierarchical'")
+        if self.error_feedback and not self.reduce.startswith("uint8"):
+            raise ValueError(f"error_feedback applies to the uint8 reductions only; reduce is {self.reduce!r}")
+        if self.sharded_optimizer and self.nproc == 1:
+            raise ValueError("sharded_optimizer needs nproc >= 2 (with one rank there is nothing to shard)")
+        if self.reduce == "uint8_hierarchical" and self.ranks_per_node and self.nproc % self.ranks_per_node:
+            raise ValueError(f"ranks_per_node ({self.ranks_per_node}) must divide the number of ranks ({self.nproc})")
 
-    # ---------------------------------------------------------------- run
+    def reduce_options(self) -> dict[str, Any]:
+        """DistributedDataParallel's ``reduce_options`` but the topology (which needs the world size)."""
+        options: dict[str, Any] = {}
+        if self.reduce != "native":
+            options["rounding"] = self.rounding
+        if self.reduce.startswith("uint8"):
+            options["error_feedback"] = self.error_feedback
+        return options
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """The loop: seed, length, device, the Updater's clipping, evaluation, checkpoints and the run directory."""
+
     seed: int = 0
     """Seed of the initial weights, the batches and dropout. Same seed, same data order in every run."""
     steps: int = 300
     """Optimizer steps (attempts, skipped ones included)."""
+    device: str = "auto"
+    """'cpu', 'cuda' or 'auto' (cuda when available)."""
+    clip_grad_norm: float = field(default=1.0, metadata=_former("grad_clip"))
+    """Clip the global gradient norm (taken in fp32) to this value; 0 disables."""
+    max_consecutive_skips: int = 20
+    """Static loss scale (and 'none'): stop the run after this many consecutive steps with inf/NaN gradients, in
+    steps (such a scale cannot adapt: the run diverged or the scale is too large); 0 never stops."""
     eval_interval: int = 50
     """Validation loss every this many steps (before that step's update) and after the last step's update (the
     final model, reported in summary.json), in steps; 0 disables."""
-    eval_sequences: int = 64
-    """Validation sequences (of block_size characters) per evaluation, split over the ranks."""
     checkpoint_interval: int = 100
     """A checkpoint every this many steps, in steps, and always at the end; 0 = only at the end."""
     out_dir: str = "runs/mixprec"
     """Run directory: config.toml, metrics.jsonl, checkpoint.pt, summary.json."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            kind = _FIELD_TYPES[f.name]
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                object.__setattr__(self, f.name, float(value))
-                value = float(value)
-            if kind is bool:
-                if not isinstance(value, bool):
-                    raise TypeError(f"{f.name} must be true or false; got {type(value).__name__} {value!r}")
-            elif kind is int:
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise TypeError(f"{f.name} must be an integer; got {type(value).__name__} {value!r}")
-            elif kind is float:
-                if not isinstance(value, float) or not math.isfinite(value):
-                    raise TypeError(f"{f.name} must be a finite number; got {type(value).__name__} {value!r}")
-            elif not isinstance(value, str):
-                raise TypeError(f"{f.name} must be a string; got {type(value).__name__} {value!r}")
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "global_batch_size", "micro_batch_size"):
-            check_positive_int(name, getattr(self, name))
-        for name in ("nproc", "steps", "eval_sequences"):
-            check_positive_int(name, getattr(self, name))
-        for name in ("eval_interval", "checkpoint_interval", "seed", "ranks_per_node", "max_consecutive_skips"):
+        _check_types(self)
+        check_positive_int("steps", self.steps)
+        for name in ("seed", "max_consecutive_skips", "eval_interval", "checkpoint_interval"):
             check_positive_int(name, getattr(self, name), minimum=0)
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must lie in [0, 1); got {self.dropout!r}")
-        if not self.corpus:
-            raise ValueError("corpus must be 'stdlib' or a path to a UTF-8 text file; got an empty string")
-        check_choice("precision", self.precision, PRECISIONS)
-        check_choice("loss_scaler", self.loss_scaler, LOSS_SCALERS)
-        check_choice("reduce", self.reduce, REDUCTIONS)
-        check_choice("reduce_rounding", self.reduce_rounding, REDUCE_ROUNDINGS)
-        if self.reduce == "native" and self.reduce_rounding != "nearest":
-            raise ValueError(
-                "reduce_rounding='stochastic' needs reduce 'fp32_accumulate', 'uint8' or 'uint8_hierarchical'"
-            )
-        if self.error_feedback and not self.reduce.startswith("uint8"):
-            raise ValueError(f"error_feedback applies to the uint8 reductions only; reduce is {self.reduce!r}")
-        check_choice("optimizer", self.optimizer, OPTIMIZERS)
-        check_choice("linear_mode", self.linear_mode, LINEAR_MODES)
         check_choice("device", self.device, DEVICES)
-        self._check_scaler_fields()
-        check_positive_float("timeout", self.timeout)
-        check_positive_float("lr", self.lr)
-        check_positive_float("weight_decay", self.weight_decay, allow_zero=True)
-        check_positive_float("grad_clip", self.grad_clip, allow_zero=True)
-        for name in ("beta1", "beta2", "momentum"):
-            v = getattr(self, name)
-            if not 0.0 <= v < 1.0:
-                raise ValueError(f"{name} must lie in [0, 1); got {v!r}")
-        if self.sharded_optimizer and self.nproc == 1:
-            raise ValueError("sharded_optimizer needs nproc >= 2 (with one rank there is nothing to shard)")
+        check_positive_float("clip_grad_norm", self.clip_grad_norm, allow_zero=True)
         if not self.out_dir:
             raise ValueError("out_dir must name a directory; got an empty string")
-        advice = advise(self.global_batch_size, self.micro_batch_size, self.nproc, self.loss_scale)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "scaler": ScalerConfig,
+    "optimizer": OptimizerConfig,
+    "parallel": ParallelConfig,
+    "training": TrainingConfig,
+}
+_SECTION_OF = {cls: name for name, cls in SECTIONS.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything that defines a training run, one section per component. The defaults train a 0.45M-parameter
+    GPT for 300 steps; tokens per optimizer step = global_batch_size x block_size (32 x 64 = 2048)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    scaler: ScalerConfig = field(default_factory=ScalerConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise TypeError(f"{name} must be a {cls.__name__}; got {type(getattr(self, name)).__name__}")
+        advice = advise(self.data.global_batch_size, self.data.micro_batch_size, self.parallel.nproc, 1.0)
         if advice.num_microbatches is None:
             raise ValueError(
                 "global_batch_size: " + "; ".join(f.message for f in advice.findings if f.code == "gbs-not-divisible")
             )
-        if self.reduce == "uint8_hierarchical" and self.ranks_per_node and self.nproc % self.ranks_per_node:
-            raise ValueError(f"ranks_per_node ({self.ranks_per_node}) must divide the number of ranks ({self.nproc})")
+        self.build_scaler()  # init_scale against the dynamic scaler's range, when this run's scaler is dynamic
 
-    def _check_scaler_fields(self) -> None:
-        """The loss scalers validate their own arguments: build them (cheap, no tensors) and translate their
-        errors' argument names into this configuration's field names."""
-        try:
-            for m in ("min_loss_scale", "max_loss_scale"):
-                check_positive_float(m, getattr(self, m), allow_zero=True)
-            StaticLossScaler(self.loss_scale)
-            if self.resolved_loss_scaler == "dynamic":
-                self.build_scaler()
-            else:
-                # Unused by this run, but a config file is edited and reused: check the fields on their own,
-                # from a start the scaler's range admits.
-                start = self.min_loss_scale or self.max_loss_scale or 1.0
-                DynamicLossScaler(**self._dynamic_scaler_arguments(), init_scale=start)
-        except (ValueError, TypeError) as exc:
-            message = str(exc)
-            named = [
-                f"{arg} is {field}" for field, arg in _SCALER_ARGUMENTS.items() if re.search(rf"\b{arg}\b", message)
-            ]
-            hint = f" (in this configuration {', '.join(named)})" if named else ""
-            raise type(exc)(f"loss scaler: {message}{hint}") from None
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "configuration") -> TrainConfig:
+        """A TrainConfig from ``{section: {field: value}}``; top-level flat keys of before 0.1.0 are read as the
+        field they became (see :func:`nest_flat_keys`)."""
+        return cls(**{name: SECTIONS[name](**values) for name, values in nest_flat_keys(data, where).items()})
 
-    def _dynamic_scaler_arguments(self) -> dict[str, Any]:
-        return {
-            "growth_factor": self.scale_growth_factor,
-            "backoff_factor": self.scale_backoff_factor,
-            "growth_interval": self.scale_growth_interval,
-            "hysteresis": self.scale_hysteresis,
-            "consecutive_hysteresis": self.scale_consecutive_hysteresis,
-            "min_scale": self.min_loss_scale or None,
-            "max_scale": self.max_loss_scale or None,
-            "on_min_scale": self.on_min_loss_scale,
-            "min_patience": self.scale_min_patience,
-        }
-
-    def build_scaler(self) -> LossScaler:
-        """The run's loss scaler: ``StaticLossScaler(1.0)`` for 'none' (it still detects and skips inf/NaN
-        steps), ``StaticLossScaler(loss_scale)``, or a DynamicLossScaler from the scale_*/loss-scale fields."""
-        kind = self.resolved_loss_scaler
-        if kind == "none":
-            return StaticLossScaler(1.0)
-        if kind == "static":
-            return StaticLossScaler(self.loss_scale)
-        return DynamicLossScaler(init_scale=self.loss_scale, **self._dynamic_scaler_arguments())
-
-    # ---------------------------------------------------------------- derived
     @property
     def num_microbatches(self) -> int:
         """GBS / (MBS x ranks): microbatches each rank accumulates per optimizer step."""
-        return self.global_batch_size // (self.micro_batch_size * self.nproc)
+        return self.data.global_batch_size // (self.data.micro_batch_size * self.parallel.nproc)
 
     @property
     def resolved_loss_scaler(self) -> str:
         """'none', 'static' or 'dynamic' ('auto' resolved by precision)."""
-        if self.loss_scaler != "auto":
-            return self.loss_scaler
-        return "dynamic" if self.precision == "fp16" else "none"
+        return self.scaler.resolved_kind(self.model.precision)
+
+    def build_scaler(self) -> LossScaler:
+        """The run's loss scaler (see :meth:`ScalerConfig.build`)."""
+        return self.scaler.build(self.model.precision)
 
     def advice(self) -> Any:
         """The loss-scale advisor's verdict on (GBS, MBS, ranks, loss scale); see :func:`mixprec.scaling.advise`."""
-        scale = 1.0 if self.resolved_loss_scaler == "none" else self.loss_scale
-        return advise(self.global_batch_size, self.micro_batch_size, self.nproc, scale)
+        scale = 1.0 if self.resolved_loss_scaler == "none" else self.scaler.init_scale
+        return advise(self.data.global_batch_size, self.data.micro_batch_size, self.parallel.nproc, scale)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def replace(self, **changes: dict[str, Any]) -> TrainConfig:
+        """A copy with some fields of some sections changed: ``cfg.replace(parallel={"nproc": 2})``."""
+        return dataclasses.replace(
+            self, **{name: dataclasses.replace(getattr(self, name), **values) for name, values in changes.items()}
+        )
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
 
-_FIELD_TYPES: dict[str, type] = {
-    f.name: {"int": int, "float": float, "bool": bool, "str": str}[str(f.type)] for f in fields(TrainConfig)
-}
+def flat_fields() -> list[tuple[str, dataclasses.Field[Any]]]:
+    """(section name, field) for every field of every section, in order."""
+    return [(name, f) for name, cls in SECTIONS.items() for f in fields(cls)]
+
+
+def former_names() -> dict[str, tuple[str, str]]:
+    """Flat key of before 0.1.0 -> (section, field): a field's ``former`` name, or its own when unchanged."""
+    names: dict[str, tuple[str, str]] = {}
+    for section, f in flat_fields():
+        former = f.metadata.get("former", f.name)
+        for name in former if isinstance(former, tuple) else (former,):
+            names[name] = (section, f.name)
+    return names
+
+
+def nest_flat_keys(data: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
+    """``data`` with its top-level flat keys of before 0.1.0 moved into their sections; unknown keys, old names
+    inside a table, a key given twice, or beta1/beta2 (now one ``betas`` pair) raise ValueError in one line."""
+    formers = former_names()
+    nested: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    unknown = []
+    for key, value in data.items():
+        if key in SECTIONS and isinstance(value, dict):
+            _check_section_keys(key, value, where)
+            for k, v in value.items():
+                _put(nested, key, k, v, where)
+        elif key in formers:
+            section, name = formers[key]
+            if isinstance(_field(section, name).metadata.get("former"), tuple):
+                raise ValueError(f"{where}: key {key!r} is now {name} = [beta1, beta2] in [{section}]")
+            _put(nested, section, name, value, where)
+        else:
+            unknown.append(key)
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown key(s) {', '.join(repr(k) for k in sorted(unknown))}; allowed keys: the tables "
+            + ", ".join(f"[{s}]" for s in SECTIONS)
+        )
+    return nested
+
+
+def _field(section: str, name: str) -> dataclasses.Field[Any]:
+    return next(f for f in fields(SECTIONS[section]) if f.name == name)
+
+
+def _check_section_keys(section: str, values: dict[str, Any], where: str) -> None:
+    known = {f.name: f for f in fields(SECTIONS[section])}
+    unknown = sorted(k for k in values if k not in known)
+    if not unknown:
+        return
+    renamed = {f.metadata.get("former"): f.name for f in known.values() if isinstance(f.metadata.get("former"), str)}
+    hints = [f"{k!r} is now {renamed[k]!r}" for k in unknown if k in renamed]
+    raise ValueError(
+        f"{where}: unknown key(s) {', '.join(repr(k) for k in unknown)} in [{section}]"
+        + (f" ({'; '.join(hints)})" if hints else "")
+        + f"; allowed keys: {', '.join(known)}"
+    )
+
+
+def _put(nested: dict[str, dict[str, Any]], section: str, name: str, value: Any, where: str) -> None:
+    if name in nested[section]:
+        raise ValueError(f"{where}: {section}.{name} is given twice (as a flat key of before 0.1.0 and in a table)")
+    nested[section][name] = value
 
 
 def field_docs() -> dict[str, str]:
-    """Each field's docstring (the string literal after it in the class body), for ``--help``.
-
-    Read from the source with ``ast``; empty strings when the source is not available (e.g. a .pyc-only install).
-    """
-    try:
-        tree = ast.parse(inspect.getsource(TrainConfig))
-    except (OSError, TypeError):
-        return {f.name: "" for f in fields(TrainConfig)}
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    """Each field's docstring (the string literal after it in its class body) by ``section.field``, for --help
+    and config.toml. Read from the source with ``ast``; empty when the source is not available."""
     docs: dict[str, str] = {}
-    for node, nxt in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
+    for section, cls in SECTIONS.items():
+        try:
+            body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
+        except (OSError, TypeError):
+            continue
+        for node, nxt in itertools.pairwise(body):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[f"{section}.{node.target.id}"] = " ".join(nxt.value.value.split())
     return docs
 
 
@@ -363,9 +513,9 @@ def resolve_config_path(name_or_path: str) -> str:
     )
 
 
-def config_from_toml(path: str) -> dict[str, Any]:
-    """Read a flat TOML file of TrainConfig fields (or a built-in example by name). Raises ValueError on unknown
-    keys, tables, bad syntax or a missing file."""
+def config_from_toml(path: str) -> dict[str, dict[str, Any]]:
+    """Read a TOML file of ``[section]`` tables (or a built-in example by name) as ``{section: {field: value}}``.
+    Raises ValueError on unknown keys, bad syntax or a missing file."""
     path = resolve_config_path(path)
     try:
         with open(path, "rb") as fh:
@@ -374,26 +524,17 @@ def config_from_toml(path: str) -> dict[str, Any]:
         raise ValueError(f"config file not found: {path!r}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"config file {path!r} is not valid TOML: {exc}") from None
-    known = {f.name for f in fields(TrainConfig)}
-    unknown = sorted(k for k in data if k not in known)
-    if unknown:
-        raise ValueError(
-            f"config file {path!r}: unknown key(s) {', '.join(repr(k) for k in unknown)}; "
-            f"allowed keys: {', '.join(sorted(known))}"
-        )
-    return data
+    return nest_flat_keys(data, f"config file {path!r}")
 
 
-def merge_config(*layers: dict[str, Any]) -> TrainConfig:
-    """Build a TrainConfig from dicts of field values, later layers winning (e.g. TOML, then flags)."""
-    merged: dict[str, Any] = {}
+def merge_config(*layers: dict[str, dict[str, Any]]) -> TrainConfig:
+    """A TrainConfig from ``{section: {field: value}}`` layers, later layers winning (e.g. TOML, then flags);
+    None values are unset."""
+    merged: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     for layer in layers:
-        merged.update({k: v for k, v in layer.items() if v is not None})
-    known = {f.name for f in fields(TrainConfig)}
-    unknown = sorted(set(merged) - known)
-    if unknown:
-        raise ValueError(f"unknown configuration key(s): {', '.join(unknown)}")
-    return TrainConfig(**merged)
+        for section, values in nest_flat_keys(layer, "configuration").items():
+            merged[section].update({k: v for k, v in values.items() if v is not None})
+    return TrainConfig(**{name: SECTIONS[name](**values) for name, values in merged.items()})
 
 
 def _toml_value(v: Any) -> str:
@@ -403,16 +544,20 @@ def _toml_value(v: Any) -> str:
         return str(v)
     if isinstance(v, float):
         return repr(v)  # shortest repr that round-trips, valid TOML for finite floats
+    if isinstance(v, tuple | list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     s = str(v).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{s}"'
 
 
 def config_to_toml(cfg: TrainConfig, header: str = "") -> str:
-    """The configuration as flat TOML that :func:`config_from_toml` reads back to an equal TrainConfig."""
+    """The configuration as TOML tables that :func:`config_from_toml` reads back to an equal TrainConfig."""
     docs = field_docs()
     lines = [f"# {line}" for line in header.splitlines()] if header else []
-    for f in fields(cfg):
-        if docs.get(f.name):
-            lines.append(f"# {docs[f.name]}")
-        lines.append(f"{f.name} = {_toml_value(getattr(cfg, f.name))}")
-    return "\n".join(lines) + "\n"
+    for section in SECTIONS:
+        lines += ["", f"[{section}]"]
+        for f in fields(SECTIONS[section]):
+            if docs.get(f"{section}.{f.name}"):
+                lines.append(f"# {docs[f'{section}.{f.name}']}")
+            lines.append(f"{f.name} = {_toml_value(getattr(getattr(cfg, section), f.name))}")
+    return "\n".join(lines).lstrip("\n") + "\n"

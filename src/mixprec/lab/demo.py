@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from mixprec.lab.capabilities import missing_capabilities
 from mixprec.lab.compare import RunComparison, RunLog, compare_runs, format_table, load_run, plot_comparison
 from mixprec.lab.config import TrainConfig
 from mixprec.lab.launch import TrainingFailed, launch
@@ -115,7 +114,7 @@ def plan_demo(
         raise ValueError("runs must name at least one demo run")
     base = {**DEMO_DEFAULTS, **(overrides or {}), "seed": seed}
     return [
-        TrainConfig(**{**base, **demo_run.overrides, "out_dir": os.path.join(out_dir, "runs", demo_run.name)})
+        TrainConfig.from_dict({**base, **demo_run.overrides, "out_dir": os.path.join(out_dir, "runs", demo_run.name)})
         for demo_run in runs
     ]
 
@@ -123,7 +122,7 @@ def plan_demo(
 @dataclass
 class _Outcome:
     run: DemoRun
-    status: str  # "ok", "not available", "failed"
+    status: str  # "ok" or "failed"
     detail: str = ""
     seconds: float = 0.0
 
@@ -148,11 +147,6 @@ def run_demo(
     t_start = time.perf_counter()
     outcomes: list[_Outcome] = []
     for i, (demo_run, cfg) in enumerate(zip(runs, configs)):
-        missing = missing_capabilities(cfg)
-        if missing:
-            print(f"mixprec demo: [{i + 1}/{len(runs)}] {demo_run.name}: not available yet: {'; '.join(missing)}")
-            outcomes.append(_Outcome(demo_run, "not available", "; ".join(missing)))
-            continue
         print(f"mixprec demo: [{i + 1}/{len(runs)}] {demo_run.name}: {demo_run.description}", flush=True)
         t0 = time.perf_counter()
         try:
@@ -177,7 +171,7 @@ def run_demo(
         table = format_table(rows, threshold=threshold)
         print()
         print(table)
-        cfg0 = TrainConfig(**{**base, "out_dir": out_dir})
+        cfg0 = TrainConfig.from_dict({**base, "out_dir": out_dir})
         text = write_report(
             outcomes,
             logs,
@@ -285,16 +279,18 @@ def write_report(
     by_name = {o.run.name: o for o in outcomes}
     ref, ref_row = logs[0], rows[0]
     cpu = _cpu_model()
+    m, d, t = cfg.model, cfg.data, cfg.training
     lines = [
         "# mixprec demo report",
         "",
         f"{datetime.date.today().isoformat()}, {platform.node() or 'unknown host'}: {os.cpu_count()} CPU cores "
         f"({cpu}), torch {torch.__version__}, Python {platform.python_version()}; {total_seconds:.0f} s in total.",
         "",
-        f"Every run trains the same {cfg.n_layer}-layer GPT (n_embd {cfg.n_embd}, context {cfg.block_size} "
-        f"characters) from the same seed ({cfg.seed}) on the same batches of Python's standard library sources, for "
-        f"{cfg.steps} steps of {cfg.global_batch_size} sequences ({cfg.global_batch_size * cfg.block_size} "
-        f"characters) on {cfg.nproc} gloo ranks, AdamW at lr {cfg.lr:g}, gradient clipping at {cfg.grad_clip:g}. "
+        f"Every run trains the same {m.n_layer}-layer GPT (n_embd {m.n_embd}, context {m.block_size} "
+        f"characters) from the same seed ({t.seed}) on the same batches of Python's standard library sources, for "
+        f"{t.steps} steps of {d.global_batch_size} sequences ({d.global_batch_size * m.block_size} "
+        f"characters) on {cfg.parallel.nproc} gloo ranks, AdamW at lr {cfg.optimizer.lr:g}, gradient clipping at "
+        f"{t.clip_grad_norm:g}. "
         f"Only the precision and the gradient reduction change. Differences are taken against `{ref.name}` at "
         "each step (same batch), so they show what the numerics did, not sampling noise.",
         "",
@@ -307,7 +303,7 @@ def write_report(
     ]
     for log, row in zip(logs[1:], rows[1:]):
         demo_run = by_name[log.name].run
-        precision = str(demo_run.overrides.get("precision", cfg.precision))
+        precision = str(demo_run.overrides.get("precision", cfg.model.precision))
         sentences = _run_sentences(log, row, ref, ref_row, threshold, precision)
         lines.append(f"- **{log.name}** ({demo_run.description}): {sentences}")
     pair = _pair_sentence(logs)
@@ -334,8 +330,8 @@ def write_report(
         "## Reproduce",
         "",
         "Each run directory holds its resolved `config.toml`; rerun one with "
-        f"`mixprec train --config {os.path.join(cfg.out_dir, 'runs', ref.name, 'config.toml')} --overwrite`, and "
-        f"compare any runs with `mixprec compare {os.path.join(cfg.out_dir, 'runs', '*')}`.",
+        f"`mixprec train --config {os.path.join(t.out_dir, 'runs', ref.name, 'config.toml')} --overwrite`, and "
+        f"compare any runs with `mixprec compare {os.path.join(t.out_dir, 'runs', '*')}`.",
         "",
     ]
     return "\n".join(lines)

@@ -1,35 +1,29 @@
 """Start a ``mixprec train`` run: in this process, as ``--nproc N`` ranks started and watched here, or as one
 rank of a ``torchrun`` job.
 
-Failure handling, and its time bound:
-
-* A rank that raises tears its process group down, so its peers' next collective fails at once.
-* A rank that dies without a word (killed, crashed) closes its sockets; gloo peers waiting on it fail at once.
-* A rank that hangs makes its peers' next collective time out after ``timeout`` seconds (the process-group
-  timeout), and they exit non-zero.
-* The ``--nproc`` launcher watches its children: as soon as one exits non-zero it gives the others
-  ``GRACE_S`` seconds to stop on their own, then terminates them (SIGTERM, then SIGKILL after 5 s) and raises
-  :class:`TrainingFailed` naming the rank and its exit code. A rank whose collective failed because a peer
-  died or hung exits with :data:`PEER_FAILURE_EXIT` instead of 1, so the launcher blames the rank that failed
-  first (its own error, a crash or a signal), not the victims that happened to exit before it; when every
-  exit was a peer failure, the ranks it had to terminate are the ones that hung.
-
-So a failed run stops within about ``timeout + GRACE_S + 5`` seconds of the failure (``GRACE_S + 5`` when the
-failed rank exits), and under torchrun its own agent does the watching. Checkpoints are written atomically by
-rank 0, so the last one is always complete.
+The ``--nproc`` launcher watches its children: when one exits non-zero it gives the others ``GRACE_S`` seconds,
+terminates them, and raises :class:`TrainingFailed` naming the rank that failed first on its own (a rank whose
+collective failed because a peer died or hung exits with :data:`PEER_FAILURE_EXIT`). A hung rank is detected
+after ``parallel.timeout`` seconds. The ranks die with the launcher (a parent-death signal), and SIGTERM stops a
+run as SIGINT does. docs/lab.md has the time bounds.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import ctypes
+import errno
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -37,23 +31,26 @@ import torch
 import torch.distributed as dist
 
 from mixprec.comm.objects import is_peer_failure
-from mixprec.lab.capabilities import check_capabilities
-from mixprec.lab.checkpoint import CHECKPOINT_NAME, remove_stale_temporaries
+from mixprec.lab.build import gpt_config
+from mixprec.lab.checkpoint import CHECKPOINT_NAME, CheckpointWriteError, check_resume, remove_stale_temporaries
 from mixprec.lab.config import TrainConfig, config_to_toml
 from mixprec.lab.corpus import Corpus, check_corpus_source, load_corpus
 from mixprec.lab.data import check_corpus_fits
-from mixprec.lab.metrics import decode_row
-from mixprec.lab.train import (
-    METRICS_NAME,
-    SUMMARY_NAME,
-    TrainingDiverged,
-    check_resume,
-    gpt_config,
-    train_rank,
-)
-from mixprec.scaling.scaler import LossScaleFloorError
+from mixprec.lab.metrics import METRICS_NAME, SUMMARY_NAME, decode_row
+from mixprec.lab.train import TrainingDiverged, train_rank
+from mixprec.scaling import LossScaleFloorError
 
-__all__ = ["GRACE_S", "PEER_FAILURE_EXIT", "TrainingFailed", "check_run", "launch", "torchrun_env"]
+__all__ = [
+    "GRACE_S",
+    "PEER_FAILURE_EXIT",
+    "Terminated",
+    "TrainingFailed",
+    "check_run",
+    "preflight",
+    "launch",
+    "sigterm_as_interrupt",
+    "torchrun_env",
+]
 
 GRACE_S = 5.0
 # Exit code of a --nproc child whose failure was caused by another rank (see the module docstring).
@@ -64,6 +61,41 @@ _RUN_FILES = (CONFIG_NAME, METRICS_NAME, CHECKPOINT_NAME, SUMMARY_NAME)
 
 class TrainingFailed(RuntimeError):
     """A rank failed; the message says which, how, and what happened to the others."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that a run stops as on Ctrl-C (children stopped, checkpoint kept)."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Terminated` in the main thread (elsewhere: nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when the launcher dies (Linux; as torch elastic does), and exit now
+    if it died before that was set up (this process was then re-parented)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
 def torchrun_env() -> dict[str, int] | None:
@@ -79,23 +111,22 @@ def torchrun_env() -> dict[str, int] | None:
 
 
 def resolve_device(cfg: TrainConfig) -> str:
-    if cfg.device == "cpu":
+    if cfg.training.device == "cpu":
         return "cpu"
     available = torch.cuda.is_available()
-    if cfg.device == "cuda" and not available:
+    if cfg.training.device == "cuda" and not available:
         raise ValueError("device='cuda' but no CUDA device is available; use device = 'cpu' or 'auto'")
     return "cuda" if available else "cpu"
 
 
 def check_run(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> None:
     """Every check a run's configuration can fail, before anything is written (ValueError, exit code 2): the
-    corpus exists and is long enough for ``block_size`` in both splits, the model's own configuration, the
-    capabilities it needs, the run directory, and on ``resume`` the checkpoint's configuration and corpus.
-    (The loss scaler is built by TrainConfig's own validation.)"""
-    check_corpus_source(cfg.corpus)
-    check_capabilities(cfg)
-    corpus = load_corpus(cfg.corpus)
-    check_corpus_fits(corpus, block_size=cfg.block_size)
+    corpus exists and is long enough for ``block_size`` in both splits, the model's own configuration, the run
+    directory, and on ``resume`` the checkpoint (its checksum, configuration and corpus). (The loss scaler is
+    built by TrainConfig's own validation.)"""
+    check_corpus_source(cfg.data.corpus)
+    corpus = load_corpus(cfg.data.corpus)
+    check_corpus_fits(corpus, block_size=cfg.model.block_size)
     gpt_config(cfg, corpus.vocab_size)
     check_run_dir(cfg, resume=resume, overwrite=overwrite, corpus=corpus)
 
@@ -105,48 +136,62 @@ def check_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool, corpus: Co
     whose configuration (or, given ``corpus``, corpus) differs."""
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
+    _check_writable(cfg.training.out_dir)
     if resume:
         check_resume(cfg, corpus)
         return
-    existing = [f for f in _RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
+    existing = [f for f in _RUN_FILES if os.path.exists(os.path.join(cfg.training.out_dir, f))]
     if existing and not overwrite:
         raise ValueError(
-            f"out_dir {cfg.out_dir!r} already holds a run ({', '.join(existing)}); pass --resume to continue it, "
-            "--overwrite to replace it, or choose another out_dir"
+            f"out_dir {cfg.training.out_dir!r} already holds a run ({', '.join(existing)}); pass --resume to "
+            "continue it, --overwrite to replace it, or choose another out_dir"
         )
+
+
+def _check_writable(out_dir: str) -> None:
+    """Refuse an out_dir that is not a directory, or that this process cannot create or write into."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"out_dir {out_dir!r} is not a directory (a file of that name exists)")
+    existing = os.path.abspath(out_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"cannot create out_dir {out_dir!r}: {existing!r} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == os.path.abspath(out_dir) else f"cannot be created in {existing!r}"
+        raise ValueError(f"out_dir {out_dir!r} {what} (permission denied or a read-only file system)")
 
 
 def prepare_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> None:
     """Create ``out_dir`` and write the resolved ``config.toml`` (after :func:`check_run_dir`)."""
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    remove_stale_temporaries(os.path.join(cfg.out_dir, CHECKPOINT_NAME))
+    out_dir = cfg.training.out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    remove_stale_temporaries(os.path.join(out_dir, CHECKPOINT_NAME))
     if overwrite:
         for f in _RUN_FILES:
-            path = os.path.join(cfg.out_dir, f)
+            path = os.path.join(out_dir, f)
             if os.path.exists(path):
                 os.unlink(path)
     header = (
         f"Resolved configuration of a mixprec train run (torch {torch.__version__}).\n"
-        f"Rerun: mixprec train --config {os.path.join(cfg.out_dir, CONFIG_NAME)} --overwrite"
+        f"Rerun: mixprec train --config {os.path.join(out_dir, CONFIG_NAME)} --overwrite"
     )
-    tmp = os.path.join(cfg.out_dir, CONFIG_NAME + ".tmp")
+    tmp = os.path.join(out_dir, CONFIG_NAME + ".tmp")
     with open(tmp, "w") as fh:
         fh.write(config_to_toml(cfg, header))
-    os.replace(tmp, os.path.join(cfg.out_dir, CONFIG_NAME))
+    os.replace(tmp, os.path.join(out_dir, CONFIG_NAME))
 
 
 def _resolve(cfg: TrainConfig, world_size: int, local_world_size: int | None = None) -> TrainConfig:
     """Fill in what the defaults leave open: the world size, an absolute out_dir, the loss scaler, and for
     uint8_hierarchical the ranks per node (torchrun's LOCAL_WORLD_SIZE, else two simulated nodes)."""
-    ranks_per_node = cfg.ranks_per_node
-    if cfg.reduce == "uint8_hierarchical" and not ranks_per_node:
+    ranks_per_node = cfg.parallel.ranks_per_node
+    if cfg.parallel.reduce == "uint8_hierarchical" and not ranks_per_node:
         ranks_per_node = local_world_size if local_world_size is not None else max(1, world_size // 2)
-    return dataclasses.replace(
-        cfg,
-        nproc=world_size,
-        out_dir=os.path.abspath(cfg.out_dir),
-        loss_scaler=cfg.resolved_loss_scaler,
-        ranks_per_node=ranks_per_node,
+    return cfg.replace(
+        parallel={"nproc": world_size, "ranks_per_node": ranks_per_node},
+        training={"out_dir": os.path.abspath(cfg.training.out_dir)},
+        scaler={"kind": cfg.resolved_loss_scaler},
     )
 
 
@@ -179,9 +224,8 @@ def run_rank(
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.timeout)
-    )
+    timeout = timedelta(seconds=cfg.parallel.timeout)  # every group mixprec creates inherits it
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
     try:
         return train_rank(cfg, rank=rank, world_size=world_size, device=device, resume=resume, progress=progress)
     except BaseException as exc:
@@ -196,8 +240,18 @@ def run_rank(
 
 
 def _child(
-    cfg: TrainConfig, rank: int, world_size: int, init_method: str, device_type: str, resume: bool, fork: bool
+    cfg: TrainConfig,
+    rank: int,
+    world_size: int,
+    init_method: str,
+    device_type: str,
+    resume: bool,
+    fork: bool,
+    parent_pid: int,
 ) -> None:
+    _die_with_parent(parent_pid)
+    # The launcher's SIGTERM handler (inherited through fork) is the launcher's: a rank it terminates just stops.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if fork:
         # Intra-op thread pools inherited through fork can deadlock; and N ranks share the cores anyway.
         torch.set_num_threads(1)
@@ -220,8 +274,10 @@ def _child(
     except BaseException as exc:
         if is_peer_failure(exc):
             sys.exit(PEER_FAILURE_EXIT)  # run_rank said so in one line; the culprit's traceback is the useful one
-        if isinstance(exc, TrainingDiverged | LossScaleFloorError):
-            sys.exit(1)  # the run's numerics failed, not the code: run_rank's one line says why
+        if isinstance(exc, TrainingDiverged | LossScaleFloorError | CheckpointWriteError):
+            sys.exit(1)  # the run's numerics or the disk failed, not the code: run_rank's one line says why
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS):
+            sys.exit(1)  # the disk refused a write: run_rank's one line says which
         traceback.print_exc()
         sys.stderr.flush()
         sys.exit(1)
@@ -232,10 +288,11 @@ def _watch(procs: list[Any], timeout: float) -> None:
     docstring)."""
     observed: list[int] = []  # ranks in the order their non-zero exits were seen
     while True:
-        for rank, p in enumerate(procs):
-            if p.exitcode not in (None, 0) and rank not in observed:
-                observed.append(rank)
-        running = [p for p in procs if p.exitcode is None]
+        # One read of each exit code per round: a rank exiting between two reads must not be seen as still
+        # running by one and as exited (and not failed) by the other.
+        codes = [p.exitcode for p in procs]
+        observed += [r for r, code in enumerate(codes) if code not in (None, 0) and r not in observed]
+        running = [p for p, code in zip(procs, codes, strict=True) if code is None]
         if observed or not running:
             break
         multiprocessing.connection.wait([p.sentinel for p in running], timeout=1.0)
@@ -301,13 +358,17 @@ def _spawn(cfg: TrainConfig, device_type: str, resume: bool) -> None:
     rendezvous = tempfile.mkdtemp(prefix="mixprec-train-")
     init_method = "file://" + os.path.join(rendezvous, "store")
     procs = [
-        ctx.Process(target=_child, args=(cfg, r, cfg.nproc, init_method, device_type, resume, fork), daemon=True)
-        for r in range(cfg.nproc)
+        ctx.Process(
+            target=_child,
+            args=(cfg, r, cfg.parallel.nproc, init_method, device_type, resume, fork, os.getpid()),
+            daemon=True,
+        )
+        for r in range(cfg.parallel.nproc)
     ]
     try:
         for p in procs:
             p.start()
-        _watch(procs, cfg.timeout)
+        _watch(procs, cfg.parallel.timeout)
     except KeyboardInterrupt:
         for p in procs:
             if p.exitcode is None:
@@ -319,6 +380,20 @@ def _spawn(cfg: TrainConfig, device_type: str, resume: bool) -> None:
         shutil.rmtree(rendezvous, ignore_errors=True)
 
 
+def preflight(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> TrainConfig:
+    """Every check ``launch(cfg, ...)`` makes before it writes anything or starts a rank, with the configuration
+    resolved as the run will save it (world size from torchrun when set); returns that resolved configuration.
+    ValueError names what is wrong (exit code 2 in the CLI)."""
+    env = torchrun_env()
+    if env is not None:
+        resolved = _resolve(cfg, env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"])
+    else:
+        resolved = _resolve(cfg, cfg.parallel.nproc)
+    check_run(resolved, resume=resume, overwrite=overwrite)
+    resolve_device(resolved)
+    return resolved
+
+
 def launch(
     cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, progress: bool | None = None
 ) -> dict[str, Any] | None:
@@ -326,24 +401,24 @@ def launch(
     rank when torchrun's variables are set. Returns the run summary (None on ranks other than 0 under torchrun).
 
     Raises:
-        ValueError: a bad configuration, a missing corpus, a missing capability, an existing run directory
+        ValueError: a bad configuration, a missing corpus, an unwritable or existing run directory
             (without ``resume``/``overwrite``), or a checkpoint that does not match (exit code 2 in the CLI).
         TrainingFailed: a rank failed; the others were stopped.
     """
     env = torchrun_env()
     if env is not None:
         return _launch_torchrun(cfg, env, resume=resume, overwrite=overwrite, progress=progress)
-    cfg = _resolve(cfg, cfg.nproc)
+    cfg = _resolve(cfg, cfg.parallel.nproc)
     check_run(cfg, resume=resume, overwrite=overwrite)
     device_type = resolve_device(cfg)
     if device_type == "cuda":
-        _check_local_gpu(cfg.nproc - 1)
+        _check_local_gpu(cfg.parallel.nproc - 1)
     prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
-    if cfg.nproc == 1:
+    if cfg.parallel.nproc == 1:
         device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         return train_rank(cfg, device=device, resume=resume, progress=progress)
     _spawn(cfg, device_type, resume)
-    return read_summary(cfg.out_dir)
+    return read_summary(cfg.training.out_dir)
 
 
 def _launch_torchrun(
@@ -358,7 +433,7 @@ def _launch_torchrun(
         _check_local_gpu(env["LOCAL_RANK"])
         torch.cuda.set_device(env["LOCAL_RANK"])
     backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout))
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.parallel.timeout))
     try:
         # Every rank has run its checks above before rank 0 writes config.toml: else a fast rank 0 could write it
         # before a slow rank checks the directory, which would then refuse it as "already holds a run".

@@ -5,19 +5,38 @@ Non-finite numbers are not JSON (``json.dumps`` would write the non-standard ``N
 NaN or +-inf float is written as ``null`` and named in the row's ``"nonfinite"`` object (field name ->
 ``"nan"``, ``"inf"`` or ``"-inf"``), which is present only when such a value occurred. :func:`read_rows`
 restores those values, so a reader sees the floats the trainer logged, while any other JSON tool sees valid
-JSON with nulls. Logs written with bare ``NaN`` (Python's json module, older runs) still read.
+JSON with nulls. Logs written with bare ``NaN`` (Python's json module, older runs) still read. A run killed
+mid-write may leave a torn last line: :func:`truncate_metrics` (called on resume) drops it with a notice.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import statistics
+import sys
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["METRICS_NAME", "NONFINITE_KEY", "decode_row", "encode_row", "read_numbered_rows", "read_rows", "strict_row"]
+import torch
+
+__all__ = [
+    "METRICS_NAME",
+    "NONFINITE_KEY",
+    "SUMMARY_NAME",
+    "decode_row",
+    "encode_row",
+    "read_numbered_rows",
+    "read_rows",
+    "strict_row",
+    "summarize_run",
+    "truncate_metrics",
+    "write_summary",
+]
 
 METRICS_NAME = "metrics.jsonl"
+SUMMARY_NAME = "summary.json"
 NONFINITE_KEY = "nonfinite"
 _NONFINITE_NAMES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
@@ -80,3 +99,62 @@ def read_numbered_rows(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
             yield lineno, decode_row(row, f"{path}:{lineno}")
+
+
+def truncate_metrics(path: str, before_step: int) -> None:
+    """Keep only rows of steps < ``before_step`` (a run killed after its last checkpoint logged more). A torn
+    last line (the run was killed while writing it) is dropped with a one-line notice; a bad line elsewhere is
+    an error (ValueError naming ``path:line``)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as fh:
+        lines = fh.read().splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if lines:
+        try:
+            json.loads(lines[-1])
+        except json.JSONDecodeError:
+            print(
+                f"mixprec train: {path}:{len(lines)}: dropped a torn last line (the run was killed while writing "
+                f"it): {lines[-1][:60]!r}",
+                file=sys.stderr,
+                flush=True,
+            )
+            lines.pop()
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.write("".join(line + "\n" for line in lines))
+    kept = [row for row in read_rows(tmp) if row.get("step", -1) < before_step]
+    with open(tmp, "w") as fh:
+        fh.write("".join(encode_row(row) + "\n" for row in kept))
+    os.replace(tmp, path)
+
+
+def summarize_run(metrics_path: str, *, parameters: int, corpus: Any) -> dict[str, Any]:
+    """The run's summary (summary.json) from its metrics log."""
+    rows = list(read_rows(metrics_path))
+    losses = [r["loss"] for r in rows]
+    evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None]
+    finite = [v for v in losses if math.isfinite(v)]
+    return {
+        "steps": len(rows),
+        "final_loss": losses[-1] if losses else None,
+        "best_loss": min(finite) if finite else None,
+        "final_eval_loss": evals[-1] if evals else None,
+        "skipped_steps": sum(1 for r in rows if r.get("skipped")),
+        "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rows) if rows else None,
+        "wall_time": rows[-1]["wall_time"] if rows else 0.0,
+        "parameters": parameters,
+        "corpus": corpus.name,
+        "corpus_sha256": corpus.sha256,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def write_summary(summary: dict[str, Any], path: str) -> None:
+    """summary.json as strict JSON (a NaN final loss: null and "nonfinite")."""
+    with open(path, "w") as fh:
+        json.dump(strict_row(summary), fh, indent=2, allow_nan=False)
+        fh.write("\n")

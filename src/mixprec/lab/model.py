@@ -1,6 +1,6 @@
 """A small GPT: a decoder-only transformer in the style of nanoGPT, for character-level language modelling.
 
-Precision contract (see :mod:`mixprec.lab.train` for the full table per mode):
+Precision contract (docs/lab.md has the full table per mode):
 
 * Parameters may be held in fp32, bf16 or fp16 (``model.to(dtype)``).
 * The residual stream is fp32: the embedding tables are upcast (exactly) before the lookup, so the gradient of a

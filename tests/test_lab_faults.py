@@ -1,0 +1,168 @@
+"""``mixprec train`` against a hostile environment: the launcher killed or terminated, an out_dir that cannot be
+written, a file-size limit while writing a checkpoint. Each runs the real command in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mixprec.lab.checkpoint import load_checkpoint
+
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--global-batch-size", "4",
+        "--micro-batch-size", "2", "--eval-interval", "0", "--no-progress"]  # fmt: skip
+_SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
+def _command(run_dir, *args: str) -> list[str]:
+    return [sys.executable, "-m", "mixprec", "train", "--out-dir", str(run_dir), *TINY, *args]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": _SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _start_long_run(run_dir) -> subprocess.Popen:
+    """A 2-rank run that would take minutes, in its own process group; returns once a checkpoint exists."""
+    proc = subprocess.Popen(
+        _command(run_dir, "--nproc", "2", "--steps", "100000", "--checkpoint-interval", "2"),
+        env=_env(),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the run did not reach its first checkpoint: {proc.communicate()}")
+        time.sleep(0.2)
+    return proc
+
+
+def _wait_group_gone(pgid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _group_alive(pgid)
+
+
+def test_sigterm_to_the_launcher_stops_the_run_like_sigint(tmp_path) -> None:
+    run = tmp_path / "r"
+    proc = _start_long_run(run)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 143, err
+        assert "terminated (SIGTERM); the last checkpoint is intact" in err and "Traceback" not in err
+        assert _wait_group_gone(proc.pid, 10), "ranks outlived the launcher"
+    finally:
+        if _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert load_checkpoint(str(run / "checkpoint.pt"))["step"] >= 2
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path) -> None:
+    proc = _start_long_run(tmp_path / "r")
+    try:
+        proc.kill()
+        proc.wait(10)
+        assert _wait_group_gone(proc.pid, 5), "ranks kept running after their launcher was killed"
+    finally:
+        if _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda tmp: tmp / "file", "is not a directory"),
+        (lambda tmp: tmp / "file" / "sub", "is a file, not a directory"),
+        (lambda tmp: "/proc/sys/mixprec-run", "cannot be created in '/proc/sys'"),
+        (lambda tmp: "/proc/sys", "is not writable"),
+    ],
+)
+def test_an_out_dir_that_cannot_be_written_exits_2_in_one_line(tmp_path, make, words) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    out = make(tmp_path)
+    done = subprocess.run(_command(out, "--steps", "1"), env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert words in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def _limit_file_size() -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+
+def test_a_file_size_limit_while_checkpointing_is_one_line_not_a_traceback(tmp_path) -> None:
+    """The checkpoint (about 100 KiB) exceeds a 64 KiB file-size limit: one line, exit 1, no temporary left."""
+    run = tmp_path / "r"
+    done = subprocess.run(
+        _command(run, "--steps", "2"),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=_limit_file_size,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "cannot write the checkpoint" in done.stderr and "File too large" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert sorted(os.listdir(run)) == ["config.toml", "metrics.jsonl"]
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as fh:
+        return [int(c) for c in fh.read().split()]
+
+
+@pytest.mark.slow  # the peers' timeout, the launcher's grace period and SIGTERM wait: about 20 s
+def test_a_stopped_rank_is_detected_by_the_timeout_and_blamed(tmp_path) -> None:
+    """SIGSTOP on rank 1 (a frozen machine, a debugger): rank 0's next collective times out after --timeout, the
+    launcher terminates the stopped rank (SIGKILL, as SIGTERM waits for a stopped process) and names it."""
+    from mixprec.lab.launch import GRACE_S
+
+    timeout = 4.0
+    run = tmp_path / "r"
+    proc = subprocess.Popen(
+        _command(run, "--nproc", "2", "--steps", "100000", "--checkpoint-interval", "2", "--timeout", str(timeout)),
+        env=_env(),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(run / "checkpoint.pt") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGSTOP)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        elapsed = time.monotonic() - start
+        assert proc.returncode == 1, err
+        assert "rank(s) 1 stopped responding (hung)" in err
+        # timeout, then GRACE_S, SIGTERM and 5 s, SIGKILL; 15 s for a loaded machine.
+        assert elapsed < timeout + GRACE_S + 5 + 15
+        assert _wait_group_gone(proc.pid, 10)
+    finally:
+        if _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGCONT)
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert load_checkpoint(str(run / "checkpoint.pt"))["step"] >= 2
