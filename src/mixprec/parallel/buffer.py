@@ -16,6 +16,7 @@ before every reduction and after every finished one, whatever the reducer wrote 
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 
 import torch
@@ -34,7 +35,7 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
 
 
-class _Slot:
+class _Slot(abc.ABC):
     """One parameter's place in the gradient buffer and how a window of microbatches accumulates there.
 
     ``fresh``: the slot does not hold this accumulation window's gradient yet.
@@ -45,17 +46,17 @@ class _Slot:
         self.view = view
         self.fresh = True
 
+    @abc.abstractmethod
     def accumulate(self, sync: bool) -> None:
         """``param.grad`` has just received a microbatch's gradient (the post-accumulate-grad hook)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def fill_unused(self) -> None:
         """No gradient reached the parameter in this synced backward: the slot must still hold a defined value."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def publish(self) -> None:
         """After the all-reduce: hand the reduced gradient to ``param.grad``."""
-        raise NotImplementedError
 
     def forget_grad(self, set_to_none: bool) -> None:
         """The buffer was zeroed: drop what ``param.grad`` holds outside it."""
