@@ -69,6 +69,7 @@ class ScaledFP8:
         self.generator = generator
         self.check_finite: CheckFinite = check_choice("check_finite", check_finite, CHECK_FINITE)
         self._scratch = Scratch()
+        self._tables: dict[torch.device, torch.Tensor] = {}
 
     def __repr__(self) -> str:
         return (
@@ -241,13 +242,19 @@ class ScaledFP8:
         """Round ``y`` (fp32, within the format's range) in place: up in magnitude with probability equal to
         the fraction of the spacing, from ``uniforms`` (one per element)."""
         fmt = self.format
-        low = round_to(y, fmt, "toward_zero")
         mag = y.abs()
-        _, e = torch.frexp(mag)
-        spacing = torch.exp2((e - 1).clamp_min(fmt.emin) - fmt.man_bits).float()  # exact powers of two
-        frac = (mag - low.abs()) / spacing  # exact, in [0, 1)
-        step = torch.where(uniforms < frac, spacing, torch.zeros_like(spacing))
-        y.copy_(low + torch.copysign(step, y))  # exact: the neighbour away from zero is on the grid
+        # The format's spacing at |y|: 2**(floor(log2 |y|) - man_bits), at least the subnormal spacing, built
+        # from the fp32 exponent bits (exact powers of two).
+        e = torch.bitwise_right_shift(mag.view(torch.int32), 23).clamp_min_(fmt.emin + 127)
+        spacing = torch.bitwise_left_shift(e.sub_(fmt.man_bits), 23).view(torch.float32)
+        q = mag.div_(spacing)  # exact: a power of two
+        low = torch.floor(q)
+        up = torch.lt(uniforms, q.sub_(low)).to(torch.float32)  # frac(q), exact
+        y.copy_(torch.copysign(low.add_(up).mul_(spacing), y))  # exact: a neighbour on the grid
+
+    def _code_values(self, device: torch.device) -> torch.Tensor:
+        """The fp32 value of each of the 256 codes (NaN codes stay NaN; never produced by encode)."""
+        return torch.arange(256, dtype=torch.uint8, device=device).view(self.dtype).float()
 
     def _decode_rows(self, buf: torch.Tensor, length: int, out: torch.Tensor, reduce: bool) -> int:
         rows = buf.shape[0]
@@ -255,7 +262,14 @@ class ScaledFP8:
         hb = SCALE_BYTES_PER_CHUNK * chunks
         scale = self._scratch.get("dscale", rows * chunks, torch.float32, buf.device).view(rows, chunks)
         scale.view(torch.uint8).copy_(buf[:, :hb])
-        vals = buf[:, hb:].contiguous().view(self.dtype).float()  # [R, L], exact
+        # Code -> value by a 256-entry table: torch's float8 -> fp32 cast is slow on CPU.
+        table = self._tables.get(buf.device)
+        if table is None:
+            table = self._tables[buf.device] = self._code_values(buf.device)
+        idx = self._scratch.get("idx", rows * length, torch.int32, buf.device)
+        idx.view(rows, length).copy_(buf[:, hb:])
+        vals = self._scratch.get("vals", rows * length, torch.float32, buf.device).view(rows, length)
+        torch.index_select(table, 0, idx, out=vals.view(-1))  # exact values of the codes
         for first, vv in self._views(vals):
             vv.mul_(scale[:, first : first + vv.shape[1], None])  # exact: powers of two, no underflow
         if reduce:
