@@ -37,9 +37,11 @@ def test_cost_model_crossover() -> None:
     # the crossover against bf16 lies between 1 and 2.5 Gbit/s here, as measured in benchmarks/RESULTS.md
     assert auto.choose(_costs(1.0), n, 2, 2, 2048).wire == "uint8"
     assert auto.choose(_costs(2.5), n, 2, 2, 2048).wire == "full"
-    # fp8 wins when its quantizing is the cheaper one
+    # fp8 wins when its quantizing is clearly the cheaper one, not on noise
     cheap_fp8 = auto.LinkCosts(0.5e9 / 8, 6e-9, 6e-9, 1e-9, 1e-9)
     assert auto.choose(cheap_fp8, n, 4, 2, 2048).wire == "e4m3"
+    same = auto.LinkCosts(0.5e9 / 8, 1.7e-9, 1.1e-9, 1.6e-9, 1.1e-9)
+    assert auto.choose(same, n, 4, 2, 2048).wire == "uint8"
     assert auto.choose(_costs(0.5), n, 4, 1, 2048).wire == "full"  # one rank: nothing to send
     choice = auto.choose(_costs(0.5), n, 2, 2, 2048)
     assert "0.5 Gbit/s" in choice.reason(_costs(0.5).link_bytes_per_s)
@@ -79,17 +81,19 @@ def _worker_auto(rank: int, world: int, gbps: float | None) -> dict:
     return {"buckets": buckets, "choices": {k: c.wire for k, c in reducer.choices.items()}, "log": records}
 
 
-@pytest.mark.parametrize("gbps, wire", [(0.01, "uint8"), (1000.0, "full")])
-def test_auto_reducer_same_choice_on_every_rank_and_bit_exact(dist_run, gbps: float, wire: str) -> None:
+@pytest.mark.parametrize("gbps, compress", [(0.01, True), (1000.0, False)])
+def test_auto_reducer_same_choice_on_every_rank_and_bit_exact(dist_run, gbps: float, compress: bool) -> None:
     res = dist_run(_worker_auto, 2, gbps, timeout=120)
+    wire = res[0]["choices"][0]  # uint8 or fp8 on the slow link: the measured quantizing costs decide
+    assert (wire != "full") == compress
     assert res[0]["choices"] == res[1]["choices"] == {0: wire, 1: wire, 5: wire}
     assert len(res[0]["log"]) == 3 and all(wire in line and "Gbit/s" in line for line in res[0]["log"])
     # Run twice with the same buckets: the first round's results are the inputs of the second.
     for k in range(2):
         inputs = [_bucket(r, k).numpy() for r in range(2)]
-        if wire == "uint8":
-            once = ref_flat_all_reduce(inputs, CHUNK)[0][0]
-            expected = ref_flat_all_reduce([once, once], CHUNK)[0][0]
+        if wire != "full":
+            once = ref_flat_all_reduce(inputs, CHUNK, wire=wire)[0][0]
+            expected = ref_flat_all_reduce([once, once], CHUNK, wire=wire)[0][0]
         else:  # fp32 sums in rank order, divided by 2: exact for the mean of two equal vectors
             once = ((inputs[0] + inputs[1]) / np.float32(2)).astype(np.float32)
             expected = once
@@ -110,7 +114,7 @@ def _worker_hook(rank: int, world: int) -> dict:
 
 def test_auto_hook_compresses_on_a_slow_link(dist_run) -> None:
     res = dist_run(_worker_hook, 2, timeout=120)
-    assert res[0]["choices"] == res[1]["choices"] and set(res[0]["choices"].values()) == {"uint8"}
+    assert res[0]["choices"] == res[1]["choices"] and "full" not in res[0]["choices"].values()
     assert res[0]["bytes"] > 0
 
 

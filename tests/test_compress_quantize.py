@@ -321,7 +321,7 @@ def test_zero_point_is_the_exact_ceiling() -> None:
     # zero * step >= -min > (zero - 1) * step, in exact arithmetic, for chunks whose fp64 quotient -min / step
     # lands on or next to an integer.
     q = MinMaxUInt8(chunk_size=2)
-    for lo in [-1.0, -0.5, -1 / 3, -2.0**-20, -127.0, -0.999999940395]:
+    for lo in [-1.0, -0.5, -1 / 3, -(2.0**-20), -127.0, -0.999999940395]:
         for hi in [1.0, 0.0, 2.0**-20, 3.0, 254.0]:
             x = torch.tensor([lo, hi])
             mins, maxs = q.header(q.encode(x), 2)

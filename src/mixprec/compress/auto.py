@@ -6,7 +6,8 @@ quantizing (seconds per element of the compressed pipeline: encode N + N/W, deco
     full precision:  2 (W-1)/W N s / B
     uint8 / fp8:     2 (W-1)/W N (1 + h / chunk) / B + q N        (h = 8 or 4 header bytes per chunk)
 
-and the cheapest wins (ties: full precision, then uint8). B is probed once, with a timed all-reduce, or
+and the cheapest wins (ties: full precision; fp8 only when 10% cheaper than uint8, which is the more
+accurate wire on most gradients: docs/compress.md). B is probed once, with a timed all-reduce, or
 given (``link_gbps``); q is measured once per process and device type and cached. Both come from rank 0
 and are broadcast, so every rank makes the same choice and issues the same collectives. With the costs of
 benchmarks/RESULTS.md compression stops paying near 2 Gbit/s against a bf16 wire. Each bucket's choice
@@ -30,6 +31,9 @@ __all__ = ["CHOICES", "AutoChoice", "LinkCosts", "choose", "measure_quantize_cos
 logger = logging.getLogger("mixprec.compress.auto")
 
 CHOICES: tuple[str, ...] = ("full", "uint8", "e4m3")
+# fp8 must beat uint8 by this factor: uint8 is the more accurate wire on normal-like gradients, and the
+# measured costs carry noise that should not flip the choice from run to run.
+_FP8_MARGIN = 0.9
 _PROBE_BYTES = 8 << 20  # large enough that tbf's burst and per-call latency are small beside it
 _MEASURE_ELEMENTS = 1 << 20
 _quantize_cost: dict[str, tuple[float, float, float, float]] = {}  # device type -> (enc, dec) uint8, fp8 (s/elem)
@@ -134,4 +138,6 @@ def choose(costs: LinkCosts, numel: int, element_size: int, world: int, chunk_si
         "uint8": ring * (numel + 8 * chunks) / rate + q8 * numel,
         "e4m3": ring * (numel + 4 * chunks) / rate + qf * numel,
     }
-    return AutoChoice(min(CHOICES, key=lambda k: (est[k], CHOICES.index(k))), est, numel)
+    compressed = "e4m3" if est["e4m3"] < _FP8_MARGIN * est["uint8"] else "uint8"
+    wire = "full" if est["full"] <= est[compressed] else compressed
+    return AutoChoice(wire, est, numel)
