@@ -131,7 +131,7 @@ _WORKER = textwrap.dedent(
     bucket = torch.randn(1 << 20).bfloat16()
     reducer.all_reduce(bucket, None, average=True, key=0).wait()
     if rank == 0:
-        print(json.dumps({"wire": reducer.choices[0].wire, "rate": reducer._costs.link_bytes_per_s}))
+        print(json.dumps({"wire": reducer.choices[0].wire, "rate": reducer.link_costs.link_bytes_per_s}))
     dist.destroy_process_group()
     """
 )

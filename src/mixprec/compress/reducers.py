@@ -91,6 +91,11 @@ class Uint8Reducer:
         """``wire="auto"``: each bucket's choice (made at its first reduction, then kept)."""
         self._costs: auto.LinkCosts | None = None
 
+    @property
+    def link_costs(self) -> auto.LinkCosts | None:
+        """``wire="auto"``: the agreed link rate and quantizing costs (None before the first reduction)."""
+        return self._costs
+
     # ------------------------------------------------------------------ helpers
     def _take_workspace(self) -> CompressionWorkspace:
         while len(self._pending) >= self.max_in_flight:
@@ -169,7 +174,8 @@ class Uint8Reducer:
 
     def _start_full(self, key: int, start: Callable[[], PendingReduction | None]) -> _PendingBucket:
         """``wire="auto"`` chose full precision: the fp32-accumulating collective of :mod:`mixprec.comm`."""
-        self._feedback_for(key)  # validates the key
+        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+            raise ValueError(f"key must be an int >= 0; got {key!r}")
         workspace = self._take_workspace()
         reduction = start()
         assert reduction is not None  # async_op=True
