@@ -1,8 +1,10 @@
-"""Throughput of MinMaxUInt8 encode + decode as a fraction of a plain ``copy_`` of the same fp32 tensor.
+"""Throughput of MinMaxUInt8 and ScaledFP8 encode + decode as a fraction of a plain ``copy_`` of the same
+fp32 tensor.
 
 ``copy_`` (read 4N bytes, write 4N) is the memory-bandwidth limit of any pass over the data. Also timed in
 the same run: the straightforward torch version a user would write (fresh tensors, whole-tensor passes,
-torch's float->uint8 cast) and torch's own fp32 -> bf16 cast (the cost of the bf16 wire format).
+torch's float->uint8 cast) and torch's own fp32 -> bf16 cast (the cost of the bf16 wire format). The fp8
+rows (e4m3, e5m2 with a power-of-two scale per chunk) put torch's fp32 -> float8 cast beside them.
 
     python benchmarks/bench_quantize.py [--quick] [--threads N]
 """
@@ -14,7 +16,7 @@ import argparse
 import torch
 
 from _common import machine_header, markdown_table, time_it
-from mixprec.compress import MinMaxUInt8
+from mixprec.compress import MinMaxUInt8, ScaledFP8
 
 
 def naive_encode(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -49,6 +51,18 @@ def measure(n: int, chunk: int, repeat: int) -> list[list[object]]:
         row += [t_copy / t_both, 4 * n / t_both / 1e9]
         row += [t_naive * 1e3, t_naive / t_both, t_cast * 1e3] if rounding == "nearest" else ["", "", ""]
         rows.append(row)
+    for fmt, dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
+        fp8 = torch.empty(n, dtype=dtype)
+        t_cast8 = time_it(lambda: fp8.copy_(x), repeat=repeat)  # noqa: B023
+        for rounding in ("nearest", "stochastic"):
+            f = ScaledFP8(fmt, chunk_size=chunk, rounding=rounding, generator=torch.Generator().manual_seed(0))
+            buf = f.encode(x)
+            t_enc = time_it(lambda: f.encode(x, out=buf), repeat=repeat)  # noqa: B023
+            t_dec = time_it(lambda: f.decode(buf, n, out=dst), repeat=repeat)  # noqa: B023
+            t_both = t_enc + t_dec
+            row = [f"{n / 2**20:.0f}M", f"fp8 {fmt} {rounding}", t_copy * 1e3, t_enc * 1e3, t_dec * 1e3]
+            row += [t_copy / t_both, 4 * n / t_both / 1e9, "", "", f"fp32->{fmt} cast {t_cast8 * 1e3:.3g}"]
+            rows.append(row)
     return rows
 
 
@@ -62,7 +76,7 @@ def main() -> None:
     repeat = 3 if args.quick else 7
     chunk = 2048
 
-    print(machine_header("MinMaxUInt8 encode + decode throughput vs copy_ (fp32 input)"))
+    print(machine_header("MinMaxUInt8 and ScaledFP8 encode + decode throughput vs copy_ (fp32 input)"))
     rows = []
     for n in sizes:
         rows += measure(n, chunk, repeat)
@@ -70,7 +84,7 @@ def main() -> None:
         markdown_table(
             [
                 "elements",
-                "rounding",
+                "wire, rounding",
                 "copy_ ms",
                 "encode ms",
                 "decode ms",
@@ -78,7 +92,7 @@ def main() -> None:
                 "enc+dec GB/s of fp32",
                 "naive torch enc+dec ms",
                 "speedup vs naive",
-                "fp32->bf16 cast ms",
+                "fp32->bf16 cast ms (fp8 rows: fp32->fp8 cast ms)",
             ],
             rows,
         )

@@ -7,6 +7,9 @@ Python loops over chunks and ranks. The collectives are simulated on the list of
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 import numpy as np
 import torch
 
@@ -18,6 +21,21 @@ U32 = 2.0**-24
 def as_f32(t: torch.Tensor) -> np.ndarray:
     """Exact fp32 values of a fp32/fp16/bf16 tensor, flattened."""
     return t.detach().reshape(-1).float().numpy().astype(np.float32)
+
+
+def ref_grid(mn: np.float32, mx: np.float32) -> tuple[bool, bool, float, np.float32, int]:
+    """The documented per-chunk grid: (aligned, wide, range R, fp32 step, zero point).
+
+    R = max - min in float64. A chunk with min < 0 <= max that is not on the float64 path is aligned to
+    0: step = fl32(R / 254), zero = the smallest integer with zero * step >= -min, found here in exact
+    rational arithmetic. Otherwise step = fl32(R / 255) and the zero point is unused (0).
+    """
+    rng = float(mx) - float(mn)
+    wide = rng > FP32_MAX or 0 < rng < WIDE_BELOW
+    if float(mn) < 0 <= float(mx) and not wide:
+        step = np.float32(rng / 254.0)
+        return True, False, rng, step, math.ceil(Fraction(-float(mn)) / Fraction(float(step)))
+    return False, wide, rng, np.float32(rng / 255.0), 0
 
 
 def ref_encode(x: np.ndarray, chunk: int, rounding: str = "nearest", uniforms: np.ndarray | None = None) -> bytes:
@@ -34,13 +52,16 @@ def ref_encode(x: np.ndarray, chunk: int, rounding: str = "nearest", uniforms: n
         mn, mx = np.float32(xc.min()), np.float32(xc.max())
         mins.append(mn)
         maxs.append(mx)
-        rng = float(mx) - float(mn)
-        scale64 = 255.0 / rng if rng > 0 else 0.0
-        if rng > FP32_MAX or 0 < rng < WIDE_BELOW:
-            q = (xc.astype(np.float64) - float(mn)) * scale64
-        else:
+        aligned, wide, rng, step, zero = ref_grid(mn, mx)
+        if aligned:  # q = fl32(fl32(x * fl32(1 / step)) + zero)
+            scale = np.float32(1.0 / float(step))
+            q = ((xc * scale).astype(np.float32) + np.float32(zero)).astype(np.float32)
+        elif wide:
+            q = (xc.astype(np.float64) - float(mn)) * (255.0 / rng)
+        else:  # q = fl32(fl32(x - min) * fl32(255 / R))
+            scale = np.float32(255.0 / rng if rng > 0 else 0.0)
             d = (xc - mn).astype(np.float32)
-            q = (d * np.float32(scale64)).astype(np.float32)
+            q = (d * scale).astype(np.float32)
         if rounding == "nearest":
             c = np.rint(q)
         else:
@@ -61,19 +82,28 @@ def ref_decode(buf: bytes, n: int, chunk: int) -> np.ndarray:
     out = np.empty(n, dtype=np.float32)
     for i in range(nchunks):
         a, b = i * chunk, min(n, (i + 1) * chunk)
-        rng = float(maxs[i]) - float(mins[i])
-        if rng > FP32_MAX or 0 < rng < WIDE_BELOW:
+        if np.isnan(mins[i]):
+            out[a:b] = np.nan
+            continue
+        aligned, wide, rng, step, zero = ref_grid(mins[i], maxs[i])
+        if aligned:  # one rounding: (code - zero) is an exact small integer
+            out[a:b] = ((codes[a:b].astype(np.float32) - np.float32(zero)) * step).astype(np.float32)
+        elif wide:
             out[a:b] = (float(mins[i]) + codes[a:b].astype(np.float64) * (rng / 255.0)).astype(np.float32)
         else:
-            step = np.float32(rng / 255.0)
             out[a:b] = ((codes[a:b].astype(np.float32) * step).astype(np.float32) + mins[i]).astype(np.float32)
     return out
 
 
-def quantizer_bound(rng: np.ndarray | float, big: np.ndarray | float, k: float = 0.5) -> np.ndarray | float:
+def quantizer_bound(
+    rng: np.ndarray | float, big: np.ndarray | float, k: float = 0.5, levels: int = 254
+) -> np.ndarray | float:
     """quantize.py's per-element error bound for a chunk of range ``rng`` and largest magnitude ``big``:
-    ``k`` steps (1/2 nearest, 1 stochastic) plus its fp32 terms and half the smallest subnormal."""
-    return k * rng / 255.0 + 6.1 * U32 * rng + 1.1 * U32 * big + 2.0**-150
+    ``k`` steps (1/2 nearest, 1 stochastic) of ``step = rng / levels`` plus the fp32 terms on the grid's span
+    ``255 step`` and half the smallest subnormal. ``levels``: 254 for a chunk aligned to 0 (and a bound for
+    any chunk), 255 for the others."""
+    step = np.asarray(rng) / levels * (1 + U32)  # the fp32 step, rounded up at most one ulp
+    return k * step + 6.1 * U32 * 255 * step + 1.1 * U32 * big + 2.0**-150
 
 
 def roundtrip_bound(x: np.ndarray, chunk: int, rounding: str, out_dtype: torch.dtype = torch.float32) -> np.ndarray:
@@ -89,9 +119,96 @@ def roundtrip_bound(x: np.ndarray, chunk: int, rounding: str, out_dtype: torch.d
         xc = x[a : a + chunk].astype(np.float64)
         mn, mx = xc.min(), xc.max()
         rng, big = mx - mn, max(abs(mn), abs(mx))
-        step = rng / 255.0
-        bound[a : a + chunk] = quantizer_bound(rng, big, k) + u_out * (big + step) + tiny_out / 2
+        aligned = ref_grid(np.float32(mn), np.float32(mx))[0]
+        levels = 254 if aligned else 255
+        step = rng / levels
+        bound[a : a + chunk] = quantizer_bound(rng, big, k, levels) + u_out * (big + step) + tiny_out / 2
     return bound
+
+
+# fp8 with a power-of-two scale per chunk. Format constants from the OCP fp8 spec (e4m3fn: no inf, max 448).
+FP8 = {
+    "e4m3": {"dtype": torch.float8_e4m3fn, "max": 448.0, "emin": -6, "man": 3},
+    "e5m2": {"dtype": torch.float8_e5m2, "max": 57344.0, "emin": -14, "man": 2},
+}
+
+
+def ref_fp8_exponent(amax: float, fmt: str) -> int:
+    """The largest k with amax * 2**k <= the format's max (exact rationals), clamped to [-126, 126]; 0 for 0."""
+    if amax == 0:
+        return 0
+    top, a = Fraction(FP8[fmt]["max"]), Fraction(amax)
+    k = math.floor(math.log2(float(top / a)))
+    while a * Fraction(2) ** k > top:
+        k -= 1
+    while a * Fraction(2) ** (k + 1) <= top:
+        k += 1
+    return max(-126, min(126, k))
+
+
+def ref_fp8_round(y: np.ndarray, fmt: str, rounding: str, uniforms: np.ndarray | None) -> np.ndarray:
+    """fp8 values (float64) of ``y`` (float64, |y| <= max): torch's cast for nearest; for stochastic, the
+    neighbour away from zero with probability equal to the fraction of the spacing, from the float64 grid."""
+    if rounding == "nearest":
+        return torch.from_numpy(y.astype(np.float32)).to(FP8[fmt]["dtype"]).double().numpy()
+    assert uniforms is not None
+    mag = np.abs(y)
+    _, e = np.frexp(mag)
+    spacing = np.ldexp(1.0, np.maximum(e - 1, FP8[fmt]["emin"]) - FP8[fmt]["man"])
+    low = np.floor(mag / spacing) * spacing
+    up = uniforms.astype(np.float64) < (mag - low) / spacing
+    return np.copysign(low + up * spacing, y)
+
+
+def ref_fp8_encode(
+    x: np.ndarray, chunk: int, fmt: str, rounding: str = "nearest", uniforms: np.ndarray | None = None
+) -> bytes:
+    """fp32 scales 2**-k of every chunk (little-endian; NaN for a chunk with NaN/Inf), then one fp8 byte each."""
+    n = x.size
+    scales, codes = [], np.zeros(n, dtype=np.uint8)
+    for a in range(0, n, chunk):
+        xc = x[a : a + chunk].astype(np.float64)
+        if not np.isfinite(xc).all():
+            scales.append(np.nan)
+            continue
+        k = ref_fp8_exponent(float(np.abs(xc).max()), fmt)
+        scales.append(2.0**-k)
+        y = ref_fp8_round(xc * 2.0**k, fmt, rounding, None if uniforms is None else uniforms[a : a + chunk])
+        codes[a : a + chunk] = torch.from_numpy(y.astype(np.float32)).to(FP8[fmt]["dtype"]).view(torch.uint8).numpy()
+    return np.array(scales, dtype="<f4").tobytes() + codes.tobytes()
+
+
+def ref_fp8_decode(buf: bytes, n: int, chunk: int, fmt: str) -> np.ndarray:
+    nchunks = -(-n // chunk)
+    scales = np.frombuffer(buf[: 4 * nchunks], dtype="<f4").astype(np.float64)
+    codes = torch.frombuffer(bytearray(buf[4 * nchunks :]), dtype=torch.uint8).view(FP8[fmt]["dtype"])
+    values = codes.double().numpy() if n else np.zeros(0)
+    return (values * np.repeat(scales, chunk)[:n]).astype(np.float32)
+
+
+def ref_fp8_bound(x: np.ndarray, chunk: int, fmt: str, rounding: str) -> np.ndarray:
+    """Per-element bound of one fp8 round trip: u_f |x| (nearest; 2 u_f |x| stochastic), at least half
+    (stochastic: one) subnormal spacing times the chunk's scale; decoding is exact."""
+    k_mult = 1.0 if rounding == "nearest" else 2.0
+    u = 2.0 ** -(FP8[fmt]["man"] + 1)
+    sub = 2.0 ** (FP8[fmt]["emin"] - FP8[fmt]["man"])
+    bound = np.empty(x.size)
+    for a in range(0, x.size, chunk):
+        xc = np.abs(x[a : a + chunk].astype(np.float64))
+        scale = 2.0 ** -ref_fp8_exponent(float(xc.max()), fmt)
+        bound[a : a + chunk] = k_mult * np.maximum(u * xc, sub / 2 * scale)
+    return bound
+
+
+def codec(wire: str) -> tuple:
+    """(encode(x, chunk, rounding, uniforms), decode(buf, n, chunk), header bytes per chunk) of a wire."""
+    if wire == "uint8":
+        return ref_encode, ref_decode, 8
+    return (
+        lambda x, chunk, rounding="nearest", uniforms=None: ref_fp8_encode(x, chunk, wire, rounding, uniforms),
+        lambda buf, n, chunk: ref_fp8_decode(buf, n, chunk, wire),
+        4,
+    )
 
 
 def ref_flat_reduce(
@@ -102,6 +219,7 @@ def ref_flat_reduce(
     rounding: str = "nearest",
     uniforms: list[np.ndarray] | None = None,
     residuals: dict | None = None,
+    wire: str = "uint8",
 ) -> list[np.ndarray]:
     """First half of ByteGrad's scheme on W simulated ranks: the fp32 reduced part p owned by rank p.
 
@@ -110,6 +228,7 @@ def ref_flat_reduce(
     ``uniforms[r]``: rank r's draws for this encode (all parts, element order). ``residuals`` (error
     feedback, updated in place): {"worker": [W arrays], "server": [W arrays]}.
     """
+    ref_encode, ref_decode, _ = codec(wire)
     world = len(inputs)
     part = inputs[0].size // world
     send = []
@@ -146,6 +265,7 @@ def ref_flat_all_reduce(
     rounding: str = "nearest",
     uniforms: list[list[np.ndarray]] | None = None,
     residuals: dict | None = None,
+    wire: str = "uint8",
 ) -> tuple[list[np.ndarray], bool]:
     """ByteGrad's scheme on W simulated ranks; returns every rank's output (fp32) and the non-finite flag.
 
@@ -153,6 +273,7 @@ def ref_flat_all_reduce(
     and every rank decodes every rank's result. ``divisor`` defaults to W when ``average``.
     ``uniforms[r]`` = [draws of rank r's first encode, draws of its second encode].
     """
+    ref_encode, ref_decode, header = codec(wire)
     world = len(inputs)
     part = inputs[0].size // world
     if divisor is None and average:
@@ -164,6 +285,7 @@ def ref_flat_all_reduce(
         rounding=rounding,
         uniforms=None if uniforms is None else [u[0] for u in uniforms],
         residuals=residuals,
+        wire=wire,
     )
     results = []
     for p in range(world):
@@ -176,7 +298,7 @@ def ref_flat_all_reduce(
             residuals["server"][p] = (acc - ref_decode(msg, part, chunk)).astype(np.float32)
         results.append(msg)
     out = np.concatenate([ref_decode(m, part, chunk) for m in results])
-    nonfinite = any(np.isnan(np.frombuffer(m[: 8 * -(-part // chunk)], dtype="<f4")).any() for m in results)
+    nonfinite = any(np.isnan(np.frombuffer(m[: header * -(-part // chunk)], dtype="<f4")).any() for m in results)
     return [out.copy() for _ in range(world)], nonfinite
 
 
@@ -202,6 +324,7 @@ def ref_hierarchical_all_reduce(
     rounding: str = "nearest",
     uniforms: list[list[np.ndarray]] | None = None,
     residuals: dict | None = None,
+    wire: str = "uint8",
 ) -> list[np.ndarray]:
     """Intra-node fp32 reduce-scatter (local rank l owns slice l; sum in local-rank order), compressed
     all-reduce of slice l among the nodes' local ranks l (divided by the total world size), intra-node
@@ -226,6 +349,7 @@ def ref_hierarchical_all_reduce(
             rounding=rounding,
             uniforms=None if uniforms is None else [uniforms[r] for r in members],
             residuals=sub,
+            wire=wire,
         )
         if residuals is not None and sub is not None:
             for i, r in enumerate(members):
@@ -236,7 +360,7 @@ def ref_hierarchical_all_reduce(
 
 
 def ref_hierarchical_reduce_scatter(
-    inputs: list[np.ndarray], chunk: int, nodes: int, per_node: int, *, average: bool = True
+    inputs: list[np.ndarray], chunk: int, nodes: int, per_node: int, *, average: bool = True, wire: str = "uint8"
 ) -> list[np.ndarray]:
     """Rank r = node * n + l gets part r: local rank l's slice holds parts {i * n + l} in node order, summed
     over the node in fp32; the compressed reduce-scatter among the nodes hands node i its part i.
@@ -248,7 +372,7 @@ def ref_hierarchical_reduce_scatter(
     shards = [None] * world
     for local in range(per_node):
         parts = ref_flat_reduce(
-            [slices[node, local] for node in range(nodes)], chunk, divisor=world if average else None
+            [slices[node, local] for node in range(nodes)], chunk, divisor=world if average else None, wire=wire
         )
         for node in range(nodes):
             shards[node * per_node + local] = parts[node]

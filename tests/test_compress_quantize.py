@@ -30,6 +30,11 @@ def _cases() -> dict[str, torch.Tensor]:
         "mixed_sign": torch.randn(n, generator=g) * torch.logspace(-20, 20, n),
         "near_fp32_max": torch.tensor([3.0e38, -3.0e38, 0.0, 1.0, -2.5e38] * (n // 5) + [0.0] * (n % 5)),
         "one_outlier": torch.cat([torch.randn(n - 1, generator=g) * 1e-3, torch.tensor([50.0])]),
+        # 90% exact zeros (embeddings, masked layers): the grid is aligned to 0 in every chunk
+        "sparse": torch.randn(n, generator=g) * (torch.rand(n, generator=g) < 0.1),
+        # large magnitudes on both sides of 0, and 0 at a chunk's maximum
+        "offset_1e4_with_zeros": torch.cat([1e4 * torch.randn(n - 3, generator=g), torch.zeros(3)]),
+        "nonpositive": -torch.rand(n, generator=g) * (torch.rand(n, generator=g) < 0.5),
     }
 
 
@@ -283,3 +288,44 @@ def test_row_api_refuses_bad_shapes_and_dtypes() -> None:
     ]:
         with pytest.raises(exc, match=match):
             call()
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_zero_decodes_to_exactly_zero(rounding: str, dtype: torch.dtype) -> None:
+    # Every chunk holding 0 between its min and max is aligned to 0 (a zero point on the integer grid).
+    g = torch.Generator().manual_seed(9)
+    n = 40 * CHUNK
+    x = torch.randn(n, generator=g) * torch.logspace(-8, 4, n)
+    x[torch.rand(n, generator=g) < 0.9] = 0.0
+    x = x.to(dtype)
+    q = MinMaxUInt8(chunk_size=CHUNK, rounding=rounding, generator=torch.Generator().manual_seed(4))
+    y = q.decode(q.encode(x), n, dtype)
+    assert (y[x == 0] == 0).all()
+    assert (y[x != 0] != 0).any()
+
+
+def test_sparse_example_keeps_its_zeros() -> None:
+    # [-0.3, 0, 0, 1]: min-offset grid gave 0.000784 for the zeros; the aligned grid (step 1.3 / 254,
+    # zero point ceil(0.3 / step) = 59) gives exactly 0 and keeps both ends within half a step.
+    q = MinMaxUInt8(chunk_size=4)
+    x = torch.tensor([-0.3, 0.0, 0.0, 1.0])
+    buf = q.encode(x)
+    assert buf[8:].tolist() == [0, 59, 59, 254]
+    y = q.decode(buf, 4)
+    assert y[1].item() == 0.0 and y[2].item() == 0.0
+    assert (y - x).abs().max().item() <= 0.5 * 1.3 / 254 * (1 + 1e-6)
+
+
+def test_zero_point_is_the_exact_ceiling() -> None:
+    # zero * step >= -min > (zero - 1) * step, in exact arithmetic, for chunks whose fp64 quotient -min / step
+    # lands on or next to an integer.
+    q = MinMaxUInt8(chunk_size=2)
+    for lo in [-1.0, -0.5, -1 / 3, -(2.0**-20), -127.0, -0.999999940395]:
+        for hi in [1.0, 0.0, 2.0**-20, 3.0, 254.0]:
+            x = torch.tensor([lo, hi])
+            mins, maxs = q.header(q.encode(x), 2)
+            _, _, _, _, zero, step = MinMaxUInt8.grid(mins, maxs)
+            z, s = int(zero.item()), float(step.item())
+            assert z * s >= -lo > (z - 1) * s, (lo, hi, z, s)
+            assert q.decode(q.encode(torch.tensor([lo, 0.0, hi])), 3)[1].item() == 0.0

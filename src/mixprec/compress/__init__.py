@@ -1,6 +1,7 @@
 """8-bit min-max gradient compression (after Bagua's ByteGrad): quantizer, compressed collectives, reducers.
 
-* :class:`MinMaxUInt8`: per-chunk min-max uint8 quantizer with a documented wire format.
+* :class:`MinMaxUInt8`: per-chunk min-max uint8 quantizer (0 decodes to 0) with a documented wire format;
+  :class:`ScaledFP8`: fp8 e4m3/e5m2 codes with a power-of-two scale per chunk; either goes on the wire.
 * :func:`compressed_all_reduce` / :func:`compressed_reduce_scatter`: uint8 on the wire, fp32 sums, flat or
   hierarchical (:class:`Topology`), optional :class:`ErrorFeedback`, per-call :class:`CompressionStats`.
 * Reducers ``"uint8"`` and ``"uint8_hierarchical"`` for :class:`mixprec.parallel.DistributedDataParallel`
@@ -16,6 +17,7 @@ from mixprec.compress.collectives import (
     start_compressed_all_reduce,
     start_compressed_reduce_scatter,
 )
+from mixprec.compress.fp8 import ScaledFP8
 from mixprec.compress.options import Uint8Options
 from mixprec.compress.quantize import MinMaxUInt8, NonFiniteError
 from mixprec.compress.reducers import Uint8Reducer  # registers "uint8" and "uint8_hierarchical"
@@ -26,6 +28,7 @@ __all__ = [
     "ErrorFeedback",
     "MinMaxUInt8",
     "NonFiniteError",
+    "ScaledFP8",
     "Topology",
     "Uint8Options",
     "Uint8Reducer",

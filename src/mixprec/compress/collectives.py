@@ -29,6 +29,7 @@ from mixprec.comm.padding import pad_flat
 from mixprec.comm.topology import HierarchicalGroups, check_topology, resolve_topology
 from mixprec.compress import flat, hierarchical
 from mixprec.compress._scratch import Scratch
+from mixprec.compress.fp8 import COMPRESSORS, FP8_FORMATS, Compressor
 from mixprec.compress.quantize import FLOAT_DTYPES, MinMaxUInt8, NonFiniteError
 from mixprec.compress.state import CompressionStats, CompressionWorkspace, ErrorFeedback, Traffic
 from mixprec.core.validate import check_bool, check_tensor
@@ -40,7 +41,7 @@ __all__ = [
     "start_compressed_reduce_scatter",
 ]
 
-_default_compressor: MinMaxUInt8 | None = None
+_default_compressor: Compressor | None = None
 # The blocking functions' buffers when they get no workspace: reused call after call (held only inside one
 # call, so never by two pending collectives). start_* with workspace=None get a fresh workspace instead.
 _default_workspace = CompressionWorkspace()
@@ -52,7 +53,7 @@ class _Call:
 
     what: str
     group: dist.ProcessGroup | None
-    comp: MinMaxUInt8
+    comp: Compressor
     divisor: int | None  # the group size when averaging
     error_feedback: ErrorFeedback | None
     workspace: CompressionWorkspace  # held by the pending collective until wait() returns
@@ -137,7 +138,7 @@ def _preamble(
     *,
     output: torch.Tensor | None,
     scatter: bool,
-    compressor: MinMaxUInt8 | None,
+    compressor: Compressor | None,
     average: bool,
     topology: Any,
     error_feedback: ErrorFeedback | None,
@@ -187,19 +188,28 @@ def check_group(group: Any) -> int:
 
 
 def _check_data(name: str, tensor: Any) -> None:
+    if isinstance(tensor, torch.Tensor) and tensor.dtype in FP8_FORMATS.values():
+        allowed = " or ".join(str(d) for d in FLOAT_DTYPES)
+        raise TypeError(
+            f"{name} must have dtype {allowed}; got {tensor.dtype} (gloo cannot move float8 tensors, and fp8 values "
+            "need their scales: pass the fp32/fp16/bf16 tensor with compressor=mixprec.compress.ScaledFP8(...))"
+        )
     check_tensor(name, tensor, FLOAT_DTYPES)
     if tensor.is_meta:
         raise ValueError(f"{name} is on the meta device: it holds no data to reduce (materialize it first)")
 
 
-def _compressor(compressor: MinMaxUInt8 | None) -> MinMaxUInt8:
+def _compressor(compressor: Compressor | None) -> Compressor:
     global _default_compressor
     if compressor is None:
         if _default_compressor is None:
             _default_compressor = MinMaxUInt8()
         return _default_compressor
-    if not isinstance(compressor, MinMaxUInt8):
-        raise TypeError(f"compressor must be a mixprec.compress.MinMaxUInt8 or None; got {type(compressor).__name__}")
+    if not isinstance(compressor, COMPRESSORS):
+        raise TypeError(
+            "compressor must be a mixprec.compress.MinMaxUInt8, a mixprec.compress.ScaledFP8 or None; "
+            f"got {type(compressor).__name__}"
+        )
     return compressor
 
 
@@ -216,7 +226,7 @@ def start_compressed_all_reduce(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None = None,
     *,
-    compressor: MinMaxUInt8 | None = None,
+    compressor: Compressor | None = None,
     average: bool = True,
     topology: Any = None,
     error_feedback: ErrorFeedback | None = None,
@@ -281,7 +291,7 @@ def compressed_all_reduce(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None = None,
     *,
-    compressor: MinMaxUInt8 | None = None,
+    compressor: Compressor | None = None,
     average: bool = True,
     topology: Any = None,
     error_feedback: ErrorFeedback | None = None,
@@ -305,9 +315,9 @@ def compressed_all_reduce(
             If it is not contiguous or its size is not a multiple of the group size, it is copied into a
             zero-padded buffer (and back).
         group: process group; None = the default group.
-        compressor: the :class:`MinMaxUInt8` (chunk size, rounding, generator, check_finite); None = a
-            shared default instance (chunk_size=2048, nearest, check_finite="raise"). Its generator must be on
-            the tensor's device.
+        compressor: the :class:`MinMaxUInt8` or :class:`ScaledFP8` (chunk size, rounding, generator,
+            check_finite); None = a shared default MinMaxUInt8 (chunk_size=2048, nearest,
+            check_finite="raise"). Its generator must be on the tensor's device.
         average: divide the fp32 sum by the group size before re-quantizing (else return the sum).
         topology: None (flat), a :class:`Topology` or a 2-D DeviceMesh with dims ("node", "local")
             (hierarchical; needs group=None).
@@ -341,7 +351,7 @@ def start_compressed_reduce_scatter(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None = None,
     *,
-    compressor: MinMaxUInt8 | None = None,
+    compressor: Compressor | None = None,
     average: bool = True,
     topology: Any = None,
     error_feedback: ErrorFeedback | None = None,
@@ -385,7 +395,7 @@ def compressed_reduce_scatter(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None = None,
     *,
-    compressor: MinMaxUInt8 | None = None,
+    compressor: Compressor | None = None,
     average: bool = True,
     topology: Any = None,
     error_feedback: ErrorFeedback | None = None,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from mixprec.comm.agree import agree_any
 from mixprec.comm.compat import all_gather_flat
 from mixprec.compress._scratch import Scratch
-from mixprec.compress.quantize import HEADER_BYTES_PER_CHUNK, MinMaxUInt8
+from mixprec.compress.fp8 import Compressor
 from mixprec.compress.state import ErrorFeedback, Traffic
 
 __all__ = ["FlatPhase", "overflowed_low_precision", "segment_bounds", "start_all_reduce", "start_reduce_scatter"]
@@ -54,7 +54,7 @@ class FlatPhase:
         numel: int,
         source: Callable[[int, int, int], torch.Tensor],
         group: dist.ProcessGroup | None,
-        comp: MinMaxUInt8,
+        comp: Compressor,
         ef: ErrorFeedback | None,
         inflight: Scratch,
         shared: Scratch,
@@ -70,7 +70,7 @@ class FlatPhase:
         self.segments = segment_bounds(part, world, comp.chunk_size)
         self.seg_nbytes = [comp.encoded_nbytes(b - a) for a, b in self.segments]
         self.nbytes = sum(self.seg_nbytes)
-        self.header = sum(HEADER_BYTES_PER_CHUNK * comp.num_chunks(b - a) for a, b in self.segments)
+        self.header = sum(nb - (b - a) for nb, (a, b) in zip(self.seg_nbytes, self.segments))
         first = source(0, *self.segments[0])
         device = first.device
         self.send = self.per_segment(inflight.get(tag + "send", world * self.nbytes, torch.uint8, device))
@@ -102,7 +102,7 @@ class FlatPhase:
         cls,
         x: torch.Tensor,
         group: dist.ProcessGroup | None,
-        comp: MinMaxUInt8,
+        comp: Compressor,
         ef: ErrorFeedback | None,
         inflight: Scratch,
         shared: Scratch,
@@ -196,7 +196,7 @@ def overflowed_low_precision(result: torch.Tensor) -> int:
 def start_all_reduce(
     flat: torch.Tensor,
     group: dist.ProcessGroup | None,
-    comp: MinMaxUInt8,
+    comp: Compressor,
     divisor: int | None,
     ef: ErrorFeedback | None,
     inflight: Scratch,
@@ -220,7 +220,7 @@ def start_reduce_scatter(
     output: torch.Tensor,
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None,
-    comp: MinMaxUInt8,
+    comp: Compressor,
     divisor: int | None,
     ef: ErrorFeedback | None,
     inflight: Scratch,

@@ -26,7 +26,7 @@ from mixprec.comm.fp32_accumulate import reduce_scatter_fp32_accumulate
 from mixprec.comm.topology import HierarchicalGroups
 from mixprec.compress._scratch import Scratch
 from mixprec.compress.flat import FlatPhase, overflowed_low_precision, segment_bounds
-from mixprec.compress.quantize import MinMaxUInt8
+from mixprec.compress.fp8 import Compressor
 from mixprec.compress.state import ErrorFeedback, Traffic
 
 __all__ = ["IntraReduceScatter", "start_all_reduce", "start_reduce_scatter"]
@@ -42,7 +42,7 @@ class IntraReduceScatter:
     """
 
     def __init__(
-        self, layout: torch.Tensor, hier: HierarchicalGroups, comp: MinMaxUInt8, inflight: Scratch, shared: Scratch
+        self, layout: torch.Tensor, hier: HierarchicalGroups, comp: Compressor, inflight: Scratch, shared: Scratch
     ) -> None:
         per_node, nodes, part = layout.shape
         numel = layout.numel()
@@ -79,7 +79,7 @@ class IntraReduceScatter:
 def start_all_reduce(
     flat: torch.Tensor,
     hier: HierarchicalGroups,
-    comp: MinMaxUInt8,
+    comp: Compressor,
     divisor: int | None,
     ef: ErrorFeedback | None,
     inflight: Scratch,
@@ -130,7 +130,7 @@ def start_reduce_scatter(
     output: torch.Tensor,
     tensor: torch.Tensor,
     hier: HierarchicalGroups,
-    comp: MinMaxUInt8,
+    comp: Compressor,
     divisor: int | None,
     ef: ErrorFeedback | None,
     inflight: Scratch,

@@ -5,27 +5,32 @@ the checks of the state they save.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mixprec.comm.topology import Topology, check_topology
+from mixprec.compress.fp8 import FP8_FORMATS, Compressor, ScaledFP8
 from mixprec.compress.quantize import CHECK_FINITE, MinMaxUInt8
 from mixprec.compress.state import ErrorFeedback
 from mixprec.core.dtypes import ROUNDINGS
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rank_generator
 from mixprec.core.validate import check_bool, check_choice, check_positive_int
 
-__all__ = ["Uint8Options"]
+__all__ = ["WIRES", "Uint8Options"]
+
+# What goes on the wire: min-max uint8, fp8 with per-chunk scales, or a choice per bucket (compress/auto.py).
+WIRES: tuple[str, ...] = ("uint8", *FP8_FORMATS, "auto")
 
 
 @dataclass(frozen=True)
 class Uint8Options:
-    """Options of uint8 gradient compression in data parallelism, validated at construction.
+    """Options of 8-bit gradient compression in data parallelism, validated at construction.
 
     Attributes:
-        chunk_size: elements per (min, max) header pair, int >= 1.
+        chunk_size: elements per chunk (one header entry), int >= 1.
         rounding: ``"nearest"`` or ``"stochastic"`` (unbiased; the stream is
             ``mixprec.comm.rank_generator(seed, device)``: seeded with ``seed + global rank``, on the
             gradients' device, created at the first reduction).
@@ -36,6 +41,11 @@ class Uint8Options:
             group must be the default group). Checked against the group size once torch.distributed is
             initialised.
         seed: base seed of the stochastic-rounding stream, an int.
+        wire: ``"uint8"`` (:class:`~mixprec.compress.MinMaxUInt8`), ``"e4m3"`` / ``"e5m2"``
+            (:class:`~mixprec.compress.ScaledFP8`) or ``"auto"``: per bucket, full precision (fp32 sums), uint8
+            or fp8, from a cost model of the link rate and this machine's quantizing cost (``docs/compress.md``).
+        link_gbps: ``"auto"`` only: the link rate in Gbit/s, a float > 0; None = probe it at the first
+            reduction (rank 0's measurement, broadcast).
     """
 
     chunk_size: int = 2048
@@ -44,8 +54,16 @@ class Uint8Options:
     check_finite: str = "flag"
     topology: Any = None
     seed: int = DEFAULT_STOCHASTIC_SEED
+    wire: str = "uint8"
+    link_gbps: float | None = None
 
     def __post_init__(self) -> None:
+        check_choice("wire", self.wire, WIRES)
+        if self.link_gbps is not None:
+            if isinstance(self.link_gbps, bool) or not isinstance(self.link_gbps, (int, float)):
+                raise TypeError(f"link_gbps must be a float or None; got {type(self.link_gbps).__name__}")
+            if not (math.isfinite(self.link_gbps) and self.link_gbps > 0):
+                raise ValueError(f"link_gbps must be a finite number > 0; got {self.link_gbps}")
         check_positive_int("chunk_size", self.chunk_size)
         check_choice("rounding", self.rounding, ROUNDINGS)
         check_bool("error_feedback", self.error_feedback)
@@ -64,6 +82,7 @@ class Uint8Options:
             "chunk_size": self.chunk_size,
             "check_finite": self.check_finite,
             "topology": topology_key(self.topology),
+            "wire": self.wire,
         }
 
     def check_saved(self, state: dict[str, Any], owner: str) -> None:
@@ -111,29 +130,42 @@ def load_feedback(entry: dict[str, Any]) -> ErrorFeedback:
 
 
 class RankCompressors:
-    """One :class:`MinMaxUInt8` per device with ``options``; stochastic rounding draws from
+    """One compressor per (device, wire) with ``options``; stochastic rounding draws from
     ``rank_generator(options.seed, device)``, created at first use (when the process group is up). A
     generator state loaded before that is applied then."""
 
     def __init__(self, options: Uint8Options) -> None:
         self.options = options
-        self._by_device: dict[torch.device, MinMaxUInt8] = {}
+        self._by_device: dict[tuple[torch.device, str], Compressor] = {}
         self._generator: torch.Generator | None = None  # the stream last drawn from
         self._pending: tuple[torch.Tensor, str | None] | None = None  # (state, saved device) before first use
 
-    def for_device(self, device: torch.device) -> MinMaxUInt8:
-        comp = self._by_device.get(device)
+    def for_device(self, device: torch.device, wire: str | None = None) -> Compressor:
+        """The compressor of ``wire`` (default: the options' wire; ``"auto"`` must name one) on ``device``.
+        All wires of a device share one stochastic stream."""
+        wire = self.options.wire if wire is None else wire
+        comp = self._by_device.get((device, wire))
         if comp is None:
             opts = self.options
-            generator = None
-            if opts.rounding == "stochastic":
+            generator = next((c.generator for (d, _), c in self._by_device.items() if d == device), None)
+            if opts.rounding == "stochastic" and generator is None:
                 generator = rank_generator(opts.seed, device)
                 if self._pending is not None:
                     _apply(generator, *self._pending)
                     self._pending = None
-            comp = self._by_device[device] = MinMaxUInt8(
-                chunk_size=opts.chunk_size, rounding=opts.rounding, generator=generator, check_finite=opts.check_finite
-            )
+            kwargs: dict[str, Any] = {
+                "chunk_size": opts.chunk_size,
+                "rounding": opts.rounding,
+                "generator": generator,
+                "check_finite": opts.check_finite,
+            }
+            if wire == "uint8":
+                comp = MinMaxUInt8(**kwargs)
+            elif wire in FP8_FORMATS:
+                comp = ScaledFP8(wire, **kwargs)
+            else:
+                raise ValueError(f"wire must be one of {', '.join(map(repr, WIRES[:-1]))} here; got {wire!r}")
+            self._by_device[device, wire] = comp
         self._generator = comp.generator
         return comp
 

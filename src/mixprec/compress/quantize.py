@@ -306,6 +306,33 @@ class MinMaxUInt8:
         rng = maxs.double() - mins.double()
         return rng, (rng > _FP32_MAX) | ((rng > 0) & (rng < _WIDE_BELOW))  # NaN: neither
 
+    @classmethod
+    def grid(cls, mins: torch.Tensor, maxs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per-chunk grid from the fp32 header: ``(rng, wide, sub, scale, zero, step)``.
+
+        ``rng`` (fp64) and ``wide`` as for the float64 path; ``sub``, ``scale``, ``zero``, ``step`` (fp32)
+        define ``q = fl32(fl32(fl32(x - sub) * scale) + zero)`` and ``y = fl32(fl32((code - zero) * step) + sub)``.
+        A chunk with ``min < 0 <= max`` (fp32 path) is aligned to 0: ``step = fl32(R / 254)``, ``zero`` the
+        smallest integer with ``zero * step >= -min`` (exact), ``sub = 0``, ``scale = fl32(1 / step)``, so
+        0 encodes to ``zero`` and decodes to exactly 0. Any other chunk: ``sub = min``, ``zero = 0``,
+        ``step = fl32(R / 255)``, ``scale = fl32(255 / R)`` (0 when ``R = 0``). See ``docs/compress.md``.
+        """
+        rng, wide = cls._scalars(mins, maxs)
+        lo = mins.double()
+        aligned = (lo < 0) & (maxs >= 0) & ~wide  # NaN: False
+        step = torch.where(aligned, rng / 254.0, rng / 255.0).float()
+        s64 = step.double()
+        scale = torch.where(aligned, 1.0 / s64, torch.where(rng > 0, 255.0 / rng, torch.zeros_like(rng))).float()
+        neg = torch.where(aligned, -lo, torch.zeros_like(lo))
+        safe = torch.where(aligned, s64, torch.ones_like(s64))
+        zero = torch.ceil(neg / safe)
+        # The fp64 quotient may sit one ulp off an integer: make zero the exact ceiling (products are exact:
+        # an 8-bit integer times a 24-bit step).
+        zero = zero - ((zero - 1) * safe >= neg).double()
+        zero = zero + (zero * safe < neg).double()
+        sub = torch.where(aligned, torch.zeros_like(mins), mins)
+        return rng, wide, sub, scale, zero.float(), step
+
     def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, uniforms: torch.Tensor | None) -> int:
         """:meth:`encode_rows` on checked arguments.
 
@@ -319,6 +346,8 @@ class MinMaxUInt8:
         hdr = self._buf("hdr", rows * 2 * chunks, torch.float32, device).view(rows, 2, chunks)
         mins, maxs = hdr[:, 0], hdr[:, 1]  # (R, C) each, rows contiguous
         scale = self._buf("scale", rows * chunks, torch.float32, device).view(rows, chunks)
+        sub = self._buf("sub", rows * chunks, torch.float32, device).view(rows, chunks)
+        zero = self._buf("zero", rows * chunks, torch.float32, device).view(rows, chunks)
         stochastic = self.rounding == "stochastic"
         if stochastic and uniforms is None:
             # One draw per element, in element order, whatever the blocking (so a reference can replay it).
@@ -345,20 +374,23 @@ class MinMaxUInt8:
                     maxs[:, first : first + n].copy_(torch.amax(xv, dim=-1))
             lo = x_blocks[members[0]][0]
             hi = x_blocks[members[-1]][0] + x_blocks[members[-1]][1]
-            rng, _ = self._scalars(mins[:, lo:hi], maxs[:, lo:hi])
-            scale[:, lo:hi].copy_(torch.where(rng > 0, 255.0 / rng, torch.zeros_like(rng)))
+            _, _, sub_g, scale_g, zero_g, _ = self.grid(mins[:, lo:hi], maxs[:, lo:hi])
+            scale[:, lo:hi].copy_(scale_g)
+            sub[:, lo:hi].copy_(sub_g)
+            zero[:, lo:hi].copy_(zero_g)
             for i in members:  # pass 2: codes
                 first, n, xv = x_blocks[i]
                 clen = xv.shape[-1]
                 w = work[: rows * n * clen].view(rows, n, clen)
-                torch.sub(xv, mins[:, first : first + n, None], out=w)
+                torch.sub(xv, sub[:, first : first + n, None], out=w)
                 w.mul_(scale[:, first : first + n, None])
+                w.add_(zero[:, first : first + n, None])
                 if u_blocks is not None:
                     f = floor[: rows * n * clen].view(rows, n, clen)
                     torch.floor(w, out=f)
                     w.sub_(f)  # frac(q), exact
                     torch.lt(u_blocks[i][2], w, out=w)  # 1.0 with probability frac(q)
-                    w.add_(f).clamp_max_(255.0)  # q may exceed 255 by a few ulps
+                    w.add_(f).clamp_(0.0, 255.0)  # q may leave [0, 255] by a few ulps
                 w.add_(_MAGIC)
                 code_blocks[i][2].copy_(w.view(torch.int32))  # int32 -> uint8 keeps the low byte
 
@@ -396,8 +428,7 @@ class MinMaxUInt8:
         hdr = self._buf("dhdr", rows * 2 * chunks, torch.float32, device).view(rows, 2, chunks)
         hdr.view(rows, 2 * chunks).view(torch.uint8).copy_(buf[:, :hb])
         mins = hdr[:, 0]
-        rng, wide = self._scalars(mins, hdr[:, 1])
-        step = (rng / 255.0).float()  # NaN for flagged chunks: they decode to NaN
+        rng, wide, sub, _, zero, step = self.grid(mins, hdr[:, 1])  # step, sub NaN for flagged chunks
         n_bad = int(mins.isnan().sum())
         per_block = max(1, _BLOCK // (rows * self.chunk_size))
         code_blocks = self._blocks(buf[:, hb:], per_block)
@@ -409,8 +440,9 @@ class MinMaxUInt8:
             clen = cv.shape[-1]
             w = ov if direct else work[: rows * n * clen].view(rows, n, clen)
             w.copy_(cv)
+            w.sub_(zero[:, first : first + n, None])
             w.mul_(step[:, first : first + n, None])
-            w.add_(mins[:, first : first + n, None])
+            w.add_(sub[:, first : first + n, None])
             if reduce and rows > 1:
                 acc = ov[0]
                 torch.add(w[0], w[1], out=acc)
@@ -426,7 +458,7 @@ class MinMaxUInt8:
             decoded = [
                 self._decode_chunk_wide(codes[r, a:b], mins[r, chunk], rng[r, chunk])
                 if bool(wide[r, chunk])
-                else codes[r, a:b].float() * step[r, chunk] + mins[r, chunk]  # separate fp32 mul and add
+                else (codes[r, a:b].float() - zero[r, chunk]) * step[r, chunk] + sub[r, chunk]  # separate fp32 ops
                 for r in range(rows)
             ]
             if reduce:

@@ -1,10 +1,12 @@
-"""The ``"uint8"`` and ``"uint8_hierarchical"`` gradient reducers for mixprec's DistributedDataParallel.
+"""The compressed gradient reducers for mixprec's DistributedDataParallel.
 
 Registered with :func:`mixprec.comm.register_reducer` when :mod:`mixprec.compress` is imported (importing
-``mixprec`` does)::
+``mixprec`` does): ``"uint8"``, ``"fp8"`` (``wire="e4m3"`` or ``"e5m2"``), their ``"_hierarchical"`` twins,
+and ``"auto"`` (full precision, uint8 or fp8 per bucket: :mod:`mixprec.compress.auto`)::
 
     ddp = DistributedDataParallel(model, reduce="uint8", reduce_options={"error_feedback": True})
     ddp = DistributedDataParallel(model, reduce="uint8_hierarchical")   # topology from LOCAL_WORLD_SIZE
+    ddp = DistributedDataParallel(model, reduce="auto", reduce_options={"link_gbps": 1.0})
 
 Each bucket goes through :func:`mixprec.compress.start_compressed_all_reduce` (or the reduce-scatter with
 ``sharded_optimizer=True``): the quantization and the all-to-all start when the bucket is launched, the
@@ -21,9 +23,11 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
+from mixprec.comm.fp32_accumulate import all_reduce_fp32_accumulate, reduce_scatter_fp32_accumulate
 from mixprec.comm.handles import PendingReduction
 from mixprec.comm.reducer import check_bucket, check_shard_out, register_reducer
 from mixprec.comm.topology import Topology
+from mixprec.compress import auto
 from mixprec.compress.collectives import check_group, start_compressed_all_reduce, start_compressed_reduce_scatter
 from mixprec.compress.options import RankCompressors, Uint8Options, check_feedback_entry, load_feedback
 from mixprec.compress.state import CompressionStats, CompressionWorkspace, ErrorFeedback
@@ -34,10 +38,10 @@ __all__ = ["Uint8Reducer"]
 
 
 class Uint8Reducer:
-    """GradReducer with 8-bit min-max compression on the wire and fp32 sums (see mixprec.compress).
+    """GradReducer with 8-bit compression on the wire (uint8 min-max, fp8, or chosen per bucket) and fp32 sums.
 
     Args:
-        chunk_size, rounding, error_feedback, check_finite, topology, seed: see
+        chunk_size, rounding, error_feedback, check_finite, topology, seed, wire, link_gbps: see
             :class:`mixprec.compress.Uint8Options` (validated there; kept as :attr:`options`). With
             ``check_finite="flag"`` (default) :attr:`last_stats` reports non-finite buckets; ``"raise"``
             raises :class:`mixprec.compress.NonFiniteError` from ``wait()`` on every rank.
@@ -59,6 +63,8 @@ class Uint8Reducer:
         topology: Any = None,
         seed: int = DEFAULT_STOCHASTIC_SEED,
         max_in_flight: int = 2,
+        wire: str = "uint8",
+        link_gbps: float | None = None,
     ) -> None:
         # Validated here, not first inside a backward hook (topology sizes too, once the group is initialised).
         self.options = Uint8Options(
@@ -68,6 +74,8 @@ class Uint8Reducer:
             check_finite=check_finite,
             topology=topology,
             seed=seed,
+            wire=wire,
+            link_gbps=link_gbps,
         )
         self.max_in_flight = check_positive_int("max_in_flight", max_in_flight)
         self._compressors = RankCompressors(self.options)
@@ -79,6 +87,14 @@ class Uint8Reducer:
         """The stats of the last finished reduction of each bucket (key)."""
         self.bytes_sent_total = 0
         """Bytes this rank sent in all finished reductions."""
+        self.choices: dict[int, auto.AutoChoice] = {}
+        """``wire="auto"``: each bucket's choice (made at its first reduction, then kept)."""
+        self._costs: auto.LinkCosts | None = None
+
+    @property
+    def link_costs(self) -> auto.LinkCosts | None:
+        """``wire="auto"``: the agreed link rate and quantizing costs (None before the first reduction)."""
+        return self._costs
 
     # ------------------------------------------------------------------ helpers
     def _take_workspace(self) -> CompressionWorkspace:
@@ -98,12 +114,34 @@ class Uint8Reducer:
         self._pending.append(handle)
         return handle
 
-    def _finished(self, handle: _PendingBucket, stats: CompressionStats | None) -> None:
+    def _finished(self, handle: _PendingBucket, stats: CompressionStats | None, ok: bool) -> None:
         self._pending.remove(handle)
-        if stats is not None:  # on failure the workspace is dropped (see _PendingBucket)
+        if ok:  # on failure the workspace is dropped (see _PendingBucket)
             self._free.append(handle.workspace)
+        if stats is not None:
             self.last_stats[handle.key] = stats
             self.bytes_sent_total += stats.bytes_sent
+
+    def _wire_for(self, key: int, bucket: torch.Tensor, group: ProcessGroup | None) -> str:
+        """The bucket's wire: the options', or with ``"auto"`` the cost model's choice (once per bucket)."""
+        if self.options.wire != "auto":
+            return self.options.wire
+        choice = self.choices.get(key)
+        if choice is None:
+            if self._costs is None:  # every rank reaches its first bucket at the same point
+                self._costs = auto.agree_costs(group, bucket.device, self.options.link_gbps)
+            world = check_group(group)
+            choice = auto.choose(self._costs, bucket.numel(), bucket.element_size(), world, self.options.chunk_size)
+            self.choices[key] = choice
+            auto.logger.info(
+                "bucket %d (%d x %s): %s; %s",
+                key,
+                bucket.numel(),
+                bucket.dtype,
+                choice.wire,
+                choice.reason(self._costs.link_bytes_per_s),
+            )
+        return choice.wire
 
     # ------------------------------------------------------------------ reducer interface
     def all_reduce(
@@ -111,7 +149,11 @@ class Uint8Reducer:
     ) -> _PendingBucket:
         check_group(group)
         check_bucket(bucket, group)
-        return self._start(key, bucket.device, average, lambda **kw: start_compressed_all_reduce(bucket, group, **kw))
+        if self._wire_for(key, bucket, group) == "full":
+            return self._start_full(
+                key, lambda: all_reduce_fp32_accumulate(bucket, group, average=average, async_op=True)
+            )
+        return self._start(key, bucket, group, average, lambda **kw: start_compressed_all_reduce(bucket, group, **kw))
 
     def reduce_scatter(
         self, shard_out: torch.Tensor, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
@@ -119,19 +161,40 @@ class Uint8Reducer:
         check_group(group)
         world_size = check_bucket(bucket, group)
         check_shard_out(shard_out, bucket, world_size)
+        if self._wire_for(key, bucket, group) == "full":
+            return self._start_full(
+                key,
+                lambda: reduce_scatter_fp32_accumulate(
+                    shard_out.view(-1), bucket.view(-1), group, average=average, async_op=True
+                ),
+            )
         return self._start(
-            key, bucket.device, average, lambda **kw: start_compressed_reduce_scatter(shard_out, bucket, group, **kw)
+            key, bucket, group, average, lambda **kw: start_compressed_reduce_scatter(shard_out, bucket, group, **kw)
         )
 
+    def _start_full(self, key: int, start: Callable[[], PendingReduction | None]) -> _PendingBucket:
+        """``wire="auto"`` chose full precision: the fp32-accumulating collective of :mod:`mixprec.comm`."""
+        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+            raise ValueError(f"key must be an int >= 0; got {key!r}")
+        workspace = self._take_workspace()
+        reduction = start()
+        assert reduction is not None  # async_op=True
+        return self._track(reduction, workspace, key)
+
     def _start(
-        self, key: int, device: torch.device, average: bool, start: Callable[..., PendingReduction]
+        self,
+        key: int,
+        bucket: torch.Tensor,
+        group: ProcessGroup | None,
+        average: bool,
+        start: Callable[..., PendingReduction],
     ) -> _PendingBucket:
         """Start one bucket's collective with this reducer's options, feedback and a pooled workspace."""
         feedback = self._feedback_for(key)
         workspace = self._take_workspace()
         try:
             reduction = start(
-                compressor=self._compressors.for_device(device),
+                compressor=self._compressors.for_device(bucket.device, self._wire_for(key, bucket, group)),
                 average=average,
                 topology=self.options.topology,
                 error_feedback=feedback,
@@ -182,7 +245,7 @@ class Uint8Reducer:
         opts = self.options
         kind = "flat" if opts.topology is None else f"hierarchical {opts.topology!r}"
         return (
-            f"Uint8Reducer({kind}, chunk_size={opts.chunk_size}, rounding={opts.rounding!r}, "
+            f"Uint8Reducer({kind}, wire={opts.wire!r}, chunk_size={opts.chunk_size}, rounding={opts.rounding!r}, "
             f"error_feedback={opts.error_feedback}, check_finite={opts.check_finite!r})"
         )
 
@@ -202,32 +265,38 @@ class _PendingBucket(PendingReduction):
         self.key = key
 
         def finish() -> None:
-            stats = None
+            stats, ok = None, False
             try:
                 stats = reduction.wait()
+                ok = True
             finally:
-                owner._finished(self, stats)
+                owner._finished(self, stats if isinstance(stats, CompressionStats) else None, ok)
 
         super().__init__(finish)
 
 
-def make_flat_uint8_reducer(**options: Any) -> Uint8Reducer:
-    """Factory of ``"uint8"``: the flat scheme (``topology`` is refused: use ``"uint8_hierarchical"``)."""
-    if options.get("topology") is not None:
-        raise ValueError("reducer 'uint8' is flat; for a topology use reduce='uint8_hierarchical'")
-    return Uint8Reducer(**options)
+def _factory(name: str, wires: tuple[str, ...], hierarchical: bool) -> Callable[..., Uint8Reducer]:
+    """A registry factory: ``wire`` defaults to ``wires[0]`` and must be one of ``wires``; a flat reducer
+    refuses a topology, a hierarchical one takes it from the options, else from ``LOCAL_WORLD_SIZE``."""
+
+    def make(**options: Any) -> Uint8Reducer:
+        wire = options.setdefault("wire", wires[0])
+        if wire not in wires:
+            raise ValueError(f"reducer {name!r}: wire must be one of {', '.join(map(repr, wires))}; got {wire!r}")
+        if hierarchical and options.get("topology") is None:
+            options["topology"] = Topology.from_env()
+        elif not hierarchical and options.get("topology") is not None:
+            raise ValueError(f"reducer {name!r} is flat; for a topology use reduce={name + '_hierarchical'!r}")
+        return Uint8Reducer(**options)
+
+    # The factory takes Uint8Reducer's keywords; its signature says so, so that make_reducer can name a
+    # wrong option before any reducer is built.
+    make.__signature__ = inspect.signature(Uint8Reducer)  # type: ignore[attr-defined]
+    make.__name__ = make.__qualname__ = f"make_{name}_reducer"
+    return make
 
 
-def make_hierarchical_uint8_reducer(**options: Any) -> Uint8Reducer:
-    """Factory of ``"uint8_hierarchical"``: ``topology`` from the options, else from ``LOCAL_WORLD_SIZE``."""
-    if options.get("topology") is None:
-        options["topology"] = Topology.from_env()
-    return Uint8Reducer(**options)
-
-
-# The factories take Uint8Reducer's keywords; their signature says so, so that make_reducer can name a
-# wrong option before any reducer is built.
-make_flat_uint8_reducer.__signature__ = inspect.signature(Uint8Reducer)  # type: ignore[attr-defined]
-make_hierarchical_uint8_reducer.__signature__ = inspect.signature(Uint8Reducer)  # type: ignore[attr-defined]
-register_reducer("uint8", make_flat_uint8_reducer)
-register_reducer("uint8_hierarchical", make_hierarchical_uint8_reducer)
+for _name, _wires in (("uint8", ("uint8",)), ("fp8", ("e4m3", "e5m2")), ("auto", ("auto",))):
+    register_reducer(_name, _factory(_name, _wires, hierarchical=False))
+    if _name != "auto":
+        register_reducer(_name + "_hierarchical", _factory(_name, _wires, hierarchical=True))

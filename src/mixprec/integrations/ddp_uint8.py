@@ -1,4 +1,4 @@
-"""A torch DDP communication hook that all-reduces each gradient bucket with uint8 compression.
+"""A torch DDP communication hook that all-reduces each gradient bucket with 8-bit compression.
 
 Usage::
 
@@ -10,6 +10,7 @@ The hook averages the bucket over the group (like DDP's default hook) with
 :func:`mixprec.compress.compressed_all_reduce`. It runs the whole collective inside the hook and returns
 an already completed future: simple and safe (every collective is issued from the backward thread, in
 bucket order), at the price of not overlapping this bucket's communication with the rest of backward.
+``Uint8HookState(wire="e4m3")`` sends fp8; ``wire="auto"`` picks full precision, uint8 or fp8 per bucket.
 """
 
 # No ``from __future__ import annotations`` here: torch DDP's register_comm_hook checks the hook's
@@ -19,10 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mixprec.comm.fp32_accumulate import all_reduce_fp32_accumulate
 from mixprec.comm.topology import check_topology
+from mixprec.compress import auto
 from mixprec.compress.collectives import compressed_all_reduce
+from mixprec.compress.fp8 import Compressor
 from mixprec.compress.options import RankCompressors, Uint8Options, check_feedback_entry, load_feedback
-from mixprec.compress.quantize import MinMaxUInt8
 from mixprec.compress.state import CompressionStats, CompressionWorkspace, ErrorFeedback
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED
 from mixprec.core.validate import check_positive_int
@@ -43,6 +46,9 @@ class Uint8HookState:
             a bucket index whose size changed starts again from zero residuals.
         seed: stochastic rounding's stream is ``mixprec.comm.rank_generator(seed, bucket device)``: seeded
             with ``seed + global rank``, on the gradients' device, created at the first hook call.
+        wire, link_gbps: ``"uint8"``, ``"e4m3"``, ``"e5m2"`` or ``"auto"`` (see
+            :class:`mixprec.compress.Uint8Options`); with ``"auto"`` the choice of each bucket index is
+            made at its first call and kept (:attr:`choices`).
 
     Raises:
         RuntimeError: torch.distributed is not initialised (every rank would otherwise share one stream).
@@ -59,6 +65,8 @@ class Uint8HookState:
         check_finite: str = "flag",
         topology: Any = None,
         seed: int = DEFAULT_STOCHASTIC_SEED,
+        wire: str = "uint8",
+        link_gbps: float | None = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -75,6 +83,8 @@ class Uint8HookState:
             check_finite=check_finite,
             topology=topology,
             seed=seed,
+            wire=wire,
+            link_gbps=link_gbps,
         )
         if topology is not None:
             check_topology(topology, process_group)  # the hierarchical scheme needs the default group
@@ -84,11 +94,34 @@ class Uint8HookState:
         self.last_stats: dict[int, CompressionStats] = {}
         """Stats of the last reduction of each bucket index."""
         self.bytes_sent_total = 0
+        self.choices: dict[int, auto.AutoChoice] = {}
+        self._costs: auto.LinkCosts | None = None
 
-    def compressor_for(self, device: torch.device) -> MinMaxUInt8:
-        """The compressor for buckets on ``device``: the options' compressor, with stochastic rounding's
-        rank-seeded generator on that device (created on first use)."""
-        return self._compressors.for_device(device)
+    def compressor_for(self, device: torch.device, wire: str | None = None) -> Compressor:
+        """The compressor for buckets on ``device``: the options' (or ``wire``'s) compressor, with stochastic
+        rounding's rank-seeded generator on that device (created on first use)."""
+        return self._compressors.for_device(device, wire)
+
+    def wire_for(self, index: int, buffer: torch.Tensor) -> str:
+        """Bucket ``index``'s wire: the options', or with ``"auto"`` the cost model's (chosen once, logged)."""
+        if self.options.wire != "auto":
+            return self.options.wire
+        choice = self.choices.get(index)
+        if choice is None or choice.numel != buffer.numel():  # DDP rebuilds its buckets after one iteration
+            if self._costs is None:
+                self._costs = auto.agree_costs(self.process_group, buffer.device, self.options.link_gbps)
+            world = dist.get_world_size(self.process_group)
+            choice = auto.choose(self._costs, buffer.numel(), buffer.element_size(), world, self.options.chunk_size)
+            self.choices[index] = choice
+            auto.logger.info(
+                "bucket %d (%d x %s): %s; %s",
+                index,
+                buffer.numel(),
+                buffer.dtype,
+                choice.wire,
+                choice.reason(self._costs.link_bytes_per_s),
+            )
+        return choice.wire
 
     def feedback_for(self, index: int, numel: int) -> ErrorFeedback | None:
         """The residuals of bucket ``index`` (None without error feedback); fresh ones when its size changed."""
@@ -147,10 +180,16 @@ def uint8_compress_hook(state: Uint8HookState, bucket: dist.GradBucket) -> torch
     if not isinstance(state, Uint8HookState):
         raise TypeError(f"state must be a Uint8HookState; got {type(state).__name__}")
     buffer = bucket.buffer()
+    wire = state.wire_for(bucket.index(), buffer)
+    future: torch.futures.Future = torch.futures.Future()
+    if wire == "full":
+        all_reduce_fp32_accumulate(buffer, state.process_group, average=True)
+        future.set_result(buffer)
+        return future
     stats = compressed_all_reduce(
         buffer,
         state.process_group,
-        compressor=state.compressor_for(buffer.device),
+        compressor=state.compressor_for(buffer.device, wire),
         average=True,
         topology=state.options.topology,
         error_feedback=state.feedback_for(bucket.index(), buffer.numel()),
@@ -158,6 +197,5 @@ def uint8_compress_hook(state: Uint8HookState, bucket: dist.GradBucket) -> torch
     )
     state.last_stats[bucket.index()] = stats
     state.bytes_sent_total += stats.bytes_sent
-    future: torch.futures.Future = torch.futures.Future()
     future.set_result(buffer)
     return future

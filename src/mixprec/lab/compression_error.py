@@ -1,0 +1,359 @@
+"""mixprec study compression-error: which wire for which gradients.
+
+Simulated ranks in one process run the flat compressed all-reduce (each rank's gradient quantized, fp32 sums
+in rank order, the mean quantized once more) with each wire, and compare the result with the float64 mean:
+
+* uint8: min-max 8-bit codes with a zero-aligned grid (MinMaxUInt8), 1 + 8/chunk bytes per element;
+* uint8-min-grid: the previous grid (offset at the chunk minimum, zeros not exact), for comparison;
+* e4m3, e5m2: fp8 codes with a power-of-two scale per chunk (ScaledFP8), 1 + 4/chunk bytes per element;
+* bf16: a bf16 wire with fp32 sums and one rounding (the fp32-accumulating collective), 2 bytes per element.
+
+Gradients: normal, heavy-tailed (Student-t, 2 degrees of freedom), sparse (90% of the elements zero on every
+rank), outlier-heavy (0.1% of the elements 1000 times larger) and real ones: each rank's gradient of one
+training step of the lab's small GPT on its own batch of random tokens. Columns: bytes per element, the
+relative (2-norm) and mean error, the max error over the max magnitude, the worst ratio of error to its
+theoretical bound (at most 1), the share of exact zeros of the mean kept exactly zero. Bounds and results:
+docs/compress.md. Run time on 2 busy cores: --quick about 2 s, the defaults under 10 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from mixprec.compress import MinMaxUInt8, ScaledFP8
+from mixprec.core.rounding import round_to
+from mixprec.core.validate import check_positive_int
+from mixprec.lab.model import GPT, GPTConfig
+
+__all__ = [
+    "DISTRIBUTIONS",
+    "WIRES",
+    "CompressionErrorConfig",
+    "CompressionErrorRow",
+    "add_arguments",
+    "draw_gradients",
+    "format_table",
+    "prepare",
+    "run",
+    "run_study",
+    "simulate",
+]
+
+WIRES = ("uint8", "uint8-min-grid", "e4m3", "e5m2", "bf16")
+DISTRIBUTIONS = ("normal", "student-t", "sparse", "outliers", "model")
+_U32 = 2.0**-24
+
+
+@dataclass(frozen=True)
+class CompressionErrorConfig:
+    """world ranks, elements per rank (a multiple of world * chunk_size; the model's gradient is padded),
+    chunk_size, wires, distributions, seed."""
+
+    world: int = 8
+    elements: int = 1 << 18
+    chunk_size: int = 2048
+    wires: tuple[str, ...] = WIRES
+    distributions: tuple[str, ...] = DISTRIBUTIONS
+    model_width: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_positive_int("world", self.world, minimum=2)
+        check_positive_int("chunk_size", self.chunk_size)
+        check_positive_int("elements", self.elements)
+        check_positive_int("model_width", self.model_width)
+        if self.elements % (self.world * self.chunk_size):
+            raise ValueError(
+                f"elements ({self.elements}) must be a multiple of world * chunk_size ({self.world * self.chunk_size})"
+            )
+        for name, values, allowed in (
+            ("wires", self.wires, WIRES),
+            ("distributions", self.distributions, DISTRIBUTIONS),
+        ):
+            bad = [v for v in values if v not in allowed]
+            if not values or bad:
+                raise ValueError(f"{name} must be names from {', '.join(allowed)}; got {values!r}")
+
+
+@dataclass(frozen=True)
+class CompressionErrorRow:
+    distribution: str
+    wire: str
+    bytes_per_element: float
+    rel_error: float
+    mean_error: float
+    max_error: float
+    error_over_bound: float
+    zeros_kept: float
+
+
+def _model_gradients(world: int, width: int, seed: int) -> torch.Tensor:
+    """[world, P]: each rank's fp32 gradient of one step of a small GPT on its own random tokens."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=4, n_embd=width))
+    grads = []
+    for rank in range(world):
+        g = torch.Generator().manual_seed(seed * 1000 + rank)
+        idx = torch.randint(0, 65, (4, 32), generator=g)
+        model.zero_grad(set_to_none=True)
+        _, loss = model(idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
+        loss.backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]))
+    return torch.stack(grads)
+
+
+def draw_gradients(
+    distribution: str, world: int, elements: int, seed: int, model_width: int = 64, multiple: int = 1
+) -> torch.Tensor:
+    """[world, elements] fp32 gradients; the model's: all of them, zero-padded to a multiple of ``multiple``."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (world, elements)
+    if distribution == "normal":
+        return torch.randn(shape, generator=g) * 1e-3
+    if distribution == "student-t":
+        normal = torch.randn(shape, generator=g)
+        chi2 = torch.randn((2, *shape), generator=g).square().sum(0)  # 2 degrees of freedom
+        return normal / (chi2 / 2).sqrt() * 1e-3
+    if distribution == "sparse":
+        mask = torch.rand(elements, generator=g) < 0.1  # the same rows on every rank (absent tokens)
+        return torch.randn(shape, generator=g) * 1e-3 * mask
+    if distribution == "outliers":
+        x = torch.randn(shape, generator=g) * 1e-3
+        hot = torch.rand(shape, generator=g) < 1e-3
+        return torch.where(hot, x * 1000, x)
+    grads = _model_gradients(world, model_width, seed)
+    padded = -(-grads.shape[1] // multiple) * multiple
+    return torch.nn.functional.pad(grads, (0, padded - grads.shape[1]))
+
+
+def _uint8_bound(comp: MinMaxUInt8, v: torch.Tensor) -> torch.Tensor:
+    """Per-element bound of one uint8 round trip of ``v`` (docs/compress.md): half a step plus fp32 terms."""
+    c = comp.chunk_size
+    chunks = v.view(-1, c)
+    mins, maxs = chunks.amin(1), chunks.amax(1)
+    _, _, _, _, _, step = MinMaxUInt8.grid(mins, maxs)
+    big = torch.maximum(mins.abs(), maxs.abs()).double()
+    s = step.double()
+    per_chunk = 0.5 * s + 6.1 * _U32 * 255 * s + 1.1 * _U32 * big + 2.0**-150
+    return per_chunk.repeat_interleave(c)
+
+
+def _fp8_bound(comp: ScaledFP8, v: torch.Tensor) -> torch.Tensor:
+    c = comp.chunk_size
+    k = comp.chunk_scales(v.view(-1, c).abs().amax(1))
+    scale = torch.exp2(-k).repeat_interleave(c)
+    fmt = comp.format
+    sub = 2.0 ** (fmt.emin - fmt.man_bits)
+    return torch.maximum(fmt.unit_roundoff * v.double().abs(), sub / 2 * scale)
+
+
+def _min_grid_roundtrip(v: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The previous uint8 grid, in float64: offset at the chunk minimum, step R / 255."""
+    x = v.double().view(-1, chunk)
+    lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+    step = (hi - lo) / 255
+    codes = torch.where(step > 0, ((x - lo) / torch.where(step > 0, step, 1)).round(), torch.zeros_like(x))
+    return (lo + codes * step).float().view(-1)
+
+
+def simulate(grads: torch.Tensor, wire: str, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The flat all-reduce (mean) of ``grads`` [W, N] with ``wire``: (result fp32, per-element bound, bytes/elem)."""
+    world = grads.shape[0]
+    if wire == "bf16":
+
+        def roundtrip(v: torch.Tensor) -> torch.Tensor:
+            return round_to(v, "bf16")
+
+        def bound(v: torch.Tensor) -> torch.Tensor:
+            return 2.0**-8 * v.double().abs() + 2.0**-134
+
+        nbytes = 2.0
+    elif wire == "uint8-min-grid":
+
+        def roundtrip(v: torch.Tensor) -> torch.Tensor:
+            return _min_grid_roundtrip(v, chunk_size)
+
+        def bound(v: torch.Tensor) -> torch.Tensor:
+            x = v.double().view(-1, chunk_size)
+            return ((x.amax(1) - x.amin(1)) / 510 * (1 + 1e-6) + 2.0**-150).repeat_interleave(chunk_size)
+
+        nbytes = 1 + 8 / chunk_size
+    else:
+        comp = MinMaxUInt8(chunk_size=chunk_size) if wire == "uint8" else ScaledFP8(wire, chunk_size=chunk_size)
+
+        def roundtrip(v: torch.Tensor) -> torch.Tensor:
+            return comp.decode(comp.encode(v), v.numel())
+
+        def bound(v: torch.Tensor) -> torch.Tensor:
+            return _uint8_bound(comp, v) if isinstance(comp, MinMaxUInt8) else _fp8_bound(comp, v)
+
+        nbytes = comp.encoded_nbytes(grads.shape[1]) / grads.shape[1]
+    acc = roundtrip(grads[0])
+    worker = bound(grads[0])
+    absum = acc.double().abs()
+    for r in range(1, world):
+        dec = roundtrip(grads[r])
+        acc = acc + dec  # fp32, rank order
+        worker = worker + bound(grads[r])
+        absum = absum + dec.double().abs()
+    mean = acc / world
+    # fp32 sums (gamma_{W-1}) and the division: (W + 1) u of the sum of magnitudes, over W.
+    summing = (world + 1) * _U32 * absum / world * 1.01
+    return roundtrip(mean), worker / world + summing + bound(mean), nbytes
+
+
+def run_study(config: CompressionErrorConfig, *, progress: bool = False) -> list[CompressionErrorRow]:
+    rows = []
+    for i, dist_name in enumerate(config.distributions):
+        grads = draw_gradients(
+            dist_name,
+            config.world,
+            config.elements,
+            config.seed * 101 + i,
+            config.model_width,
+            config.world * config.chunk_size,
+        )
+        exact = grads.double().mean(0)
+        zeros = exact == 0
+        for wire in config.wires:
+            result, bound, nbytes = simulate(grads, wire, config.chunk_size)
+            err = result.double() - exact
+            rows.append(
+                CompressionErrorRow(
+                    dist_name,
+                    wire,
+                    nbytes,
+                    float(torch.linalg.vector_norm(err) / torch.linalg.vector_norm(exact)),
+                    float(err.abs().mean() / exact.abs().mean()),
+                    float(err.abs().max() / exact.abs().max()),
+                    float((err.abs() / bound).max()),
+                    float((result[zeros] == 0).double().mean()) if zeros.any() else float("nan"),
+                )
+            )
+        if progress:
+            print(f"  {dist_name} done", flush=True)
+    return rows
+
+
+def format_table(rows: list[CompressionErrorRow]) -> str:
+    lines = [
+        "| gradients | wire | bytes/elem | rel. error | mean error | max error | error/bound | zeros kept |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        kept = "-" if r.zeros_kept != r.zeros_kept else f"{100 * r.zeros_kept:.0f}%"
+        lines.append(
+            f"| {r.distribution} | {r.wire} | {r.bytes_per_element:.3f} | {r.rel_error:.2e} | {r.mean_error:.2e} | "
+            f"{r.max_error:.2e} | "
+            f"{r.error_over_bound:.2f} | {kept} |"
+        )
+    return "\n".join(lines)
+
+
+def write_csv(rows: list[CompressionErrorRow], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        for r in rows:
+            writer.writerow(asdict(r))
+    return path
+
+
+def plot_errors(rows: list[CompressionErrorRow], path: Path) -> Path:
+    """Relative error per wire, one group of bars per gradient distribution (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError("plotting needs matplotlib: pip install 'mixprec[plot]' (or pass --no-plot)") from exc
+    dists = list(dict.fromkeys(r.distribution for r in rows))
+    wires = list(dict.fromkeys(r.wire for r in rows))
+    by = {(r.distribution, r.wire): r.rel_error for r in rows}
+    fig, ax = plt.subplots(figsize=(1.6 * len(dists) + 2, 4))
+    width = 0.8 / len(wires)
+    for j, wire in enumerate(wires):
+        ax.bar([i + j * width for i in range(len(dists))], [by[d, wire] for d in dists], width, label=wire)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(dists))], dists)
+    ax.set_yscale("log")
+    ax.set_ylabel("relative error vs float64 mean")
+    ax.legend(fontsize=7)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def _name_list(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(v.strip() for v in text.split(",") if v.strip())
+        bad = [v for v in values if v not in allowed]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"expected comma-separated names from {', '.join(allowed)}; got {text!r}")
+        return values
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world", type=int, default=8, help="simulated data-parallel ranks")
+    parser.add_argument("--elements", type=int, default=1 << 18, help="gradient elements per rank (synthetic)")
+    parser.add_argument("--chunk-size", type=int, default=2048, help="elements per chunk (header entry)")
+    parser.add_argument("--wires", type=_name_list(WIRES), default=WIRES, help="wires, comma-separated")
+    parser.add_argument(
+        "--distributions", type=_name_list(DISTRIBUTIONS), default=DISTRIBUTIONS, help="gradients, comma-separated"
+    )
+    parser.add_argument("--quick", action="store_true", help="4 ranks, 8192 elements, chunks of 256 (seconds)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the gradients")
+    parser.add_argument("--out-dir", type=Path, default=Path("mixprec_out/compression-error"), help="output folder")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+
+
+def prepare(args: argparse.Namespace) -> Callable[[], int]:
+    """Check the study's arguments (the config validates itself) before any work; returns the study's run."""
+    if args.quick:
+        world, elements, chunk, width = 4, 8192, 256, 32
+    else:
+        world, elements, chunk, width = args.world, args.elements, args.chunk_size, 128
+    config = CompressionErrorConfig(
+        world=world,
+        elements=elements,
+        chunk_size=chunk,
+        wires=args.wires,
+        distributions=args.distributions,
+        model_width=width,
+        seed=args.seed,
+    )
+
+    def work() -> int:
+        print(
+            f"compression-error: {config.world} ranks, {config.elements} elements per rank, chunks of "
+            f"{config.chunk_size}, wires {config.wires}, gradients {config.distributions}, seed {config.seed}",
+            flush=True,
+        )
+        rows = run_study(config, progress=True)
+        print("\nFlat all-reduce (mean) against the float64 mean; error/bound <= 1 is the theory holding:\n")
+        print(format_table(rows))
+        csv_path = write_csv(rows, args.out_dir / "compression_error.csv")
+        print(f"\nwrote {csv_path}")
+        if not args.no_plot:
+            print(f"wrote {plot_errors(rows, args.out_dir / 'compression_error.png')}")
+        return 0
+
+    return work
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the arguments, then run the study (what ``mixprec study compression-error`` does)."""
+    return prepare(args)()
