@@ -383,3 +383,39 @@ def test_a_run_ending_on_nan_writes_strict_json_summary(tmp_path, capsys) -> Non
     raw = json.loads((run / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
     assert raw["final_loss"] is None and raw["nonfinite"]["final_loss"] == "nan"
     assert math.isnan(read_summary(str(run))["final_loss"]) and raw["skipped_steps"] == 2
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--reduce", "fp8", "--fp8-format", "e5m2", "--error-feedback"],
+        ["--reduce", "auto", "--link-gbps", "0.5"],
+    ],
+)
+def test_fp8_and_auto_reductions_train(tmp_path, extra) -> None:
+    """The compressed reductions beyond uint8 run from the CLI; a resumed run continues them bit for bit."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    common = ["--nproc", "2", "--precision", "fp32", *extra]
+    assert train(full, *common, "--steps", "4") == 0
+    assert train(part, *common, "--steps", "2") == 0
+    assert train(part, *common, "--steps", "4", "--resume") == 0
+    # Training numerics bit for bit (the 2-step run also evaluated at its own last step).
+    def train_numerics(rows: list[dict]) -> list[tuple]:
+        return [(r["step"], r["loss"], r["loss_scale"], r["skipped"], r["grad_norm"]) for r in rows]
+
+    assert train_numerics(rows_of(part)) == train_numerics(rows_of(full))
+    assert rows_of(full)[-1]["loss"] < rows_of(full)[0]["loss"]
+    config = (full / "config.toml").read_text()
+    assert f'reduce = "{extra[1]}"' in config
+
+
+def test_fp8_options_are_checked_before_anything_is_written(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:  # argparse's own choices check
+        main(["train", *TINY, "--reduce", "fp8", "--fp8-format", "e3m4", "--out-dir", str(tmp_path / "r")])
+    assert exc.value.code == 2 and "fp8-format" in capsys.readouterr().err
+    assert main(["train", *TINY, "--nproc", "2", "--reduce", "native", "--error-feedback",
+                 "--out-dir", str(tmp_path / "r")]) == 2  # fmt: skip
+    assert "error_feedback applies to the compressed reductions only" in capsys.readouterr().err
+    assert main(["train", *TINY, "--reduce", "auto", "--link-gbps", "-1", "--out-dir", str(tmp_path / "r")]) == 2
+    assert "link_gbps" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

@@ -24,6 +24,7 @@ from typing import Any
 
 from mixprec.lab.config import (
     DEVICES,
+    FP8_FORMATS,
     LINEAR_MODES,
     LOSS_SCALERS,
     OPTIMIZERS,
@@ -46,6 +47,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer.name": OPTIMIZERS,
     "parallel.reduce": REDUCTIONS,
     "parallel.rounding": REDUCE_ROUNDINGS,
+    "parallel.fp8_format": FP8_FORMATS,
     "training.device": DEVICES,
 }
 _TYPES = {"int": int, "float": float, "str": str}

@@ -70,7 +70,7 @@ def _wrap_data_parallel(module: GPT, cfg: TrainConfig, world_size: int) -> Distr
         return None
     p = cfg.parallel
     options = p.reduce_options()
-    if p.reduce == "uint8_hierarchical":
+    if p.reduce.endswith("_hierarchical"):
         if not p.ranks_per_node:
             raise RuntimeError("ranks_per_node must be resolved before training (launch does it)")
         options["topology"] = Topology(nodes=world_size // p.ranks_per_node, ranks_per_node=p.ranks_per_node)

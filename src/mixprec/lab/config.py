@@ -52,7 +52,10 @@ __all__ = [
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 LOSS_SCALERS = ("auto", "none", "static", "dynamic")
-REDUCTIONS = ("native", "fp32_accumulate", "uint8", "uint8_hierarchical")
+REDUCTIONS = ("native", "fp32_accumulate", "uint8", "uint8_hierarchical", "fp8", "fp8_hierarchical", "auto")
+# The reductions that quantize to 8 bits (mixprec.compress): error feedback and stochastic quantization apply.
+COMPRESSED_REDUCTIONS = ("uint8", "uint8_hierarchical", "fp8", "fp8_hierarchical", "auto")
+FP8_FORMATS = ("e4m3", "e5m2")
 OPTIMIZERS = ("adamw", "sgd")
 LINEAR_MODES = ("off", "fp16/16", "fp16/32", "bf16/32", "two_stage", "fp8/promote128")
 DEVICES = ("auto", "cpu", "cuda")
@@ -260,15 +263,20 @@ class ParallelConfig:
     """Ranks to start with --nproc (gloo on CPU, NCCL on GPU); under torchrun its WORLD_SIZE replaces it."""
     reduce: str = "fp32_accumulate"
     """Gradient reduction across ranks: 'fp32_accumulate' (gradient-dtype wire, fp32 sum, one rounding), 'native'
-    (the backend's own collective, summing in the gradient dtype), 'uint8' or 'uint8_hierarchical' (8-bit
-    compression). No effect with one rank."""
+    (the backend's own collective, summing in the gradient dtype), 'uint8' / 'uint8_hierarchical' (8-bit min-max
+    compression), 'fp8' / 'fp8_hierarchical' (fp8 codes with a power-of-two scale per chunk), or 'auto' (per
+    bucket: fp32_accumulate, uint8 or fp8 from a cost model of the link rate). No effect with one rank."""
     rounding: str = field(default="nearest", metadata=_former("reduce_rounding"))
     """'nearest' or 'stochastic' (unbiased): the rounding of fp32_accumulate's result to bf16/fp16, or of uint8's
     quantization. native rounds to nearest only."""
     error_feedback: bool = False
-    """uint8 reductions: keep each quantization's residual and add it back at the next step."""
+    """Compressed reductions: keep each quantization's residual and add it back at the next step."""
+    fp8_format: str = "e4m3"
+    """'fp8' / 'fp8_hierarchical': the fp8 format on the wire, 'e4m3' (more precision) or 'e5m2' (more range)."""
+    link_gbps: float = 0.0
+    """'auto': the inter-rank link rate in Gbit/s that the cost model assumes; 0 = measure it at the start."""
     ranks_per_node: int = 0
-    """Ranks per node for 'uint8_hierarchical'; 0 = LOCAL_WORLD_SIZE under torchrun, else nproc // 2 (two
+    """Ranks per node for the hierarchical reductions; 0 = LOCAL_WORLD_SIZE under torchrun, else nproc // 2 (two
     simulated nodes on one machine)."""
     sharded_optimizer: bool = False
     """ZeRO-1: each rank keeps master weights and optimizer state for its shard only."""
@@ -282,14 +290,16 @@ class ParallelConfig:
         check_positive_int("ranks_per_node", self.ranks_per_node, minimum=0)
         check_choice("reduce", self.reduce, REDUCTIONS)
         check_choice("rounding", self.rounding, REDUCE_ROUNDINGS)
+        check_choice("fp8_format", self.fp8_format, FP8_FORMATS)
+        check_positive_float("link_gbps", self.link_gbps, allow_zero=True)
         check_positive_float("timeout", self.timeout)
         if self.reduce == "native" and self.rounding != "nearest":
-            raise ValueError("rounding='stochastic' needs reduce 'fp32_accumulate', 'uint8' or 'uint8_hierarchical'")
-        if self.error_feedback and not self.reduce.startswith("uint8"):
-            raise ValueError(f"error_feedback applies to the uint8 reductions only; reduce is {self.reduce!r}")
+            raise ValueError("rounding='stochastic' needs reduce 'fp32_accumulate' or a compressed reduction")
+        if self.error_feedback and self.reduce not in COMPRESSED_REDUCTIONS:
+            raise ValueError(f"error_feedback applies to the compressed reductions only; reduce is {self.reduce!r}")
         if self.sharded_optimizer and self.nproc == 1:
             raise ValueError("sharded_optimizer needs nproc >= 2 (with one rank there is nothing to shard)")
-        if self.reduce == "uint8_hierarchical" and self.ranks_per_node and self.nproc % self.ranks_per_node:
+        if self.reduce.endswith("_hierarchical") and self.ranks_per_node and self.nproc % self.ranks_per_node:
             raise ValueError(f"ranks_per_node ({self.ranks_per_node}) must divide the number of ranks ({self.nproc})")
 
     def reduce_options(self) -> dict[str, Any]:
@@ -297,8 +307,12 @@ class ParallelConfig:
         options: dict[str, Any] = {}
         if self.reduce != "native":
             options["rounding"] = self.rounding
-        if self.reduce.startswith("uint8"):
+        if self.reduce in COMPRESSED_REDUCTIONS:
             options["error_feedback"] = self.error_feedback
+        if self.reduce.startswith("fp8"):
+            options["wire"] = self.fp8_format
+        if self.reduce == "auto" and self.link_gbps:
+            options["link_gbps"] = self.link_gbps
         return options
 
 

@@ -184,9 +184,9 @@ def prepare_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> None:
 
 def _resolve(cfg: TrainConfig, world_size: int, local_world_size: int | None = None) -> TrainConfig:
     """Fill in what the defaults leave open: the world size, an absolute out_dir, the loss scaler, and for
-    uint8_hierarchical the ranks per node (torchrun's LOCAL_WORLD_SIZE, else two simulated nodes)."""
+    the hierarchical reductions the ranks per node (torchrun's LOCAL_WORLD_SIZE, else two simulated nodes)."""
     ranks_per_node = cfg.parallel.ranks_per_node
-    if cfg.parallel.reduce == "uint8_hierarchical" and not ranks_per_node:
+    if cfg.parallel.reduce.endswith("_hierarchical") and not ranks_per_node:
         ranks_per_node = local_world_size if local_world_size is not None else max(1, world_size // 2)
     return cfg.replace(
         parallel={"nproc": world_size, "ranks_per_node": ranks_per_node},
