@@ -399,6 +399,7 @@ def test_fp8_and_auto_reductions_train(tmp_path, extra) -> None:
     assert train(full, *common, "--steps", "4") == 0
     assert train(part, *common, "--steps", "2") == 0
     assert train(part, *common, "--steps", "4", "--resume") == 0
+
     # Training numerics bit for bit (the 2-step run also evaluated at its own last step).
     def train_numerics(rows: list[dict]) -> list[tuple]:
         return [(r["step"], r["loss"], r["loss_scale"], r["skipped"], r["grad_norm"]) for r in rows]

@@ -723,13 +723,13 @@ def _worker_hostile_args(rank: int, world: int) -> dict:
 def test_hostile_arguments_get_one_clear_error(dist_run) -> None:
     res = dist_run(_worker_hostile_args, 2, timeout=60)
     expected = [
-        "TypeError: group must be a torch.distributed.ProcessGroup or None; got str",
-        "TypeError: group must be a torch.distributed.ProcessGroup or None; got int",
+        "TypeError: group must be a torch.distributed ProcessGroup or None; got str",
+        "TypeError: group must be a torch.distributed ProcessGroup or None; got int",
         "ValueError: group: this rank is not a member of it",
         "TypeError: output must be a torch.Tensor; got NoneType",
         "ValueError: tensor is on the meta device",
         "ValueError: output is on the meta device",
-        "TypeError: group must be a torch.distributed.ProcessGroup or None; got str",
+        "TypeError: group must be a torch.distributed ProcessGroup or None; got str",
         "TypeError: tensor must have dtype torch.float32 or torch.float16 or torch.bfloat16; got torch.float8_e4m3fn",
         "TypeError: tensor must have dtype torch.float32 or torch.float16 or torch.bfloat16; got torch.complex64",
         "TypeError: average must be a bool (True or False); got str 'False'",

@@ -166,3 +166,30 @@ def test_a_stopped_rank_is_detected_by_the_timeout_and_blamed(tmp_path) -> None:
             os.killpg(proc.pid, signal.SIGCONT)
             os.killpg(proc.pid, signal.SIGKILL)
     assert load_checkpoint(str(run / "checkpoint.pt"))["step"] >= 2
+
+
+def test_an_interrupt_while_the_ranks_start_stops_the_started_ones(tmp_path, monkeypatch) -> None:
+    """A SIGINT/SIGTERM that lands between two Process.start() calls: the started ranks are stopped and the
+    interrupt propagates (it used to end in an AttributeError from terminating an unstarted process)."""
+    import multiprocessing as mp
+
+    from mixprec.lab import launch as launch_module
+    from mixprec.lab.config import TrainConfig
+
+    real = mp.get_context("fork")
+    started: list = []
+
+    class Ctx:
+        class Process(real.Process):  # type: ignore[name-defined, misc]
+            def start(self) -> None:
+                if started:
+                    raise KeyboardInterrupt  # the signal arrives before the second rank starts
+                super().start()
+                started.append(self)
+
+    monkeypatch.setattr(launch_module.mp, "get_context", lambda method: Ctx)
+    monkeypatch.setattr(launch_module, "_child", lambda *args: time.sleep(60))
+    cfg = TrainConfig.from_dict({"nproc": 2, "out_dir": str(tmp_path / "r")})
+    with pytest.raises(KeyboardInterrupt):
+        launch_module._spawn(cfg, "cpu", False)
+    assert len(started) == 1 and not started[0].is_alive()

@@ -818,6 +818,8 @@ def _mismatch_case(rank: int, world_size: int, kind: str) -> str:
     model = torch.nn.Sequential(*layers)
     if rank == 1 and kind == "dtype":
         model = model.to(torch.bfloat16)
+    if rank == 1 and kind == "refused_dtype":  # a dtype the buffer refuses, on one rank only
+        model = model.double()
     try:
         DistributedDataParallel(model, bucket_size=10)
     except ValueError as exc:
@@ -831,6 +833,7 @@ def _mismatch_case(rank: int, world_size: int, kind: str) -> str:
         ("shape", "rank 0 has parameter 0.weight of shape (4, 4), torch.float32, requires_grad; rank 1 has "),
         ("count", "rank 0 has 2 parameters and buffers, rank 1 has 4"),
         ("dtype", "rank 1 has parameter 0.weight of shape (4, 4), torch.bfloat16"),
+        ("refused_dtype", "rank 1 has parameter 0.weight of shape (4, 4), torch.float64"),
     ],
 )
 def test_different_models_on_different_ranks_are_refused_on_every_rank(dist_run, kind: str, fragment: str) -> None:

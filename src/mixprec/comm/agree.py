@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mixprec.comm.compat import check_group
+from mixprec.core.validate import check_group
 
 __all__ = ["agree_any", "collective_device", "is_distributed"]
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_flat", "check_group", "overlaps", "reduce_scatter_flat", "require_initialized"]
+__all__ = ["all_gather_flat", "overlaps", "reduce_scatter_flat", "require_initialized"]
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -39,14 +39,6 @@ def reduce_scatter_flat(
 def require_initialized(what: str) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"{what} needs an initialised torch.distributed process group (init_process_group)")
-
-
-def check_group(name: str, group: Any) -> dist.ProcessGroup | None:
-    """``group`` must be a ``torch.distributed.ProcessGroup`` or None (the default group); TypeError otherwise."""
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        kind = type(group).__name__
-        raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None; got {kind} {group!r}")
-    return group
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -19,13 +19,13 @@ import math
 import torch
 import torch.distributed as dist
 
-from mixprec.comm.compat import all_gather_flat, check_group, overlaps, require_initialized
+from mixprec.comm.compat import all_gather_flat, overlaps, require_initialized
 from mixprec.comm.handles import PendingReduction
 from mixprec.comm.padding import round_up
 from mixprec.core.dtypes import LOW_PRECISION_DTYPES, ROUNDINGS, WIRE_DTYPES, Rounding
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rank_generator
 from mixprec.core.stochastic import round_into_
-from mixprec.core.validate import check_bool, check_choice, check_tensor
+from mixprec.core.validate import check_bool, check_choice, check_group, check_tensor
 
 __all__ = [
     "all_reduce_fp32_accumulate",

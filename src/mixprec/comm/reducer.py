@@ -19,10 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from mixprec.comm.compat import check_group
 from mixprec.comm.handles import PendingReduction
 from mixprec.core.dtypes import WIRE_DTYPES
-from mixprec.core.validate import check_positive_int, check_tensor
+from mixprec.core.validate import check_group, check_positive_int, check_tensor
 
 __all__ = [
     "BUCKET_ALIGNMENT",

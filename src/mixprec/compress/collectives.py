@@ -32,7 +32,7 @@ from mixprec.compress._scratch import Scratch
 from mixprec.compress.fp8 import COMPRESSORS, FP8_FORMATS, Compressor
 from mixprec.compress.quantize import FLOAT_DTYPES, MinMaxUInt8, NonFiniteError
 from mixprec.compress.state import CompressionStats, CompressionWorkspace, ErrorFeedback, Traffic
-from mixprec.core.validate import check_bool, check_tensor
+from mixprec.core.validate import check_bool, check_group, check_tensor
 
 __all__ = [
     "compressed_all_reduce",
@@ -160,7 +160,7 @@ def _preamble(
     comp.check_generator_device(tensor.device)
     own = _workspace("workspace", workspace)
     shared = own if shared_workspace is None else _workspace("shared_workspace", shared_workspace)
-    world = check_group(group)
+    world = dist.get_world_size(check_group("group", group))
     if scatter:
         numel = tensor.numel()
         if numel % world:
@@ -176,15 +176,6 @@ def _preamble(
     elif topology is not None:
         hier = resolve_topology(topology, group)
     return _Call(what, group, comp, world if average else None, error_feedback, own, shared.scratch, world, hier)
-
-
-def check_group(group: Any) -> int:
-    """``group`` is None or a process group this rank belongs to (TypeError/ValueError); its size."""
-    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns on ranks outside it
-        raise ValueError("group: this rank is not a member of it (new_group returned GroupMember.NON_GROUP_MEMBER)")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None; got {type(group).__name__}")
-    return dist.get_world_size(group)
 
 
 def _check_data(name: str, tensor: Any) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from mixprec.comm.fp32_accumulate import all_reduce_fp32_accumulate, reduce_scatter_fp32_accumulate
@@ -28,7 +29,7 @@ from mixprec.comm.handles import PendingReduction
 from mixprec.comm.reducer import check_bucket, check_shard_out, register_reducer
 from mixprec.comm.topology import Topology
 from mixprec.compress import auto
-from mixprec.compress.collectives import check_group, start_compressed_all_reduce, start_compressed_reduce_scatter
+from mixprec.compress.collectives import start_compressed_all_reduce, start_compressed_reduce_scatter
 from mixprec.compress.options import RankCompressors, Uint8Options, check_feedback_entry, load_feedback
 from mixprec.compress.state import CompressionStats, CompressionWorkspace, ErrorFeedback
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED
@@ -130,7 +131,7 @@ class Uint8Reducer:
         if choice is None:
             if self._costs is None:  # every rank reaches its first bucket at the same point
                 self._costs = auto.agree_costs(group, bucket.device, self.options.link_gbps)
-            world = check_group(group)
+            world = dist.get_world_size(group)
             choice = auto.choose(self._costs, bucket.numel(), bucket.element_size(), world, self.options.chunk_size)
             self.choices[key] = choice
             auto.logger.info(
@@ -147,7 +148,6 @@ class Uint8Reducer:
     def all_reduce(
         self, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
     ) -> _PendingBucket:
-        check_group(group)
         check_bucket(bucket, group)
         if self._wire_for(key, bucket, group) == "full":
             return self._start_full(
@@ -158,7 +158,6 @@ class Uint8Reducer:
     def reduce_scatter(
         self, shard_out: torch.Tensor, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
     ) -> _PendingBucket:
-        check_group(group)
         world_size = check_bucket(bucket, group)
         check_shard_out(shard_out, bucket, world_size)
         if self._wire_for(key, bucket, group) == "full":

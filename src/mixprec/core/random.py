@@ -21,6 +21,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from mixprec.core.validate import check_group
+
 __all__ = ["DEFAULT_STOCHASTIC_SEED", "rank_generator"]
 
 # Seed of the per-process default generator for rounding="stochastic" (plus the global rank), so runs
@@ -47,8 +49,7 @@ def _rank_in(group: dist.ProcessGroup | None) -> int:
         if group is not None:
             raise RuntimeError("group was given but torch.distributed is not initialised (init_process_group)")
         return 0
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed ProcessGroup or None; got {type(group).__name__}")
+    check_group("group", group)
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError("group: this process is not a member of the given process group")

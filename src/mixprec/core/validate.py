@@ -7,9 +7,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 __all__ = [
     "check_bool",
+    "check_group",
     "check_choice",
     "check_norm_type",
     "check_tensor",
@@ -104,3 +106,22 @@ def check_tensor(
     if materialized and value.is_meta:
         raise ValueError(f"{name} is a meta tensor (shape and dtype only, no data): pass a tensor with storage")
     return value
+
+
+def check_group(name: str, group: Any) -> Any:
+    """``group`` must be a ``torch.distributed.ProcessGroup`` this rank belongs to, or None (the default group).
+
+    TypeError for anything else; ValueError for ``GroupMember.NON_GROUP_MEMBER``, what ``new_group`` returns on
+    the ranks outside the new group.
+    """
+    if not dist.is_available():
+        if group is not None:
+            raise TypeError(f"{name} must be None: torch.distributed is not available in this build")
+        return group
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"{name}: this rank is not a member of it (new_group returned GroupMember.NON_GROUP_MEMBER)")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{name} must be a torch.distributed ProcessGroup or None; got {type(group).__name__} {group!r}"
+        )
+    return group

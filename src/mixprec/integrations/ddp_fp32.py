@@ -26,6 +26,7 @@ from mixprec.comm.fp32_accumulate import sum_shards_into
 from mixprec.comm.groups import new_group
 from mixprec.comm.padding import pad_flat
 from mixprec.core.dtypes import WIRE_DTYPES
+from mixprec.core.validate import check_group
 
 __all__ = ["fp32_accumulate_hook"]
 
@@ -129,8 +130,7 @@ def fp32_accumulate_hook(
     synchronisation, whose rendezvous name depends on that count). On CUDA the callbacks synchronise their
     stream before they hand buffers back or complete the future (not yet run on a GPU).
     """
-    if state is not None and not isinstance(state, dist.ProcessGroup):
-        raise TypeError(f"state must be a torch.distributed ProcessGroup or None; got {type(state).__name__}")
+    check_group("state", state)
     group = state
     buffer = bucket.buffer()
     if buffer.dtype not in WIRE_DTYPES:

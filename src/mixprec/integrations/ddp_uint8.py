@@ -28,7 +28,7 @@ from mixprec.compress.fp8 import Compressor
 from mixprec.compress.options import RankCompressors, Uint8Options, check_feedback_entry, load_feedback
 from mixprec.compress.state import CompressionStats, CompressionWorkspace, ErrorFeedback
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED
-from mixprec.core.validate import check_positive_int
+from mixprec.core.validate import check_group, check_positive_int
 
 __all__ = ["Uint8HookState", "uint8_compress_hook"]
 
@@ -73,9 +73,7 @@ class Uint8HookState:
                 "Uint8HookState needs an initialised process group: call torch.distributed.init_process_group "
                 "first (as for torch's DistributedDataParallel)"
             )
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(f"process_group must be a ProcessGroup or None; got {type(process_group).__name__}")
-        self.process_group = process_group
+        self.process_group = check_group("process_group", process_group)
         self.options = Uint8Options(
             chunk_size=chunk_size,
             rounding=rounding,

@@ -249,9 +249,10 @@ def _child(
     fork: bool,
     parent_pid: int,
 ) -> None:
-    _die_with_parent(parent_pid)
     # The launcher's SIGTERM handler (inherited through fork) is the launcher's: a rank it terminates just stops.
+    # Reset it first, so that no SIGTERM can reach the inherited handler once the rank runs.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _die_with_parent(parent_pid)
     if fork:
         # Intra-op thread pools inherited through fork can deadlock; and N ranks share the cores anyway.
         torch.set_num_threads(1)
@@ -370,10 +371,12 @@ def _spawn(cfg: TrainConfig, device_type: str, resume: bool) -> None:
             p.start()
         _watch(procs, cfg.parallel.timeout)
     except KeyboardInterrupt:
-        for p in procs:
+        # The signal may come while the ranks are still being started: only started ones can be stopped.
+        started = [p for p in procs if p.pid is not None]
+        for p in started:
             if p.exitcode is None:
                 p.terminate()
-        for p in procs:
+        for p in started:
             p.join(5.0)
         raise
     finally:

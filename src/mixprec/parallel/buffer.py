@@ -22,10 +22,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from mixprec.comm.compat import check_group
 from mixprec.comm.reducer import GradReducer, ReductionHandle
 from mixprec.core.dtypes import WIRE_DTYPES
-from mixprec.core.validate import check_bool, check_dtype
+from mixprec.core.validate import check_bool, check_dtype, check_group
 from mixprec.parallel.buckets import BucketLayout, build_layout
 
 __all__ = ["GradBuffer"]

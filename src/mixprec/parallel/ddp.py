@@ -31,7 +31,7 @@ from mixprec.comm.compat import require_initialized
 from mixprec.comm.handles import wait_all
 from mixprec.comm.reducer import GradReducer, ReductionHandle, make_reducer
 from mixprec.core.dtypes import LOW_PRECISION_DTYPES
-from mixprec.core.validate import check_bool
+from mixprec.core.validate import check_bool, check_group
 from mixprec.parallel.buckets import BucketLayout
 from mixprec.parallel.buffer import GradBuffer
 from mixprec.parallel.zero import ShardedOptimizer
@@ -120,8 +120,11 @@ class DistributedDataParallel(torch.nn.Module):
         for name, p in module.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        # Local checks of the parameters (dtypes, one device) first, then one collective that compares the
-        # models across ranks, then the broadcast: a mismatch is one ValueError on every rank, not a hang.
+        # One collective compares the models across ranks before any check that could fail on one rank only
+        # (a dtype or device the buffer refuses): a mismatch is one ValueError on every rank, not a rank
+        # raising alone while the others wait in the collective. The buffer's own checks then fail alike
+        # on every rank.
+        _verify_same_model_on_every_rank(module, check_group("group", group))
         self.grad_buffer = GradBuffer(
             named,
             group=group,
@@ -132,7 +135,6 @@ class DistributedDataParallel(torch.nn.Module):
         )
         self.world_size = self.grad_buffer.world_size
         self.rank = self.grad_buffer.rank
-        self._verify_same_model_on_every_rank()
         self._broadcast_from_rank0()
 
         n_params = len(named)
@@ -158,21 +160,6 @@ class DistributedDataParallel(torch.nn.Module):
         for t in list(self.module.parameters()) + list(self.module.buffers()):
             if self.world_size > 1:
                 dist.broadcast(t.data, src=src, group=self.group)
-
-    def _verify_same_model_on_every_rank(self) -> None:
-        """Refuse, on every rank, a module whose parameters or buffers differ between ranks (as torch DDP's
-        ``_verify_param_shape_across_processes``): one all-gather of a 32-byte digest; the full descriptions
-        are gathered only to name the difference."""
-        if self.world_size == 1:
-            return
-        description = _describe(self.module)
-        digests: list[Any] = [None] * self.world_size
-        dist.all_gather_object(digests, hashlib.sha256(repr(description).encode()).digest(), group=self.group)
-        if all(d == digests[0] for d in digests):
-            return
-        descriptions: list[Any] = [None] * self.world_size
-        dist.all_gather_object(descriptions, description, group=self.group)
-        raise ValueError(_first_difference(descriptions))
 
     # ------------------------------------------------------------------ forward / no_sync
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -449,3 +436,22 @@ def _first_difference(descriptions: list[Any]) -> str:
                 )
         return f"{prefix}: rank 0 has {len(ref)} parameters and buffers, rank {rank} has {len(desc)}"
     return "DistributedDataParallel needs the same module on every rank"  # digests differed, descriptions not
+
+
+def _verify_same_model_on_every_rank(module: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Refuse, on every rank, a module whose parameters or buffers differ between ranks (as torch DDP's
+    ``_verify_param_shape_across_processes``): one all-gather of a 32-byte digest; the full descriptions
+    are gathered only to name the difference."""
+    if not dist.is_initialized():
+        return  # the buffer raises the clear "init_process_group first" error
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return
+    description = _describe(module)
+    digests: list[Any] = [None] * world_size
+    dist.all_gather_object(digests, hashlib.sha256(repr(description).encode()).digest(), group=group)
+    if all(d == digests[0] for d in digests):
+        return
+    descriptions: list[Any] = [None] * world_size
+    dist.all_gather_object(descriptions, description, group=group)
+    raise ValueError(_first_difference(descriptions))

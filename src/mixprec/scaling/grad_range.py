@@ -23,11 +23,11 @@ from typing import Literal
 
 import torch
 
+from mixprec.core.dtypes import LOW_PRECISION_DTYPES
 from mixprec.core.validate import check_choice, check_dtype, check_positive_float
 
 __all__ = ["GradRangeReport", "GradientStats", "grad_range_by_layer", "grad_range_report"]
 
-_TARGETS = (torch.float16, torch.bfloat16)
 _CHUNK = 1 << 22  # elements per cast; bounds the temporary memory at 4M * (4 + 2) bytes
 
 
@@ -74,7 +74,7 @@ def grad_range_report(
     to ``dtype`` (fp16 or bf16). The product is formed in fp32 (exact for power-of-two scales), then rounded
     once to ``dtype`` by torch's cast; see the module docstring."""
     check_positive_float("scale", scale)
-    check_dtype("dtype", dtype, _TARGETS)
+    check_dtype("dtype", dtype, LOW_PRECISION_DTYPES)
     tiny = torch.finfo(dtype).tiny
     counts = dict(nonfinite=0, zero=0, underflow=0, subnormal=0, overflow=0, normal=0)
     total = 0
@@ -174,7 +174,7 @@ class GradientStats:
     def report(self, scale: float, dtype: torch.dtype = torch.float16) -> GradRangeReport:
         """Approximate classification at ``scale`` (see the module docstring for the error)."""
         check_positive_float("scale", scale)
-        check_dtype("dtype", dtype, _TARGETS)
+        check_dtype("dtype", dtype, LOW_PRECISION_DTYPES)
         fi = torch.finfo(dtype)
         log_tiny = math.log2(fi.tiny)
         log_sub = log_tiny - _mantissa_bits(dtype)  # smallest subnormal

@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
+from mixprec.core.dtypes import LOW_PRECISION_DTYPES
 from mixprec.core.validate import check_norm_type, check_positive_float
 
 __all__ = ["MasterWeightOptimizer", "clip_coefficient", "clip_grad_norm_", "grad_norm"]
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 # float32/float64 parameters are their own masters; the low-precision ones get an fp32 master copy
-_PARAM_DTYPES = (torch.float32, torch.float64, *_LOW_PRECISION)
+_PARAM_DTYPES = (torch.float32, torch.float64, *LOW_PRECISION_DTYPES)
 
 
 def grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
@@ -130,7 +130,7 @@ class MasterWeightOptimizer:
                         f"params must be floating point: float32, float64, float16 or bfloat16; got {p.dtype} (shape "
                         f"{tuple(p.shape)}): fp8 and complex parameters have no fp32 master weight here"
                     )
-                if p.dtype in _LOW_PRECISION:
+                if p.dtype in LOW_PRECISION_DTYPES:
                     m = p.detach().clone().float()
                     m.requires_grad_(p.requires_grad)
                 else:

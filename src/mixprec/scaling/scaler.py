@@ -30,7 +30,14 @@ import torch
 import torch.distributed as dist
 
 from mixprec.comm.agree import agree_any, is_distributed
-from mixprec.core.validate import check_bool, check_choice, check_fraction, check_positive_float, check_positive_int
+from mixprec.core.validate import (
+    check_bool,
+    check_choice,
+    check_fraction,
+    check_group,
+    check_positive_float,
+    check_positive_int,
+)
 
 __all__ = ["DynamicLossScaler", "LossScaleFloorError", "LossScaler", "StaticLossScaler"]
 
@@ -103,9 +110,7 @@ class LossScaler(abc.ABC):
     def __init__(self, init_scale: float, *, enabled: bool = True, group: dist.ProcessGroup | None = None):
         self._enabled = check_bool("enabled", enabled)
         self._scale = _check_scale("init_scale", init_scale)
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"group must be a torch.distributed ProcessGroup or None; got {type(group).__name__}")
-        self._group = group
+        self._group = check_group("group", group)
         self._per_optimizer: dict[int, _OptimizerState] = {}
         self.steps_taken = 0
         self.steps_skipped = 0
