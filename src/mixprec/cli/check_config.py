@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from mixprec.scaling.advisor import advise, rescale_for_dp
+from mixprec.scaling import advise, rescale_for_dp
 
 
 def register(sub: argparse._SubParsersAction) -> None:

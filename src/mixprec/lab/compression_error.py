@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from mixprec.compress import MinMaxUInt8, ScaledFP8
-from mixprec.core.rounding import round_to
 from mixprec.core.validate import check_positive_int
+from mixprec.emulate import round_to
 from mixprec.lab.model import GPT, GPTConfig
 
 __all__ = [
