@@ -1,0 +1,187 @@
+"""Two-stage (node, then across nodes) fp32-accumulating reduce-scatter and all-reduce, pipelined.
+
+On m nodes of n ranks (a :class:`~mixprec.comm.topology.HierarchicalGroups`), for each segment of the shard:
+stage 1 is an intra-node all-to-all in the wire dtype and an fp32 sum, in local-rank order, of the node's n
+partials; the node partial is rounded to the inter-node dtype (the wire dtype by default, or kept in fp32);
+stage 2 is an all-to-all among the m ranks with the same local rank and an fp32 sum in node order, then one
+rounding to the output. Each node sends ``(m-1)/m N`` elements across its boundary (a ring: about ``N``), a
+flat all-to-all ``n (m-1)/m N``. The all-reduce ends with the all-gathers in reverse (inter, then intra).
+
+Segments go through two slots of one receive area: the fp32 sum of a segment runs while the next segment's
+stage 1 and the previous one's stage 2 are on the wire. The area has a fixed length chosen by the caller
+(:func:`segment_length`), so memory does not grow with the tensor or with the number of reductions.
+Megatron-LM's ``reduce_scatter_with_fp32_accumulation`` (the flat original) holds one buffer per bucket
+(Megatron-LM PR #4940) and sums only at ``wait()`` (issue #6199). Bounds and byte counts: ``docs/comm.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mixprec.comm.compat import all_gather_flat
+from mixprec.comm.fp32_sum import sum_shards_into
+from mixprec.comm.handles import PendingReduction
+from mixprec.comm.topology import HierarchicalGroups
+from mixprec.core.dtypes import Rounding
+
+__all__ = ["SLOTS", "area_elements", "segment_bounds", "segment_length", "start_all_reduce", "start_reduce_scatter"]
+
+# Segments in flight per reduction: one summed while the other is on the wire.
+SLOTS = 2
+
+
+def segment_length(shard: int, world: int, area: int) -> int:
+    """Elements of a shard per segment when the receive area holds ``area`` elements: each of the SLOTS
+    slots holds a segment's send staging and its receive buffer (``2 * world * seg`` elements)."""
+    return max(1, min(shard, area // (2 * SLOTS * world)))
+
+
+def area_elements(shard: int, world: int, segments: int = 4) -> int:
+    """The area that cuts a shard into about ``segments`` segments (the default when no area is given)."""
+    seg = max(1, -(-shard // segments))
+    return 2 * SLOTS * world * seg
+
+
+def segment_bounds(shard: int, seg: int) -> list[tuple[int, int]]:
+    return [(a, min(shard, a + seg)) for a in range(0, shard, seg)]
+
+
+class _TwoStage:
+    """The pipeline over one ``layout`` [n, m, S] view of the input (row l: what local rank l sums over
+    the node; [l, i]: the part node i's rank with local rank l gets). ``sink(a, b, recv)`` finishes
+    columns [a, b) from stage 2's receive buffer [m, b - a]."""
+
+    def __init__(
+        self,
+        layout: torch.Tensor,
+        hier: HierarchicalGroups,
+        area: torch.Tensor,
+        seg: int,
+        inter_dtype: torch.dtype,
+        average: bool,
+        rounding: Rounding,
+        generator: torch.Generator | None,
+        sink: Callable[[int, int, torch.Tensor], None],
+    ) -> None:
+        self.layout, self.hier, self.area, self.inter_dtype = layout, hier, area, inter_dtype
+        self.average, self.rounding, self.generator, self.sink = average, rounding, generator, sink
+        n, m, shard = layout.shape
+        self.world = n * m
+        self.slot = 2 * self.world * seg
+        self.segments = segment_bounds(shard, seg)
+        self.works1: dict[int, Any] = {}
+        self.works2: dict[int, tuple[Any, torch.Tensor]] = {}
+        for s in range(min(SLOTS, len(self.segments))):
+            self._stage1(s)
+
+    def _views(self, s: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        a, b = self.segments[s]
+        width = self.world * (b - a)
+        base = (s % SLOTS) * self.slot
+        return self.area[base : base + width], self.area[base + self.slot // 2 : base + self.slot // 2 + width], b - a
+
+    def _stage1(self, s: int) -> None:
+        send, recv, _ = self._views(s)
+        n, m, _ = self.layout.shape
+        a, b = self.segments[s]
+        send.view(n, m, b - a).copy_(self.layout[:, :, a:b])
+        self.works1[s] = dist.all_to_all_single(recv, send, group=self.hier.intra, async_op=True)
+
+    def _stage2(self, s: int) -> None:
+        send, recv, width = self._views(s)
+        n, m, _ = self.layout.shape
+        self.works1.pop(s).wait()
+        if self.inter_dtype == self.area.dtype:
+            partial, recv2 = send[: m * width], recv[: m * width]
+        else:  # fp32 across nodes: buffers of their own (documented extra memory)
+            partial = torch.empty(m * width, dtype=self.inter_dtype, device=self.area.device)
+            recv2 = torch.empty_like(partial)
+        # The node partial, rounded once to the inter-node dtype (not at all when that is fp32).
+        sum_shards_into(
+            partial, recv.view(n, m * width), average=self.average, rounding=self.rounding, generator=self.generator
+        )
+        work = dist.all_to_all_single(recv2, partial, group=self.hier.inter, async_op=True)
+        self.works2[s] = (work, recv2, partial)  # type: ignore[assignment]
+
+    def _finish_segment(self, s: int) -> None:
+        work, recv2, _ = self.works2.pop(s)  # type: ignore[misc]
+        work.wait()
+        a, b = self.segments[s]
+        self.sink(a, b, recv2.view(self.layout.shape[1], b - a))
+
+    def run(self) -> None:
+        """The rest of the schedule; its order (stage 1 of s, then the end of s - 1) fixes the order of the
+        random draws of stochastic rounding, which a reference must follow."""
+        count = len(self.segments)
+        for s in range(count):
+            self._stage2(s)
+            if s >= 1:
+                self._finish_segment(s - 1)
+                if s + 1 < count:
+                    self._stage1(s + 1)  # into the slot segment s - 1 has just freed
+        self._finish_segment(count - 1)
+
+
+def start_reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    hier: HierarchicalGroups,
+    area: torch.Tensor,
+    seg: int,
+    *,
+    inter_dtype: torch.dtype,
+    average: bool,
+    factor: float | None,
+    rounding: Rounding,
+    generator: torch.Generator | None,
+) -> PendingReduction:
+    """Start the reduce-scatter (checked arguments): global rank ``node * n + l`` gets part ``node * n + l``.
+    Stage 1 of the first segments is on the wire when this returns; ``wait()`` runs the rest."""
+    n, m = hier.ranks_per_node, hier.nodes
+    shard = output.numel()
+    out = output.view(-1)
+    # Local rank l sums parts {i * n + l}: the [local, node, shard] view of the [node, local, shard] input.
+    layout = input.view(m, n, shard).transpose(0, 1)
+
+    def sink(a: int, b: int, recv: torch.Tensor) -> None:
+        sum_shards_into(out[a:b], recv, average=average, rounding=rounding, generator=generator, factor=factor)
+
+    pipeline = _TwoStage(layout, hier, area, seg, inter_dtype, average, rounding, generator, sink)
+    return PendingReduction(pipeline.run)
+
+
+def start_all_reduce(
+    tensor: torch.Tensor,
+    hier: HierarchicalGroups,
+    area: torch.Tensor,
+    seg: int,
+    *,
+    inter_dtype: torch.dtype,
+    average: bool,
+    rounding: Rounding,
+    generator: torch.Generator | None,
+) -> PendingReduction:
+    """Start the in-place all-reduce (checked arguments); ``wait()`` finishes both stages and the gathers."""
+    n, m = hier.ranks_per_node, hier.nodes
+    flat = tensor.view(-1)
+    shard = flat.numel() // (n * m)
+    # Local rank l owns the contiguous slice l of [n, m * S]; within it node i owns part i.
+    layout = flat.view(n, m, shard)
+    chunk = layout[hier.local].view(-1)
+    own = layout[hier.local, hier.node]
+
+    def sink(a: int, b: int, recv: torch.Tensor) -> None:
+        sum_shards_into(own[a:b], recv, average=average, rounding=rounding, generator=generator)
+
+    pipeline = _TwoStage(layout, hier, area, seg, inter_dtype, average, rounding, generator, sink)
+
+    def finish() -> None:
+        pipeline.run()
+        all_gather_flat(chunk, own, hier.inter)  # in place: every rank's own part is its slice of chunk
+        all_gather_flat(flat, chunk, hier.intra)
+
+    return PendingReduction(finish)
