@@ -16,6 +16,7 @@ Megatron-LM's ``reduce_scatter_with_fp32_accumulation`` (the flat original) hold
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -74,7 +75,7 @@ class _TwoStage:
         self.slot = 2 * self.world * seg
         self.segments = segment_bounds(shard, seg)
         self.works1: dict[int, Any] = {}
-        self.works2: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.works2: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         for s in range(min(SLOTS, len(self.segments))):
             self._stage1(s)
 
@@ -105,10 +106,10 @@ class _TwoStage:
             partial, recv.view(n, m * width), average=self.average, rounding=self.rounding, generator=self.generator
         )
         work = dist.all_to_all_single(recv2, partial, group=self.hier.inter, async_op=True)
-        self.works2[s] = (work, recv2, partial)  # type: ignore[assignment]
+        self.works2[s] = (work, recv2, partial)  # the partial is kept alive until its send is done
 
     def _finish_segment(self, s: int) -> None:
-        work, recv2, _ = self.works2.pop(s)  # type: ignore[misc]
+        work, recv2, _ = self.works2.pop(s)
         work.wait()
         a, b = self.segments[s]
         self.sink(a, b, recv2.view(self.layout.shape[1], b - a))
@@ -165,7 +166,9 @@ def start_all_reduce(
     rounding: Rounding,
     generator: torch.Generator | None,
 ) -> PendingReduction:
-    """Start the in-place all-reduce (checked arguments); ``wait()`` finishes both stages and the gathers."""
+    """Start the in-place all-reduce (checked arguments); ``wait()`` finishes both stages and the gathers.
+    Extra memory beside the area: a staging buffer of ``SLOTS * m * seg`` elements for the inter-node
+    all-gathers, which run segment by segment behind the sums."""
     n, m = hier.ranks_per_node, hier.nodes
     flat = tensor.view(-1)
     shard = flat.numel() // (n * m)
@@ -174,14 +177,33 @@ def start_all_reduce(
     chunk = layout[hier.local].view(-1)
     own = layout[hier.local, hier.node]
 
+    rows = chunk.view(m, shard)
+    # The inter-node all-gather of a segment starts as soon as it is summed (at most SLOTS in flight, each
+    # into a staging buffer of m segments, since a segment's columns of ``rows`` are strided).
+    staging = torch.empty(SLOTS * m * seg, dtype=flat.dtype, device=flat.device)
+    gathers: deque[tuple[Any, torch.Tensor, int, int]] = deque()
+    started = [0]
+
+    def land() -> None:
+        work, buf, a, b = gathers.popleft()
+        work.wait()
+        rows[:, a:b].copy_(buf.view(m, b - a))
+
     def sink(a: int, b: int, recv: torch.Tensor) -> None:
         sum_shards_into(own[a:b], recv, average=average, rounding=rounding, generator=generator)
+        if len(gathers) == SLOTS:
+            land()
+        base = (started[0] % SLOTS) * m * seg
+        started[0] += 1
+        buf = staging[base : base + m * (b - a)]
+        gathers.append((all_gather_flat(buf, own[a:b], hier.inter, async_op=True), buf, a, b))
 
     pipeline = _TwoStage(layout, hier, area, seg, inter_dtype, average, rounding, generator, sink)
 
     def finish() -> None:
         pipeline.run()
-        all_gather_flat(chunk, own, hier.inter)  # in place: every rank's own part is its slice of chunk
+        while gathers:
+            land()
         all_gather_flat(flat, chunk, hier.intra)
 
     return PendingReduction(finish)
