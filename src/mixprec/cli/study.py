@@ -16,6 +16,10 @@ from mixprec.cli.args import check_matplotlib, check_output_dir
 # name -> (module, one-line help). Modules are imported when the parser is built, so keep their
 # top-level imports light.
 _STUDIES: dict[str, tuple[str, str]] = {
+    "comm-cost": (
+        "mixprec.lab.comm_cost",
+        "time and bytes of ring, flat and hierarchical reductions on large clusters, and which to pick",
+    ),
     "matmul-error": (
         "mixprec.lab.matmul_error",
         "error of emulated matmul accumulators vs float64, beside the two-stage write-up's and DeepSeek-V3's claims",
