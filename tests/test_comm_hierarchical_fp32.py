@@ -103,6 +103,7 @@ def _run_cases(rank: int, world: int, nodes: int, per_node: int) -> dict[str, ob
         inter_dtype = dtype if inter is None else inter
         for area_len in (None, 4 * world * 5):  # default area (4 segments), and segments of 5
             seg = segment_length(SHARD, world, area_len) if area_len else -(-SHARD // 4)
+            seg_ar = segment_length(SHARD, world, area_len, nodes, True) if area_len else seg
             name = f"{dtype}-{average}-{rounding}-{inter}-{area_len}"
             seeds = [77 + q for q in range(world)] if rounding == "stochastic" else None
             ref = reference(
@@ -132,7 +133,7 @@ def _run_cases(rank: int, world: int, nodes: int, per_node: int) -> dict[str, ob
                 expected = torch.empty(numel, dtype=dtype).view(per_node, nodes, SHARD)
                 ref_ar = reference(
                     [x.view(per_node, nodes, SHARD).transpose(0, 1).reshape(-1) for x in inputs],
-                    nodes, per_node, seg, average=average, rounding=rounding, out_dtype=dtype,
+                    nodes, per_node, seg_ar, average=average, rounding=rounding, out_dtype=dtype,
                     inter_dtype=inter_dtype, seeds=seeds,
                 )  # fmt: skip
                 for q in range(world):

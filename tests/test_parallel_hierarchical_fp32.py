@@ -77,10 +77,12 @@ def _memory_case(rank: int, world: int, bucket: int) -> dict[str, int]:
         # As the wrapper does: every bucket started in order, then all waited for at the end of backward.
         wait_all([reducer.all_reduce(b, None, average=True, key=k) for k, b in enumerate(buckets)])
 
-    backward_like(hier)  # warm: the pool exists from now on, as after a first step
+    # A first pass: the pool is allocated in it, so the peak counts it (and gloo's late release of
+    # collectives' tensors would show here as growth with the number of buckets).
+    _, hier_first = measure_peak_allocated(backward_like, hier)
     _, hier_peak = measure_peak_allocated(backward_like, hier)
     _, flat_peak = measure_peak_allocated(backward_like, flat_per_bucket)
-    return {"hier": hier_peak, "flat": flat_peak, "pool": hier._pool.numel() * 2}
+    return {"first": hier_first, "hier": hier_peak, "flat": flat_peak, "pool": hier._pool.numel() * 2}
 
 
 def test_pooled_area_keeps_peak_memory_under_two_buckets(dist_run, profiler_imported) -> None:
@@ -89,7 +91,8 @@ def test_pooled_area_keeps_peak_memory_under_two_buckets(dist_run, profiler_impo
     bucket_bytes = bucket * 2
     for r in results:
         assert r["pool"] == bucket_bytes  # one bucket's worth, split between the two reductions in flight
-        assert r["hier"] <= 2 * bucket_bytes, r
+        assert r["first"] <= 2 * bucket_bytes, r  # the pool and everything else of the first pass
+        assert r["pool"] + r["hier"] <= 2 * bucket_bytes, r  # a later pass, with the pool held
         # The per-bucket scheme (Megatron-LM PR #4940) holds a buffer for every bucket in flight.
         assert r["flat"] >= BUCKETS * bucket_bytes, r
 

@@ -25,7 +25,7 @@ from mixprec.comm.compat import all_gather_flat, check_group, overlaps, require_
 from mixprec.comm.fp32_sum import sum_shards_into
 from mixprec.comm.handles import PendingReduction
 from mixprec.comm.padding import round_up
-from mixprec.comm.topology import check_topology, resolve_topology
+from mixprec.comm.topology import Topology, check_topology, resolve_topology
 from mixprec.core.dtypes import LOW_PRECISION_DTYPES, ROUNDINGS, WIRE_DTYPES, Rounding
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rank_generator
 from mixprec.core.validate import check_bool, check_choice, check_tensor
@@ -84,24 +84,35 @@ def _check_flat_dtype(inter_node_dtype: Any) -> None:
         raise ValueError("inter_node_dtype applies only to the hierarchical scheme: pass a topology as well")
 
 
+def _nodes(topology: Any) -> int:
+    return topology.nodes if isinstance(topology, Topology) else int(topology.mesh.shape[0])
+
+
 def _area(
-    scratch: torch.Tensor | None, like: torch.Tensor, shard: int, world_size: int, avoid: tuple[torch.Tensor, ...]
+    scratch: torch.Tensor | None,
+    like: torch.Tensor,
+    shard: int,
+    world_size: int,
+    avoid: tuple[torch.Tensor, ...],
+    nodes: int,
+    all_reduce: bool,
 ) -> tuple[torch.Tensor, int]:
     """The hierarchical receive area (``scratch`` checked, or a fresh one) and its segment length."""
-    minimum = 2 * hierarchical_fp32.SLOTS * world_size
+    minimum = hierarchical_fp32.per_segment(world_size, nodes, all_reduce)
     if scratch is None:
-        area = torch.empty(hierarchical_fp32.area_elements(shard, world_size), dtype=like.dtype, device=like.device)
+        elements = hierarchical_fp32.area_elements(shard, world_size, nodes, all_reduce)
+        area = torch.empty(elements, dtype=like.dtype, device=like.device)
     else:
         check_tensor("scratch", scratch, (like.dtype,), contiguous=True, materialized=True)
         if scratch.numel() < minimum or scratch.device != like.device:
             raise ValueError(
-                f"scratch (the hierarchical receive area) must hold at least 4 * group size = {minimum} "
-                f"elements on {like.device}; got {scratch.numel()} on {scratch.device}"
+                f"scratch (the hierarchical receive area) must hold at least {minimum} elements on {like.device} "
+                f"(4 x group size; all-reduce: 8 x group size + 4 x nodes); got {scratch.numel()} on {scratch.device}"
             )
         area = scratch.view(-1)
         if any(overlaps(area, t) for t in avoid):
             raise ValueError("scratch must not overlap the tensors being reduced")
-    return area, hierarchical_fp32.segment_length(shard, world_size, area.numel())
+    return area, hierarchical_fp32.segment_length(shard, world_size, area.numel(), nodes, all_reduce)
 
 
 def _default_generator(
@@ -166,7 +177,8 @@ def reduce_scatter_fp32_accumulate(
             (``group`` must then span the default group in rank order). Each node sends ``(m-1)/m N``
             elements to other nodes (a ring: ``(W-1)/W N``; the flat all-to-all ``n (m-1)/m N``); the stages
             are pipelined over segments; ``scratch`` is then the receive area, of any length
-            ``>= 4 * group size`` (segments shrink to fit it; None = an area that cuts the shard in 4).
+            ``>= 4 W`` (all-reduce: ``8 W + 4 m``; segments shrink to fit it; None = an area that cuts the
+            shard in 4).
         inter_node_dtype: hierarchical only: None (= ``input.dtype``: the node partial is rounded before it
             crosses nodes) or torch.float32 (kept in fp32: twice the inter-node bytes).
 
@@ -235,7 +247,7 @@ def reduce_scatter_scaled(
         raise ValueError(f"output must hold input.numel() / group size = {shard} elements; got {output.numel()}")
     if topology is not None:
         inter = _check_hierarchical(topology, group, inter_node_dtype, input.dtype)
-        area, seg = _area(scratch, input, shard, world_size, (input, output))
+        area, seg = _area(scratch, input, shard, world_size, (input, output), _nodes(topology), False)
         hier = resolve_topology(topology, group)  # creates the subgroups once (a collective): after the checks
         pending = hierarchical_fp32.start_reduce_scatter(
             output,
@@ -337,7 +349,7 @@ def all_reduce_fp32_accumulate(
     shard = flat.numel() // world_size
     if topology is not None:
         inter = _check_hierarchical(topology, group, inter_node_dtype, tensor.dtype)
-        area, seg = _area(scratch, flat, shard, world_size, (flat,))
+        area, seg = _area(scratch, flat, shard, world_size, (flat,), _nodes(topology), True)
         hier = resolve_topology(topology, group)
         pending = hierarchical_fp32.start_all_reduce(
             flat,

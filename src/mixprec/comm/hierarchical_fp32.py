@@ -16,14 +16,12 @@ Megatron-LM's ``reduce_scatter_with_fp32_accumulation`` (the flat original) hold
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mixprec.comm.compat import all_gather_flat
 from mixprec.comm.fp32_sum import sum_shards_into
 from mixprec.comm.handles import PendingReduction
 from mixprec.comm.topology import HierarchicalGroups
@@ -35,16 +33,21 @@ __all__ = ["SLOTS", "area_elements", "segment_bounds", "segment_length", "start_
 SLOTS = 2
 
 
-def segment_length(shard: int, world: int, area: int) -> int:
-    """Elements of a shard per segment when the receive area holds ``area`` elements: each of the SLOTS
-    slots holds a segment's send staging and its receive buffer (``2 * world * seg`` elements)."""
-    return max(1, min(shard, area // (2 * SLOTS * world)))
+def per_segment(world: int, nodes: int, all_reduce: bool) -> int:
+    """Area elements per element of a segment: SLOTS slots of a send staging and a receive buffer
+    (``2 * world`` each), and for the all-reduce the staging of its two gathers (a send and a receive slot
+    of ``nodes`` and of ``world`` rows each)."""
+    return 2 * SLOTS * world + (2 * SLOTS * (world + nodes) if all_reduce else 0)
 
 
-def area_elements(shard: int, world: int, segments: int = 4) -> int:
+def segment_length(shard: int, world: int, area: int, nodes: int = 1, all_reduce: bool = False) -> int:
+    """Elements of a shard per segment when the area holds ``area`` elements (at least one)."""
+    return max(1, min(shard, area // per_segment(world, nodes, all_reduce)))
+
+
+def area_elements(shard: int, world: int, nodes: int = 1, all_reduce: bool = False, segments: int = 4) -> int:
     """The area that cuts a shard into about ``segments`` segments (the default when no area is given)."""
-    seg = max(1, -(-shard // segments))
-    return 2 * SLOTS * world * seg
+    return per_segment(world, nodes, all_reduce) * max(1, -(-shard // segments))
 
 
 def segment_bounds(shard: int, seg: int) -> list[tuple[int, int]]:
@@ -167,43 +170,68 @@ def start_all_reduce(
     generator: torch.Generator | None,
 ) -> PendingReduction:
     """Start the in-place all-reduce (checked arguments); ``wait()`` finishes both stages and the gathers.
-    Extra memory beside the area: a staging buffer of ``SLOTS * m * seg`` elements for the inter-node
-    all-gathers, which run segment by segment behind the sums."""
+    The area also holds the staging of the all-gathers, which run segment by segment behind the sums
+    (:func:`per_segment`)."""
     n, m = hier.ranks_per_node, hier.nodes
     flat = tensor.view(-1)
     shard = flat.numel() // (n * m)
     # Local rank l owns the contiguous slice l of [n, m * S]; within it node i owns part i.
     layout = flat.view(n, m, shard)
-    chunk = layout[hier.local].view(-1)
     own = layout[hier.local, hier.node]
 
-    rows = chunk.view(m, shard)
-    # The inter-node all-gather of a segment starts as soon as it is summed (at most SLOTS in flight, each
-    # into a staging buffer of m segments, since a segment's columns of ``rows`` are strided).
-    staging = torch.empty(SLOTS * m * seg, dtype=flat.dtype, device=flat.device)
-    gathers: deque[tuple[Any, torch.Tensor, int, int]] = deque()
-    started = [0]
+    # Both all-gathers run segment by segment behind the sums: a segment's inter-node gather starts as soon
+    # as it is summed, its intra-node one at the next segment's sum, each into a staging slot (a segment's
+    # columns of the tensor are strided); segment s - 2 lands before its slots are reused. Each gather is an
+    # all-to-all of the piece sent to every peer (the bytes of an all-gather): gloo's asynchronous
+    # all-gather allocates a temporary of its output and keeps it beyond the call.
+    segments: list[tuple[int, int]] = []
+    works: dict[tuple[str, int], Any] = {}
+    # Staging in the area after the pipeline's slots (persistent memory: gloo releases the tensors of a
+    # collective some calls later, so fresh ones per call would pile up).
+    offset = 2 * SLOTS * n * m * seg
+    staging: dict[str, torch.Tensor] = {}
+    for name, rows in (("inter.send", m), ("inter", m), ("intra.send", n * m), ("intra", n * m)):
+        staging[name] = area[offset : offset + SLOTS * rows * seg]
+        offset += SLOTS * rows * seg
 
-    def land() -> None:
-        work, buf, a, b = gathers.popleft()
-        work.wait()
-        rows[:, a:b].copy_(buf.view(m, b - a))
+    def slot(name: str, s: int, rows: int) -> torch.Tensor:
+        a, b = segments[s]
+        base = (s % SLOTS) * rows * seg
+        return staging[name][base : base + rows * (b - a)]
+
+    def gather(name: str, s: int, piece: torch.Tensor, peers: int, group: dist.ProcessGroup) -> None:
+        send = slot(name + ".send", s, peers * (piece.numel() // (segments[s][1] - segments[s][0])))
+        send.view(peers, -1).copy_(piece.view(1, -1).expand(peers, -1))
+        recv = slot(name, s, peers * (piece.numel() // (segments[s][1] - segments[s][0])))
+        works[name, s] = dist.all_to_all_single(recv, send, group=group, async_op=True)
+
+    def start_intra(s: int) -> None:
+        works.pop(("inter", s)).wait()
+        gather("intra", s, slot("inter", s, m), n, hier.intra)
+
+    def land(s: int) -> None:
+        works.pop(("intra", s)).wait()
+        a, b = segments[s]
+        layout[:, :, a:b].copy_(slot("intra", s, n * m).view(n, m, b - a))
 
     def sink(a: int, b: int, recv: torch.Tensor) -> None:
+        s = len(segments)
+        segments.append((a, b))
         sum_shards_into(own[a:b], recv, average=average, rounding=rounding, generator=generator)
-        if len(gathers) == SLOTS:
-            land()
-        base = (started[0] % SLOTS) * m * seg
-        started[0] += 1
-        buf = staging[base : base + m * (b - a)]
-        gathers.append((all_gather_flat(buf, own[a:b], hier.inter, async_op=True), buf, a, b))
+        if s >= SLOTS:
+            land(s - SLOTS)
+        gather("inter", s, own[a:b], m, hier.inter)
+        if s >= 1:
+            start_intra(s - 1)
 
     pipeline = _TwoStage(layout, hier, area, seg, inter_dtype, average, rounding, generator, sink)
 
     def finish() -> None:
         pipeline.run()
-        while gathers:
-            land()
-        all_gather_flat(flat, chunk, hier.intra)
+        last = len(segments) - 1
+        for s in range(max(0, last - SLOTS + 1), last):
+            land(s)
+        start_intra(last)
+        land(last)
 
     return PendingReduction(finish)

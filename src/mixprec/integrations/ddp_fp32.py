@@ -124,7 +124,7 @@ class _HierarchicalContext:
 
     def area_for(self, numel: int, world: int, like: torch.Tensor) -> torch.Tensor:
         """Called on the worker thread only."""
-        need = area_elements(numel // world, world)
+        need = area_elements(numel // world, world, self.hier.nodes, all_reduce=True)
         area = self.area
         if area is None or area.dtype != like.dtype or area.device != like.device or area.numel() < need:
             area = self.area = torch.empty(need, dtype=like.dtype, device=like.device)

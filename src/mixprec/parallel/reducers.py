@@ -27,6 +27,7 @@ from torch.distributed import ProcessGroup
 from mixprec.comm.compat import reduce_scatter_flat
 from mixprec.comm.fp32_accumulate import all_reduce_fp32_accumulate, reduce_scatter_fp32_accumulate
 from mixprec.comm.handles import PendingReduction, wait_all
+from mixprec.comm.hierarchical_fp32 import per_segment
 from mixprec.comm.reducer import ReductionHandle, after_work, check_bucket, check_shard_out, register_reducer
 from mixprec.comm.topology import Topology, check_topology
 from mixprec.core.dtypes import ROUNDINGS, Rounding
@@ -169,7 +170,8 @@ class FP32AccumulateReducer:
         """One of ``max_in_flight`` equal pieces of the pooled receive area (hierarchical scheme)."""
         while len(self._pending) >= self.max_in_flight:
             self._pending[0].wait()  # its piece goes back to the free list if it succeeded
-        per = max(4 * world_size, (self.budget or bucket.numel()) // self.max_in_flight)
+        # At least one element per segment of an all-reduce on any topology of this group (nodes <= world).
+        per = max(per_segment(world_size, world_size, True), (self.budget or bucket.numel()) // self.max_in_flight)
         pool = self._pool
         if (
             pool is None
