@@ -57,6 +57,7 @@ def worker(cfg: dict) -> None:
     torch.set_num_threads(1)
     from mixprec.comm import all_reduce_fp32_accumulate, reduce_scatter_fp32_accumulate
     from mixprec.comm.compat import reduce_scatter_flat
+    from mixprec.comm.hierarchical_fp32 import area_elements
     from mixprec.compress import Topology
 
     rank, world, per_node = cfg["rank"], cfg["world"], cfg["per_node"]
@@ -68,20 +69,25 @@ def worker(cfg: dict) -> None:
         with open(counter) as f:
             return int(f.read())
 
-    scratch: dict[int, torch.Tensor] = {}
+    scratch: dict[tuple[str, str, int], torch.Tensor] = {}
 
-    def area(numel: int) -> torch.Tensor:  # kept between calls, as the reducer's pool is
-        if numel not in scratch:
-            scratch[numel] = torch.empty(numel, dtype=torch.bfloat16)
-        return scratch[numel]
+    def area(method: str, op: str, numel: int) -> torch.Tensor:
+        """Kept between calls, as the reducer's pool is: flat, the receive buffer; hier, the default area
+        (4 segments)."""
+        key = (method, op, numel)
+        if key not in scratch:
+            size = numel if method == "flat" else area_elements(numel // world, world, world // per_node, op == "ar")
+            scratch[key] = torch.empty(size, dtype=torch.bfloat16)
+        return scratch[key]
 
     def call(method: str, op: str, x: torch.Tensor, out: torch.Tensor) -> None:
         if method in ("hier", "flat"):
             topo = topology if method == "hier" else None
+            buf = area(method, op, x.numel())
             if op == "rs":
-                reduce_scatter_fp32_accumulate(out, x, average=True, topology=topo, scratch=area(x.numel()))
+                reduce_scatter_fp32_accumulate(out, x, average=True, topology=topo, scratch=buf)
             else:
-                all_reduce_fp32_accumulate(x, average=True, topology=topo, scratch=area(x.numel()))
+                all_reduce_fp32_accumulate(x, average=True, topology=topo, scratch=buf)
         elif op == "rs":
             reduce_scatter_flat(out, x, None)
         else:
