@@ -9,7 +9,8 @@ Megatron-LM's ``reduce_scatter_with_fp32_accumulation`` (megatron/core/distribut
 Error: at most ``gamma_{P-1}`` (fp32 unit roundoff ``2**-24``) relative for the sum of P addends, plus one
 rounding to fp16/bf16. The sum order is fixed, so results are bit-for-bit reproducible; in the all-reduce
 every element is rounded on one rank and all-gathered, so all ranks hold identical bits. inf/NaN
-propagate. The derivation and memory accounting are in ``docs/comm.md``.
+propagate. With ``topology=`` both run the two-stage multi-node scheme of
+:mod:`mixprec.comm.hierarchical_fp32` instead. The derivations and memory accounting: ``docs/comm.md``.
 """
 
 from __future__ import annotations
