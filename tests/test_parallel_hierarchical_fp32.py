@@ -109,3 +109,38 @@ def test_reducer_options_are_checked_at_construction() -> None:
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
         make_reducer("fp32_accumulate_hierarchical")
     assert segment_length(2048, 4, 4096) == 256
+
+
+def _zero_case(rank: int, world: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    ddp = DistributedDataParallel(
+        model,
+        bucket_size=300,
+        grad_dtype=torch.bfloat16,
+        sharded_optimizer=True,
+        reduce="fp32_accumulate",
+        reduce_options={"topology": Topology(2, 2), "inter_node_dtype": torch.float32},
+    )
+    opt = ddp.make_optimizer(torch.optim.SGD, lr=0.1)
+    for step in range(2):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+        ddp(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_sharded_optimizer_steps_with_the_hierarchical_reducer(dist_run) -> None:
+    # reduce="fp32_accumulate" with a topology in reduce_options is the same reducer as the named one;
+    # fp32 shards, fp32 across nodes: the parameters stay identical on every rank.
+    results = dist_run(_zero_case, 4, timeout=120)
+    for r in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r, results[0], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(results[0], _initial(), strict=True))
+
+
+def _initial() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    return [p.detach().clone() for p in model.parameters()]
