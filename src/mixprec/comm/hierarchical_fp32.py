@@ -54,6 +54,15 @@ def segment_bounds(shard: int, seg: int) -> list[tuple[int, int]]:
     return [(a, min(shard, a + seg)) for a in range(0, shard, seg)]
 
 
+def _as_fp32(region: torch.Tensor, count: int) -> torch.Tensor:
+    """``count`` fp32 elements over the start of a 16-bit ``region`` when they fit and are aligned (memory
+    already held, which gloo may keep referenced for a while), else a fresh buffer."""
+    ratio = 4 // region.element_size()
+    if region.numel() >= count * ratio and region.storage_offset() % ratio == 0:
+        return region[: count * ratio].view(torch.float32)
+    return torch.empty(count, dtype=torch.float32, device=region.device)
+
+
 class _TwoStage:
     """The pipeline over one ``layout`` [n, m, S] view of the input (row l: what local rank l sums over
     the node; [l, i]: the part node i's rank with local rank l gets). ``sink(a, b, recv)`` finishes
@@ -101,9 +110,8 @@ class _TwoStage:
         self.works1.pop(s).wait()
         if self.inter_dtype == self.area.dtype:
             partial, recv2 = send[: m * width], recv[: m * width]
-        else:  # fp32 across nodes: buffers of their own (documented extra memory)
-            partial = torch.empty(m * width, dtype=self.inter_dtype, device=self.area.device)
-            recv2 = torch.empty_like(partial)
+        else:  # fp32 across nodes: in the slot where it fits (n >= 2, aligned), else buffers of their own
+            partial, recv2 = _as_fp32(send, m * width), _as_fp32(recv, m * width)
         # The node partial, rounded once to the inter-node dtype (not at all when that is fp32).
         sum_shards_into(
             partial, recv.view(n, m * width), average=self.average, rounding=self.rounding, generator=self.generator
