@@ -16,6 +16,10 @@ from mixprec.cli.args import check_matplotlib, check_output_dir
 # name -> (module, one-line help). Modules are imported when the parser is built, so keep their
 # top-level imports light.
 _STUDIES: dict[str, tuple[str, str]] = {
+    "comm-cost": (
+        "mixprec.lab.comm_cost",
+        "time and bytes of ring, flat and hierarchical reductions on large clusters, and which to pick",
+    ),
     "compression-error": (
         "mixprec.lab.compression_error",
         "error of uint8, fp8 and bf16 gradient wires vs float64, on synthetic and real gradients, beside bounds",

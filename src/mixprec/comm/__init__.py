@@ -1,7 +1,8 @@
 """Collectives with low-precision wire formats and fp32 accumulation, and the gradient-reducer protocol.
 
 * :func:`reduce_scatter_fp32_accumulate` / :func:`all_reduce_fp32_accumulate`: bf16/fp16 on the wire, one
-  fp32 sum per element in rank order, one rounding (Megatron-LM's ``reduce_scatter_with_fp32_accumulation``).
+  fp32 sum per element in rank order, one rounding (Megatron-LM's ``reduce_scatter_with_fp32_accumulation``);
+  with ``topology=`` the two-stage multi-node scheme of :mod:`mixprec.comm.hierarchical_fp32`.
 * :class:`PendingReduction` / :func:`wait_all`: the one handle type of every asynchronous collective here.
 * :class:`GradReducer`, :func:`make_reducer`, :func:`register_reducer`: how a data-parallel wrapper reduces a
   bucket, and the registry of named reducers (``mixprec.parallel`` and ``mixprec.compress`` fill it).

@@ -9,22 +9,26 @@ Megatron-LM's ``reduce_scatter_with_fp32_accumulation`` (megatron/core/distribut
 Error: at most ``gamma_{P-1}`` (fp32 unit roundoff ``2**-24``) relative for the sum of P addends, plus one
 rounding to fp16/bf16. The sum order is fixed, so results are bit-for-bit reproducible; in the all-reduce
 every element is rounded on one rank and all-gathered, so all ranks hold identical bits. inf/NaN
-propagate. The derivation and memory accounting are in ``docs/comm.md``.
+propagate. With ``topology=`` both run the two-stage multi-node scheme of
+:mod:`mixprec.comm.hierarchical_fp32` instead. The derivations and memory accounting: ``docs/comm.md``.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from mixprec.comm import hierarchical_fp32
 from mixprec.comm.compat import all_gather_flat, overlaps, require_initialized
+from mixprec.comm.fp32_sum import sum_shards_into
 from mixprec.comm.handles import PendingReduction
 from mixprec.comm.padding import round_up
+from mixprec.comm.topology import Topology, check_topology, resolve_topology
 from mixprec.core.dtypes import LOW_PRECISION_DTYPES, ROUNDINGS, WIRE_DTYPES, Rounding
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rank_generator
-from mixprec.core.stochastic import round_into_
 from mixprec.core.validate import check_bool, check_choice, check_group, check_tensor
 
 __all__ = [
@@ -33,9 +37,6 @@ __all__ = [
     "reduce_scatter_scaled",
     "sum_shards_into",
 ]
-
-# Elements per block of the fp32 sum (256 KiB of fp32: the accumulator and the widened addend fit in L2).
-_SUM_BLOCK = 1 << 16
 
 
 def _receive_buffer(
@@ -58,47 +59,76 @@ def _receive_buffer(
     return recv
 
 
-def sum_shards_into(
-    output: torch.Tensor,
-    shards: torch.Tensor,
-    *,
-    average: bool,
-    rounding: Rounding,
-    generator: torch.Generator | None,
-    factor: float | None = None,
-) -> None:
-    """``output = round(sum_r shards[r] (/ world_size) (* factor))``: fp32 sum in rank order, fp32 scaling,
-    one rounding to output.dtype.
+def _check_hierarchical(
+    topology: Any, group: dist.ProcessGroup | None, inter_node_dtype: Any, wire: torch.dtype
+) -> torch.dtype:
+    """Validate the hierarchical arguments (no collective); the inter-node dtype."""
+    check_topology(topology, group)
+    if group is not None and dist.get_process_group_ranks(group) != list(range(dist.get_world_size())):
+        raise ValueError(
+            "group: a hierarchical topology numbers ranks node-major over the default group, so group must "
+            "hold every rank in global rank order (or be None)"
+        )
+    if inter_node_dtype is None:
+        return wire
+    if not isinstance(inter_node_dtype, torch.dtype):
+        raise TypeError(f"inter_node_dtype must be a torch.dtype or None; got {type(inter_node_dtype).__name__}")
+    if inter_node_dtype not in (wire, torch.float32):
+        raise ValueError(
+            f"inter_node_dtype must be None, the wire dtype {wire} or torch.float32; got {inter_node_dtype}"
+        )
+    return inter_node_dtype
 
-    Works block by block (``_SUM_BLOCK`` elements): each block is summed in a small fp32 accumulator,
-    scaled and rounded into ``output`` while it is still in cache, so the whole shard never exists in fp32
-    (an fp32 ``output`` is its own accumulator). The addends are widened into a second small buffer
-    first: on CPU, an in-place fp32 add of an fp16/bf16 operand makes torch allocate an fp32 copy of it.
-    Extra memory: two blocks of fp32 (512 KiB); about 3x faster here than whole-shard passes.
-    """
-    if rounding == "stochastic" and generator is None and output.dtype != torch.float32:
-        generator = rank_generator(DEFAULT_STOCHASTIC_SEED, output.device)
-    world_size, shard = shards.shape
-    out_flat = output.view(-1)
-    in_place = output.dtype == torch.float32
-    size = min(_SUM_BLOCK, shard)
-    acc_buf = None if in_place else torch.empty(size, dtype=torch.float32, device=output.device)
-    widen_buf = torch.empty(size, dtype=torch.float32, device=output.device) if shards.dtype != torch.float32 else None
-    for start in range(0, shard, _SUM_BLOCK):
-        stop = min(start + _SUM_BLOCK, shard)
-        acc = out_flat[start:stop] if acc_buf is None else acc_buf[: stop - start]
-        acc.copy_(shards[0, start:stop])
-        for r in range(1, world_size):
-            addend = shards[r, start:stop]
-            if widen_buf is not None:
-                addend = widen_buf[: stop - start].copy_(addend)  # exact widening to fp32
-            acc.add_(addend)  # one fp32 rounding per addend
-        if average:
-            acc.div_(world_size)
-        if factor is not None:
-            acc.mul_(factor)
-        if acc_buf is not None:
-            round_into_(out_flat[start:stop], acc, rounding=rounding, generator=generator)
+
+def _check_flat_dtype(inter_node_dtype: Any) -> None:
+    if inter_node_dtype is not None:
+        raise ValueError("inter_node_dtype applies only to the hierarchical scheme: pass a topology as well")
+
+
+def _nodes(topology: Any) -> int:
+    return topology.nodes if isinstance(topology, Topology) else int(topology.mesh.shape[0])
+
+
+def _area(
+    scratch: torch.Tensor | None,
+    like: torch.Tensor,
+    shard: int,
+    world_size: int,
+    avoid: tuple[torch.Tensor, ...],
+    nodes: int,
+    all_reduce: bool,
+) -> tuple[torch.Tensor, int]:
+    """The hierarchical receive area (``scratch`` checked, or a fresh one) and its segment length."""
+    minimum = hierarchical_fp32.per_segment(world_size, nodes, all_reduce)
+    if scratch is None:
+        elements = hierarchical_fp32.area_elements(shard, world_size, nodes, all_reduce)
+        area = torch.empty(elements, dtype=like.dtype, device=like.device)
+    else:
+        check_tensor("scratch", scratch, (like.dtype,), contiguous=True, materialized=True)
+        if scratch.numel() < minimum or scratch.device != like.device:
+            raise ValueError(
+                f"scratch (the hierarchical receive area) must hold at least {minimum} elements on {like.device} "
+                f"(4 x group size; all-reduce: 8 x group size + 4 x nodes); got {scratch.numel()} on {scratch.device}"
+            )
+        area = scratch.view(-1)
+        if any(overlaps(area, t) for t in avoid):
+            raise ValueError("scratch must not overlap the tensors being reduced")
+    return area, hierarchical_fp32.segment_length(shard, world_size, area.numel(), nodes, all_reduce)
+
+
+def _default_generator(
+    rounding: Rounding, generator: torch.Generator | None, like: torch.Tensor
+) -> torch.Generator | None:
+    if rounding == "stochastic" and generator is None:
+        return rank_generator(DEFAULT_STOCHASTIC_SEED, like.device)
+    return generator
+
+
+def _finish_or_return(pending: PendingReduction, async_op: bool) -> PendingReduction | None:
+    if async_op:
+        return pending
+    pending.wait()
+    return None
 
 
 def reduce_scatter_fp32_accumulate(
@@ -111,6 +141,8 @@ def reduce_scatter_fp32_accumulate(
     rounding: Rounding = "nearest",
     scratch: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    topology: Any = None,
+    inter_node_dtype: torch.dtype | None = None,
 ) -> PendingReduction | None:
     """Reduce-scatter with the wire in ``input.dtype`` and the sum in fp32; ``output`` = this rank's shard.
 
@@ -141,6 +173,21 @@ def reduce_scatter_fp32_accumulate(
             elements, not overlapping ``input`` or ``output``.
         generator: random stream for ``rounding="stochastic"``; None = a per-process generator seeded
             with ``DEFAULT_STOCHASTIC_SEED + global rank``.
+        topology: None (the flat scheme above), or a :class:`mixprec.compress.Topology` / 2-D DeviceMesh
+            with dims ("node", "local") for the two-stage scheme of :mod:`mixprec.comm.hierarchical_fp32`
+            (``group`` must then span the default group in rank order). Each node sends ``(m-1)/m N``
+            elements to other nodes (a ring: ``(W-1)/W N``; the flat all-to-all ``n (m-1)/m N``); the stages
+            are pipelined over segments; ``scratch`` is then the receive area, of any length
+            ``>= 4 W`` (all-reduce: ``8 W + 4 m``; segments shrink to fit it; None = an area that cuts the
+            shard in 4).
+        inter_node_dtype: hierarchical only: None (= ``input.dtype``: the node partial is rounded before it
+            crosses nodes) or torch.float32 (kept in fp32: twice the inter-node bytes).
+
+    Error (hierarchical, ``u`` the wire's unit roundoff, ``u32 = 2**-24``, n ranks per node, m nodes):
+    ``|result - exact| <= (gamma_{n-1}(u32) + u (1 + gamma_{n-1}) + gamma_{m-1}(u32)) sum |x| + u |exact|``
+    up to second-order terms: two roundings whatever the data-parallel size; with
+    ``inter_node_dtype=torch.float32`` the middle ``u`` term goes (one rounding, as the flat scheme).
+    Derivation: ``docs/comm.md``.
 
     Returns:
         None, or a :class:`PendingReduction` when ``async_op=True``.
@@ -155,6 +202,8 @@ def reduce_scatter_fp32_accumulate(
         rounding=rounding,
         scratch=scratch,
         generator=generator,
+        topology=topology,
+        inter_node_dtype=inter_node_dtype,
     )
 
 
@@ -169,6 +218,8 @@ def reduce_scatter_scaled(
     rounding: Rounding,
     scratch: torch.Tensor | None,
     generator: torch.Generator | None,
+    topology: Any = None,
+    inter_node_dtype: torch.dtype | None = None,
 ) -> PendingReduction | None:
     """:func:`reduce_scatter_fp32_accumulate` with an optional fp32 multiplier applied to the sum before the
     rounding (``ReduceOp.PREMUL_SUM`` semantics, for the FSDP2 hook): ``round(sum (/ P) * factor)``."""
@@ -195,6 +246,24 @@ def reduce_scatter_scaled(
     shard = numel // world_size
     if output.numel() != shard:
         raise ValueError(f"output must hold input.numel() / group size = {shard} elements; got {output.numel()}")
+    if topology is not None:
+        inter = _check_hierarchical(topology, group, inter_node_dtype, input.dtype)
+        area, seg = _area(scratch, input, shard, world_size, (input, output), _nodes(topology), False)
+        hier = resolve_topology(topology, group)  # creates the subgroups once (a collective): after the checks
+        pending = hierarchical_fp32.start_reduce_scatter(
+            output,
+            input,
+            hier,
+            area,
+            seg,
+            inter_dtype=inter,
+            average=average,
+            factor=factor,
+            rounding=rounding,
+            generator=_default_generator(rounding, generator, output),
+        )
+        return _finish_or_return(pending, async_op)
+    _check_flat_dtype(inter_node_dtype)
     recv = _receive_buffer(scratch, input, "input", (input, output))
     return _start_reduce_scatter(output, input, recv, group, world_size, average, factor, async_op, rounding, generator)
 
@@ -241,6 +310,8 @@ def all_reduce_fp32_accumulate(
     rounding: Rounding = "nearest",
     scratch: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    topology: Any = None,
+    inter_node_dtype: torch.dtype | None = None,
 ) -> PendingReduction | None:
     """In-place all-reduce: :func:`reduce_scatter_fp32_accumulate`, then an all-gather in the wire dtype.
 
@@ -255,9 +326,10 @@ def all_reduce_fp32_accumulate(
 
     Args:
         tensor: contiguous fp16/bf16/fp32, ``numel`` divisible by the group size; reduced in place.
-        group, average, async_op, rounding, scratch, generator: as for
+        group, average, async_op, rounding, scratch, generator, topology, inter_node_dtype: as for
             :func:`reduce_scatter_fp32_accumulate`. With ``async_op=True`` the all-gather runs inside
-            ``wait()``.
+            ``wait()``. Hierarchical: the two-stage reduce-scatter, then an inter-node and an intra-node
+            all-gather in the wire dtype, in place; same error bound, identical bits on every rank.
     """
     require_initialized("all_reduce_fp32_accumulate")
     check_tensor("tensor", tensor, WIRE_DTYPES, contiguous=True, materialized=True)
@@ -276,6 +348,22 @@ def all_reduce_fp32_accumulate(
             f"tensor to a multiple of {world_size}"
         )
     shard = flat.numel() // world_size
+    if topology is not None:
+        inter = _check_hierarchical(topology, group, inter_node_dtype, tensor.dtype)
+        area, seg = _area(scratch, flat, shard, world_size, (flat,), _nodes(topology), True)
+        hier = resolve_topology(topology, group)
+        pending = hierarchical_fp32.start_all_reduce(
+            flat,
+            hier,
+            area,
+            seg,
+            inter_dtype=inter,
+            average=average,
+            rounding=rounding,
+            generator=_default_generator(rounding, generator, tensor),
+        )
+        return _finish_or_return(pending, async_op)
+    _check_flat_dtype(inter_node_dtype)
     own = flat[rank * shard : (rank + 1) * shard]
     recv = _receive_buffer(scratch, flat, "tensor", (flat,))
     pending = _start_reduce_scatter(own, flat, recv, group, world_size, average, None, async_op, rounding, generator)

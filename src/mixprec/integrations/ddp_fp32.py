@@ -7,13 +7,17 @@ FSDP2 counterpart is in :mod:`mixprec.integrations.fsdp2`.
 
 The hook starts the all-to-all and returns; a callback sums, rounds and starts the all-gather on a second
 process group (created on the first call with the default group's timeout), where the all-gathers are
-issued in bucket order on every rank. Why, and the rules for subgroups: ``docs/comm.md``.
+issued in bucket order on every rank. Why, and the rules for subgroups: ``docs/comm.md``. With a
+:class:`mixprec.compress.Topology` (or 2-D DeviceMesh) as ``state``, the two-stage multi-node scheme of
+:mod:`mixprec.comm.hierarchical_fp32` runs instead, on one background thread per topology that takes the
+buckets in hook order (so every rank issues the same collectives in the same order).
 
 No ``from __future__ import annotations`` here: torch DDP's ``register_comm_hook`` compares the hook's
 annotations with ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` as objects, not strings.
 """
 
 import os
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -22,9 +26,12 @@ import torch
 import torch.distributed as dist
 
 from mixprec.comm.compat import all_gather_flat
-from mixprec.comm.fp32_accumulate import sum_shards_into
+from mixprec.comm.fp32_accumulate import all_reduce_fp32_accumulate
+from mixprec.comm.fp32_sum import sum_shards_into
 from mixprec.comm.groups import new_group
+from mixprec.comm.hierarchical_fp32 import area_elements
 from mixprec.comm.padding import pad_flat
+from mixprec.comm.topology import Topology, check_topology, resolve_topology
 from mixprec.core.dtypes import WIRE_DTYPES
 from mixprec.core.validate import check_group
 
@@ -100,6 +107,74 @@ def _context(group: dist.ProcessGroup | None) -> _HookContext:
         return ctx
 
 
+class _HierarchicalContext:
+    """Per process and topology: the subgroups, one receive area, and the thread that reduces buckets in
+    hook order (one at a time, so one area serves them all)."""
+
+    def __init__(self, topology: Any) -> None:
+        self.topology = topology
+        self.hier = resolve_topology(topology, None)  # every rank, at its first bucket: creates the subgroups
+        self.pool = _BufferPool()
+        self.area: torch.Tensor | None = None
+        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="mixprec-fp32-hierarchical", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            self.jobs.get()()
+
+    def area_for(self, numel: int, world: int, like: torch.Tensor) -> torch.Tensor:
+        """Called on the worker thread only."""
+        need = area_elements(numel // world, world, self.hier.nodes, all_reduce=True)
+        area = self.area
+        if area is None or area.dtype != like.dtype or area.device != like.device or area.numel() < need:
+            area = self.area = torch.empty(need, dtype=like.dtype, device=like.device)
+        return area
+
+
+_HIER_CONTEXTS: dict[tuple[int, object], _HierarchicalContext] = {}
+
+
+def _hierarchical_context(topology: Any) -> _HierarchicalContext:
+    # A Topology is a value (frozen dataclass); a DeviceMesh is keyed by identity and kept alive by its context.
+    key = (os.getpid(), topology if isinstance(topology, Topology) else ("mesh", id(topology)))
+    with _CONTEXTS_LOCK:
+        ctx = _HIER_CONTEXTS.get(key)
+        if ctx is None:
+            ctx = _HIER_CONTEXTS[key] = _HierarchicalContext(topology)
+        return ctx
+
+
+def _hierarchical_hook(topology: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    buffer = bucket.buffer()
+    ctx = _hierarchical_context(topology)
+    world = dist.get_world_size()
+    padded_copy: list[torch.Tensor] = []
+
+    def take_padded(numel: int) -> torch.Tensor:
+        padded_copy.append(ctx.pool.take(numel, buffer.dtype, buffer.device))
+        return padded_copy[0]
+
+    flat, copy_back = pad_flat(buffer, world, buffer=take_padded)
+    result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+    def job() -> None:
+        try:
+            all_reduce_fp32_accumulate(
+                flat, average=True, topology=topology, scratch=ctx.area_for(flat.numel(), world, flat)
+            )
+            copy_back()
+            _sync_stream(buffer.device)
+            for buf in padded_copy:
+                ctx.pool.give(buf)
+            result.set_result(buffer)
+        except BaseException as exc:  # handed to torch DDP, which raises it where it waits
+            result.set_exception(exc)
+
+    ctx.jobs.put(job)
+    return result
+
+
 def _sync_stream(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
@@ -111,7 +186,12 @@ def fp32_accumulate_hook(
     """torch DDP comm hook: average the bucket with the wire in its dtype and the sum in fp32.
 
     ``model.register_comm_hook(state=None, hook=fp32_accumulate_hook)``; ``state`` is the process group
-    (None = the default group).
+    (None = the default group), or a :class:`mixprec.compress.Topology` / 2-D DeviceMesh with dims
+    ("node", "local") over the default group for the two-stage multi-node scheme (node partials rounded to
+    the bucket dtype, then summed across nodes in fp32: see
+    :func:`mixprec.comm.reduce_scatter_fp32_accumulate` for the bound). It reduces the buckets on a
+    background thread, one at a time, with one receive area (a quarter of the largest bucket's shard per
+    segment) and a pooled padded copy per bucket in flight.
 
     Wire dtype: the bucket's (an all-to-all, then an all-gather: the bytes of a ring all-reduce).
     Accumulation: fp32 in rank order, one division by the group size in fp32, one rounding to the bucket
@@ -130,8 +210,16 @@ def fp32_accumulate_hook(
     synchronisation, whose rendezvous name depends on that count). On CUDA the callbacks synchronise their
     stream before they hand buffers back or complete the future (not yet run on a GPU).
     """
-    check_group("state", state)
-    group = state
+    topology = None
+    if state is not None and not isinstance(state, dist.ProcessGroup):
+        try:
+            topology = check_topology(state)  # sizes against the default group too
+        except TypeError:
+            raise TypeError(
+                "state must be a torch.distributed ProcessGroup or None (or, for the two-stage scheme, a "
+                f"mixprec.compress.Topology or 2-D DeviceMesh with dims ('node', 'local')); got {type(state).__name__}"
+            ) from None
+    group = None if topology is not None else check_group("state", state)
     buffer = bucket.buffer()
     if buffer.dtype not in WIRE_DTYPES:
         # Checked before any collective (the second group included), on every rank: all hold this bucket.
@@ -139,6 +227,8 @@ def fp32_accumulate_hook(
             f"fp32_accumulate_hook sums in fp32, so it takes float16, bfloat16 or float32 gradients; this bucket "
             f"holds {buffer.dtype} (parameters of that dtype): use torch DDP's default hook for them"
         )
+    if topology is not None:
+        return _hierarchical_hook(topology, bucket)
     ctx = _context(group)
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec.comm.fp32_accumulate import reduce_scatter_scaled
+from mixprec.comm.topology import check_topology
 from mixprec.core.dtypes import ROUNDINGS, Rounding
 from mixprec.core.validate import check_choice
 
@@ -63,11 +64,28 @@ class FP32AccumulateReduceScatter(_fsdp_base()):  # type: ignore[misc]
     Args:
         rounding: ``"nearest"`` or ``"stochastic"`` for the single rounding to the reduce dtype.
         generator: random stream for stochastic rounding (None = mixprec's seeded per-process default).
+        topology: None (flat), or a :class:`mixprec.compress.Topology` / 2-D DeviceMesh with dims ("node",
+            "local"): the two-stage multi-node scheme of :mod:`mixprec.comm.hierarchical_fp32` (the FSDP
+            shard group must then hold every rank in global order; the receive buffer becomes its area).
+        inter_node_dtype: with a topology: None (node partials rounded to the reduce dtype) or torch.float32.
     """
 
-    def __init__(self, *, rounding: Rounding = "nearest", generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        rounding: Rounding = "nearest",
+        generator: torch.Generator | None = None,
+        topology: Any = None,
+        inter_node_dtype: torch.dtype | None = None,
+    ) -> None:
         self.rounding = check_choice("rounding", rounding, ROUNDINGS)
         self.generator = generator
+        self.topology = None if topology is None else check_topology(topology)
+        if inter_node_dtype is not None and topology is None:
+            raise ValueError("inter_node_dtype applies only to the hierarchical scheme: pass a topology as well")
+        if inter_node_dtype is not None and inter_node_dtype != torch.float32:
+            raise ValueError(f"inter_node_dtype must be None or torch.float32; got {inter_node_dtype!r}")
+        self.inter_node_dtype = inter_node_dtype
         self._scratch: torch.Tensor | None = None
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -108,11 +126,14 @@ class FP32AccumulateReduceScatter(_fsdp_base()):  # type: ignore[misc]
             rounding=self.rounding,
             scratch=self._scratch_for(input_tensor),
             generator=self.generator,
+            topology=self.topology,
+            inter_node_dtype=self.inter_node_dtype,
         )
         return _CompletedWork() if async_op else None
 
     def __repr__(self) -> str:
-        return f"FP32AccumulateReduceScatter(rounding={self.rounding!r})"
+        extra = "" if self.topology is None else f", topology={self.topology!r}"
+        return f"FP32AccumulateReduceScatter(rounding={self.rounding!r}{extra})"
 
 
 class _CompletedWork:
@@ -126,10 +147,16 @@ class _CompletedWork:
 
 
 def use_fp32_accumulation(
-    module: torch.nn.Module, *, rounding: Rounding = "nearest", generator: torch.Generator | None = None
+    module: torch.nn.Module,
+    *,
+    rounding: Rounding = "nearest",
+    generator: torch.Generator | None = None,
+    topology: Any = None,
+    inter_node_dtype: torch.dtype | None = None,
 ) -> int:
     """Make every ``fully_shard``-ed submodule of ``module`` (itself included) reduce-scatter its gradients
-    with :class:`FP32AccumulateReduceScatter`. Returns how many FSDP modules were set.
+    with :class:`FP32AccumulateReduceScatter` (``topology``, ``inter_node_dtype``: as there). Returns how
+    many FSDP modules were set.
 
     Call it after ``fully_shard``. Raises ValueError when there is no FSDP module, RuntimeError when this
     torch's FSDP2 has no ``set_custom_reduce_scatter``.
@@ -142,7 +169,9 @@ def use_fp32_accumulation(
         ) from exc
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module; got {type(module).__name__}")
-    comm = FP32AccumulateReduceScatter(rounding=rounding, generator=generator)
+    comm = FP32AccumulateReduceScatter(
+        rounding=rounding, generator=generator, topology=topology, inter_node_dtype=inter_node_dtype
+    )
     count = 0
     for sub in module.modules():
         if isinstance(sub, FSDPModule):

@@ -9,6 +9,9 @@ method's sum is compared with the exact (float64) sum of those same values:
   reduce_scatter_with_fp32_accumulation).
 * fp32_accumulate_sr: the same with one stochastic rounding.
 * fp32_sum_fp32_out: the fp32 sum kept in fp32 (what the sharded optimizer receives).
+* hierarchical rows (``--ranks-per-node``, default 8; their own table and CSV): the two-stage scheme of
+  mixprec.comm.hierarchical_fp32, node partials rounded to the wire (``hierarchical``) or kept in fp32
+  (``hierarchical_fp32_inter``).
 
 Errors: rel_error = ||r - s|| / ||s|| and max_error = max|r - s| / max|s| (s the float64 sum), beside the
 error table of a public write-up of Megatron-LM's fp32-accumulating reduce-scatter. Gradients: normal or
@@ -38,8 +41,11 @@ __all__ = [
     "add_arguments",
     "compare_with_published_table",
     "draw_gradients",
+    "HIERARCHICAL_METHODS",
+    "format_hierarchical_table",
     "format_table",
     "fp32_accumulate_reduce",
+    "hierarchical_reduce",
     "plot_errors",
     "prepare",
     "ring_reduce",
@@ -50,6 +56,7 @@ __all__ = [
 ]
 
 METHODS = ("ring", "tree", "fp32_accumulate", "fp32_accumulate_sr", "fp32_sum_fp32_out")
+HIERARCHICAL_METHODS = ("hierarchical", "hierarchical_fp32_inter")
 DISTRIBUTIONS = ("normal", "student-t")
 _WIRES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -74,6 +81,8 @@ class ReductionErrorConfig:
         distributions: from ``"normal"``, ``"student-t"``.
         scale: standard deviation of the normal gradients, and the scale of the t ones (> 0).
         seed: seed of the gradients and of the stochastic rounding.
+        ranks_per_node: ranks per node of the hierarchical rows (None: no such rows); a DP size it does
+            not divide gets none.
     """
 
     dp_sizes: tuple[int, ...] = (8, 64, 512, 4096)
@@ -82,8 +91,11 @@ class ReductionErrorConfig:
     distributions: tuple[str, ...] = DISTRIBUTIONS
     scale: float = 1e-3
     seed: int = 0
+    ranks_per_node: int | None = 8
 
     def __post_init__(self) -> None:
+        if self.ranks_per_node is not None:
+            check_positive_int("ranks_per_node", self.ranks_per_node)
         if not self.dp_sizes:
             raise ValueError("dp_sizes must name at least one data-parallel size")
         for p in self.dp_sizes:
@@ -188,6 +200,22 @@ def fp32_accumulate_reduce(
     return _round(acc, wire)
 
 
+def hierarchical_reduce(
+    g: torch.Tensor, wire: torch.dtype, ranks_per_node: int, *, fp32_inter: bool = False
+) -> torch.Tensor:
+    """Two-stage sum (mixprec.comm.hierarchical_fp32's order): each node's ``ranks_per_node`` rows summed in
+    fp32 in rank order and rounded to ``wire`` (kept in fp32 with ``fp32_inter``), then the node partials
+    summed in fp32 in node order and rounded to ``wire``. Ranks are numbered node-major."""
+    dp, n = g.shape
+    nodes_view = g.view(dp // ranks_per_node, ranks_per_node, n)
+    partial = nodes_view[:, 0].clone()
+    for local in range(1, ranks_per_node):
+        partial += nodes_view[:, local]
+    if not fp32_inter:
+        partial = _round(partial, wire)
+    return fp32_accumulate_reduce(partial, wire)
+
+
 def _errors(result: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
     err = result.double() - exact
     rel = float(torch.linalg.vector_norm(err) / torch.linalg.vector_norm(exact))
@@ -214,9 +242,14 @@ def run_study(config: ReductionErrorConfig, *, progress: bool = False) -> list[R
                     "fp32_accumulate_sr": fp32_accumulate_reduce(g, wire, rounding="stochastic", generator=gen),
                     "fp32_sum_fp32_out": fp32_accumulate_reduce(g, None),
                 }
-                for method in METHODS:
-                    rel, worst = _errors(results[method], exact)
-                    rows.append(ReductionErrorRow(wire_name, dist_name, dp, method, rel, worst))
+                per_node = config.ranks_per_node
+                if per_node is not None and dp % per_node == 0:
+                    results["hierarchical"] = hierarchical_reduce(g, wire, per_node)
+                    results["hierarchical_fp32_inter"] = hierarchical_reduce(g, wire, per_node, fp32_inter=True)
+                for method in (*METHODS, *HIERARCHICAL_METHODS):
+                    if method in results:
+                        rel, worst = _errors(results[method], exact)
+                        rows.append(ReductionErrorRow(wire_name, dist_name, dp, method, rel, worst))
                 if progress:
                     print(f"  {wire_name} {dist_name:9s} DP={dp:5d} done", flush=True)
     return rows
@@ -232,6 +265,25 @@ def format_table(rows: list[ReductionErrorRow], metric: str = "rel_error") -> st
     for wire, dist_name, dp in keys:
         cells = [f"{by_key[(wire, dist_name, dp, m)]:.2e}" for m in METHODS]
         lines.append(f"| {wire} | {dist_name} | {dp} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_hierarchical_table(rows: list[ReductionErrorRow], ranks_per_node: int) -> str:
+    """The hierarchical rows beside ring and flat fp32_accumulate, relative error in units of the wire's u."""
+    units = {"fp16": 2.0**-11, "bf16": 2.0**-8}
+    by_key = {(r.wire, r.distribution, r.dp, r.method): r.rel_error for r in rows}
+    keys = sorted({(r.wire, r.distribution, r.dp) for r in rows if r.method == "hierarchical"})
+    methods = ("ring", "fp32_accumulate", *HIERARCHICAL_METHODS)
+    lines = [
+        f"Hierarchical ({ranks_per_node} ranks per node), relative error in units of the wire's u (fp16 2^-11, "
+        "bf16 2^-8). Two roundings, flat in DP: sqrt(2) x 0.42 u RMS; fp32 across nodes: one, as flat:",
+        "",
+        "| wire | gradients | DP | nodes | " + " | ".join(methods) + " |",
+        "|---|---|---:|---:|" + "---:|" * len(methods),
+    ]
+    for wire, dist_name, dp in keys:
+        cells = [f"{by_key[(wire, dist_name, dp, m)] / units[wire]:.2f}" for m in methods]
+        lines.append(f"| {wire} | {dist_name} | {dp} | {dp // ranks_per_node} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -396,6 +448,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale", type=float, default=1e-3, help="gradient std (normal) / scale (student-t)")
     parser.add_argument("--quick", action="store_true", help="DP 8,64,512 and 2048 elements (about 5 s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the gradients and of stochastic rounding")
+    parser.add_argument(
+        "--ranks-per-node", type=int, default=8, help="ranks per node of the hierarchical rows (0: none)"
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("mixprec_out/reduction-error"), help="output folder")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
@@ -413,6 +468,7 @@ def prepare(args: argparse.Namespace) -> Callable[[], int]:
         distributions=args.distributions,
         scale=args.scale,
         seed=args.seed,
+        ranks_per_node=args.ranks_per_node or None,
     )
 
     def work() -> int:
@@ -421,7 +477,9 @@ def prepare(args: argparse.Namespace) -> Callable[[], int]:
             f"gradients {config.distributions} (scale {config.scale:g}), seed {config.seed}",
             flush=True,
         )
-        rows = run_study(config, progress=True)
+        all_rows = run_study(config, progress=True)
+        rows = [r for r in all_rows if r.method in METHODS]
+        hier_rows = [r for r in all_rows if r.method not in METHODS]
         print("\nRelative error ||r - s|| / ||s|| against the float64 sum s:\n")
         print(format_table(rows, "rel_error"))
         print("\nMax error max|r - s| / max|s|:\n")
@@ -429,7 +487,12 @@ def prepare(args: argparse.Namespace) -> Callable[[], int]:
         print()
         print(compare_with_published_table(rows))
         csv_path = write_csv(rows, args.out_dir / "reduction_error.csv")
+        if hier_rows:
+            print()
+            print(format_hierarchical_table(all_rows, config.ranks_per_node or 1))
         print(f"\nwrote {csv_path}")
+        if hier_rows:
+            print(f"wrote {write_csv(hier_rows, args.out_dir / 'reduction_error_hierarchical.csv')}")
         if not args.no_plot:
             print(f"wrote {plot_errors(rows, args.out_dir / 'reduction_error.png')}")
         return 0

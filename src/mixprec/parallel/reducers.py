@@ -6,13 +6,17 @@
 * ``"fp32_accumulate"``: :func:`mixprec.comm.reduce_scatter_fp32_accumulate` /
   :func:`mixprec.comm.all_reduce_fp32_accumulate`: wire in the bucket dtype, fp32 sum, one rounding.
   Options: ``rounding="nearest"|"stochastic"``, ``seed`` (stochastic rounding's stream, plus the rank),
-  ``max_in_flight`` (receive buffers kept; see :class:`FP32AccumulateReducer`).
+  ``max_in_flight`` (receive buffers kept; see :class:`FP32AccumulateReducer`), ``topology`` and
+  ``inter_node_dtype`` (the two-stage multi-node scheme), ``budget`` (its pooled receive area).
+* ``"fp32_accumulate_hierarchical"``: the same with the topology from torchrun's ``LOCAL_WORLD_SIZE``
+  when none is given.
 
 Both keep the contract of :class:`mixprec.comm.reducer.GradReducer`.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections import deque
 from typing import Any
 
@@ -22,13 +26,19 @@ from torch.distributed import ProcessGroup
 
 from mixprec.comm.compat import reduce_scatter_flat
 from mixprec.comm.fp32_accumulate import all_reduce_fp32_accumulate, reduce_scatter_fp32_accumulate
-from mixprec.comm.handles import PendingReduction
+from mixprec.comm.handles import PendingReduction, wait_all
+from mixprec.comm.hierarchical_fp32 import per_segment
 from mixprec.comm.reducer import ReductionHandle, after_work, check_bucket, check_shard_out, register_reducer
+from mixprec.comm.topology import Topology, check_topology
 from mixprec.core.dtypes import ROUNDINGS, Rounding
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rank_generator
 from mixprec.core.validate import check_choice, check_positive_int
 
 __all__ = ["FP32AccumulateReducer", "NativeReducer"]
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 class NativeReducer:
@@ -86,18 +96,55 @@ class FP32AccumulateReducer:
             finishes the oldest still pending (blocking on it), so the extra memory stays at
             ``max_in_flight`` buckets however many buckets a backward pass starts.
 
-    Extra memory: up to ``max_in_flight`` receive buffers of the largest bucket, plus 512 KiB of fp32
-    blocks while a reduction finishes.
+        topology: None (the flat scheme), or a :class:`mixprec.compress.Topology` / 2-D DeviceMesh with dims
+            ("node", "local"): the two-stage scheme of :mod:`mixprec.comm.hierarchical_fp32` (the group must
+            be the default group).
+        inter_node_dtype: with a topology: None (node partials rounded to the bucket dtype before they
+            cross nodes: two roundings) or torch.float32 (one rounding, twice the inter-node bytes).
+        budget: with a topology: elements (of the bucket dtype) of the one receive area shared by all
+            reductions in flight, each using ``budget // max_in_flight``; None = the largest bucket's length.
+
+    Extra memory: flat, up to ``max_in_flight`` receive buffers of the largest bucket, plus 512 KiB of fp32
+    blocks while a reduction finishes. Hierarchical: the area (one bucket by default, however many buckets
+    the model has: Megatron-LM keeps one buffer per bucket, PR #4940) plus two fp32 blocks of at most a
+    segment of node partials each (the 512 KiB cap).
     """
 
     def __init__(
-        self, *, rounding: Rounding = "nearest", seed: int = DEFAULT_STOCHASTIC_SEED, max_in_flight: int = 2
+        self,
+        *,
+        rounding: Rounding = "nearest",
+        seed: int = DEFAULT_STOCHASTIC_SEED,
+        max_in_flight: int = 2,
+        topology: Any = None,
+        inter_node_dtype: torch.dtype | None = None,
+        budget: int | None = None,
     ) -> None:
         self.rounding = check_choice("rounding", rounding, ROUNDINGS)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int; got {type(seed).__name__}")
         self.seed = seed
         self.max_in_flight = check_positive_int("max_in_flight", max_in_flight)
+        # Checked here, not first inside a backward hook (sizes too, once the group is initialised).
+        self.topology = None if topology is None else check_topology(topology)
+        if inter_node_dtype is not None and inter_node_dtype not in (torch.float32,):
+            if not isinstance(inter_node_dtype, torch.dtype):
+                raise TypeError(
+                    f"inter_node_dtype must be None or torch.float32; got {type(inter_node_dtype).__name__}"
+                )
+            raise ValueError(
+                f"inter_node_dtype must be None (the bucket dtype) or torch.float32; got {inter_node_dtype}"
+            )
+        if inter_node_dtype is not None and topology is None:
+            raise ValueError("inter_node_dtype applies only to the hierarchical scheme: pass a topology as well")
+        self.inter_node_dtype = inter_node_dtype
+        if budget is not None:
+            check_positive_int("budget", budget)
+            if topology is None:
+                raise ValueError("budget applies only to the hierarchical scheme: pass a topology as well")
+        self.budget = budget
+        self._pool: torch.Tensor | None = None
+        self._areas: list[torch.Tensor] = []
         self._free: list[torch.Tensor] = []
         self._pending: deque[PendingReduction] = deque()
         self._largest: dict[tuple[torch.dtype, torch.device], int] = {}
@@ -119,6 +166,25 @@ class FP32AccumulateReducer:
         self._largest[key] = max(self._largest.get(key, 0), bucket.numel())
         return torch.empty(self._largest[key], dtype=bucket.dtype, device=bucket.device)
 
+    def _take_area(self, bucket: torch.Tensor, world_size: int) -> torch.Tensor:
+        """One of ``max_in_flight`` equal pieces of the pooled receive area (hierarchical scheme)."""
+        while len(self._pending) >= self.max_in_flight:
+            self._pending[0].wait()  # its piece goes back to the free list if it succeeded
+        # At least one element per segment of an all-reduce on any topology of this group (nodes <= world).
+        per = max(per_segment(world_size, world_size, True), (self.budget or bucket.numel()) // self.max_in_flight)
+        pool = self._pool
+        if (
+            pool is None
+            or pool.dtype != bucket.dtype
+            or pool.device != bucket.device
+            or pool.numel() < per * self.max_in_flight
+        ):
+            # Grown (a larger bucket) only when no reduction holds a piece of the old one.
+            wait_all(list(self._pending))
+            pool = self._pool = torch.empty(per * self.max_in_flight, dtype=bucket.dtype, device=bucket.device)
+            self._areas = [pool[k * per : (k + 1) * per] for k in range(self.max_in_flight)]
+        return self._areas.pop()
+
     def _track(self, pending: PendingReduction | None, scratch: torch.Tensor) -> ReductionHandle:
         if pending is None:  # the async collectives always return a handle; None would skip the reduction
             raise RuntimeError("internal error: an async_op=True collective returned no handle")
@@ -131,7 +197,13 @@ class FP32AccumulateReducer:
                 self._pending.remove(handle)
                 raise
             self._pending.remove(handle)
-            self._free.append(scratch)
+            if self.topology is None:
+                self._free.append(scratch)
+            elif (
+                self._pool is not None
+                and scratch.untyped_storage().data_ptr() == self._pool.untyped_storage().data_ptr()
+            ):
+                self._areas.append(scratch)
 
         handle = PendingReduction(finish)
         self._pending.append(handle)
@@ -150,8 +222,8 @@ class FP32AccumulateReducer:
     def all_reduce(
         self, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
     ) -> ReductionHandle:
-        check_bucket(bucket, group)
-        scratch = self._take_scratch(bucket)
+        world_size = check_bucket(bucket, group)
+        scratch = self._take_scratch(bucket) if self.topology is None else self._take_area(bucket, world_size)
         pending = all_reduce_fp32_accumulate(
             bucket,
             group,
@@ -160,6 +232,8 @@ class FP32AccumulateReducer:
             rounding=self.rounding,
             scratch=scratch,
             generator=self._rng(bucket.device),
+            topology=self.topology,
+            inter_node_dtype=self.inter_node_dtype,
         )
         return self._track(pending, scratch)
 
@@ -168,7 +242,7 @@ class FP32AccumulateReducer:
     ) -> ReductionHandle:
         world_size = check_bucket(bucket, group)
         check_shard_out(shard_out, bucket, world_size)
-        scratch = self._take_scratch(bucket)
+        scratch = self._take_scratch(bucket) if self.topology is None else self._take_area(bucket, world_size)
         pending = reduce_scatter_fp32_accumulate(
             shard_out,
             bucket,
@@ -178,6 +252,8 @@ class FP32AccumulateReducer:
             rounding=self.rounding if shard_out.dtype != torch.float32 else "nearest",
             scratch=scratch,
             generator=self._rng(bucket.device),
+            topology=self.topology,
+            inter_node_dtype=self.inter_node_dtype,
         )
         return self._track(pending, scratch)
 
@@ -204,8 +280,21 @@ class FP32AccumulateReducer:
                 self._generator_state = gen_state.clone()
 
     def __repr__(self) -> str:
-        return f"FP32AccumulateReducer(rounding={self.rounding!r}, max_in_flight={self.max_in_flight})"
+        extra = "" if self.topology is None else f", topology={self.topology!r}"
+        return f"FP32AccumulateReducer(rounding={self.rounding!r}, max_in_flight={self.max_in_flight}{extra})"
+
+
+def make_hierarchical_fp32_reducer(**options: Any) -> FP32AccumulateReducer:
+    """Factory of ``"fp32_accumulate_hierarchical"``: ``topology`` from the options, else from torchrun's
+    ``LOCAL_WORLD_SIZE``."""
+    if options.get("topology") is None:
+        options["topology"] = Topology.from_env()
+    return FP32AccumulateReducer(**options)
+
+
+make_hierarchical_fp32_reducer.__signature__ = inspect.signature(FP32AccumulateReducer)  # type: ignore[attr-defined]
 
 
 register_reducer("native", NativeReducer)
 register_reducer("fp32_accumulate", FP32AccumulateReducer)
+register_reducer("fp32_accumulate_hierarchical", make_hierarchical_fp32_reducer)
