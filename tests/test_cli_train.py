@@ -43,6 +43,7 @@ def numerics(rows: list[dict]) -> list[tuple]:
     [
         ("fp32", "native"),
         ("bf16", "fp32_accumulate"),
+        pytest.param("bf16", "fp32_accumulate_hierarchical", marks=pytest.mark.slow),
         ("fp16", "uint8"),
         pytest.param("bf16", "uint8_hierarchical", marks=pytest.mark.slow),
     ],  # 4 ranks, new groups: ~8 s
@@ -50,7 +51,7 @@ def numerics(rows: list[dict]) -> list[tuple]:
 def test_each_precision_and_reduction_runs_and_logs(tmp_path, precision, reduce) -> None:
     run = tmp_path / "run"
     # uint8_hierarchical: 4 ranks as 2 simulated nodes of 2.
-    nproc = "4" if reduce == "uint8_hierarchical" else "2"
+    nproc = "4" if reduce.endswith("_hierarchical") else "2"
     args = ["--nproc", nproc, "--precision", precision, "--reduce", reduce, "--steps", "6"]
     if precision == "fp16":
         args += ["--scale-growth-interval", "2"]  # grow until it overflows: skips must be handled

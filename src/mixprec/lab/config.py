@@ -52,7 +52,16 @@ __all__ = [
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 LOSS_SCALERS = ("auto", "none", "static", "dynamic")
-REDUCTIONS = ("native", "fp32_accumulate", "uint8", "uint8_hierarchical", "fp8", "fp8_hierarchical", "auto")
+REDUCTIONS = (
+    "native",
+    "fp32_accumulate",
+    "fp32_accumulate_hierarchical",
+    "uint8",
+    "uint8_hierarchical",
+    "fp8",
+    "fp8_hierarchical",
+    "auto",
+)
 # The reductions that quantize to 8 bits (mixprec.compress): error feedback and stochastic quantization apply.
 COMPRESSED_REDUCTIONS = ("uint8", "uint8_hierarchical", "fp8", "fp8_hierarchical", "auto")
 FP8_FORMATS = ("e4m3", "e5m2")
@@ -262,7 +271,8 @@ class ParallelConfig:
     nproc: int = 1
     """Ranks to start with --nproc (gloo on CPU, NCCL on GPU); under torchrun its WORLD_SIZE replaces it."""
     reduce: str = "fp32_accumulate"
-    """Gradient reduction across ranks: 'fp32_accumulate' (gradient-dtype wire, fp32 sum, one rounding), 'native'
+    """Gradient reduction across ranks: 'fp32_accumulate' (gradient-dtype wire, fp32 sum, one rounding;
+    'fp32_accumulate_hierarchical': inside each node, then across nodes, two roundings), 'native'
     (the backend's own collective, summing in the gradient dtype), 'uint8' / 'uint8_hierarchical' (8-bit min-max
     compression), 'fp8' / 'fp8_hierarchical' (fp8 codes with a power-of-two scale per chunk), or 'auto' (per
     bucket: fp32_accumulate, uint8 or fp8 from a cost model of the link rate). No effect with one rank."""
