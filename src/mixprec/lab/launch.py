@@ -37,6 +37,7 @@ from mixprec.lab.config import TrainConfig, config_to_toml
 from mixprec.lab.corpus import Corpus, check_corpus_source, load_corpus
 from mixprec.lab.data import check_corpus_fits
 from mixprec.lab.metrics import METRICS_NAME, SUMMARY_NAME, decode_row
+from mixprec.lab.paths import check_output_dir
 from mixprec.lab.train import TrainingDiverged, train_rank
 from mixprec.scaling import LossScaleFloorError
 
@@ -136,7 +137,7 @@ def check_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool, corpus: Co
     whose configuration (or, given ``corpus``, corpus) differs."""
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
-    _check_writable(cfg.training.out_dir)
+    check_output_dir("out_dir", cfg.training.out_dir)
     if resume:
         check_resume(cfg, corpus)
         return
@@ -146,20 +147,6 @@ def check_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool, corpus: Co
             f"out_dir {cfg.training.out_dir!r} already holds a run ({', '.join(existing)}); pass --resume to "
             "continue it, --overwrite to replace it, or choose another out_dir"
         )
-
-
-def _check_writable(out_dir: str) -> None:
-    """Refuse an out_dir that is not a directory, or that this process cannot create or write into."""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ValueError(f"out_dir {out_dir!r} is not a directory (a file of that name exists)")
-    existing = os.path.abspath(out_dir)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ValueError(f"cannot create out_dir {out_dir!r}: {existing!r} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not writable" if existing == os.path.abspath(out_dir) else f"cannot be created in {existing!r}"
-        raise ValueError(f"out_dir {out_dir!r} {what} (permission denied or a read-only file system)")
 
 
 def prepare_run_dir(cfg: TrainConfig, *, resume: bool, overwrite: bool) -> None:

@@ -1,0 +1,39 @@
+"""Checks of the folders and files the lab writes, made before any work starts.
+
+One implementation for every command: ``mixprec train``'s run directory, the demo's and the studies'
+``--out-dir``, ``compare --plot``. Each error names the argument and says what is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["check_output_dir", "check_output_file"]
+
+
+def check_output_dir(name: str, path: str | os.PathLike[str]) -> None:
+    """Refuse a folder to write into that is a file, or that this process cannot create or write into
+    (ValueError naming ``name``)."""
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{name} {path!r} is not a directory (a file of that name exists)")
+    _check_writable(name, path)
+
+
+def check_output_file(name: str, path: str | os.PathLike[str]) -> None:
+    """Refuse a file to write that is a folder, or whose folder cannot be created or written."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"{name} {path!r} is a folder; name the file to write")
+    _check_writable(name, os.path.dirname(os.path.abspath(path)))
+
+
+def _check_writable(name: str, folder: str) -> None:
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"cannot create {name} {folder!r}: {existing!r} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == os.path.abspath(folder) else f"cannot be created in {existing!r}"
+        raise ValueError(f"{name} {folder!r} {what} (permission denied or a read-only file system)")
