@@ -1,0 +1,173 @@
+"""Skip-aware LR schedule, overflow culprits, headroom telemetry and fingerprint linear modes in mixprec train."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from mixprec.cli.main import main
+from mixprec.emulate import Fingerprint, get_matmul_model
+from mixprec.lab.build import build_parts
+from mixprec.lab.config import config_from_toml, merge_config
+from mixprec.lab.corpus import load_corpus
+from mixprec.lab.data import train_microbatches
+from mixprec.lab.metrics import METRICS_NAME, read_rows
+from mixprec.lab.schedule import lr_factor
+from mixprec.lab.telemetry import HEADROOM_FIELDS
+from mixprec.scaling import grad_range_by_layer
+
+TINY = [
+    "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+    "--global-batch-size", "8", "--micro-batch-size", "2", "--eval-sequences", "8", "--eval-interval", "0",
+    "--lr", "0.01",
+]  # fmt: skip
+# fp16 whose dynamic scale grows every 2 steps until it overflows: skipped steps within a few steps.
+OVERFLOWING = ["--precision", "fp16", "--scale-growth-interval", "2"]
+
+
+def rows_of(run_dir) -> list[dict]:
+    return list(read_rows(os.path.join(run_dir, METRICS_NAME)))
+
+
+def train(run_dir, *args: str) -> int:
+    return main(["train", "--out-dir", str(run_dir), *TINY, *args])
+
+
+def numerics(rows: list[dict]) -> list[tuple]:
+    return [(r["step"], r["loss"], r["loss_scale"], r["skipped"], r["grad_norm"]) for r in rows]
+
+
+def config_of(run_dir):
+    return merge_config(config_from_toml(os.path.join(run_dir, "config.toml")))
+
+
+# ------------------------------------------------------------------------------------------- skip-aware stepping
+def test_schedule_advances_only_on_steps_taken_and_skips_name_their_culprits(tmp_path) -> None:
+    run = tmp_path / "run"
+    args = [*OVERFLOWING, "--steps", "8", "--optimizer.schedule", "warmup_cosine", "--optimizer.warmup-steps", "2"]
+    assert train(run, *args, "--optimizer.min-lr", "0.001") == 0
+    rows, cfg = rows_of(run), config_of(run)
+    assert any(r["skipped"] for r in rows) and not all(r["skipped"] for r in rows)
+    taken = 0
+    for r in rows:
+        # The lr a step used is the schedule's after the steps taken before it: skipped ones do not count.
+        assert r["lr"] == pytest.approx(0.01 * lr_factor(cfg, taken), rel=1e-15)
+        taken += not r["skipped"]
+    assert rows[0]["lr"] == pytest.approx(0.005) and lr_factor(cfg, 10**6) == pytest.approx(0.1)
+    names = {name for name, _ in torch.nn.Module.named_parameters(build_parts(cfg, 96, torch.device("cpu"), 1).module)}
+    for r in rows:
+        if r["skipped"]:
+            assert r["culprits"] and set(r["culprits"]) <= names
+        else:
+            assert "culprits" not in r
+
+
+def test_default_run_logs_no_lr_and_telemetry_leaves_the_numbers_alone(tmp_path) -> None:
+    assert train(tmp_path / "off", *OVERFLOWING, "--steps", "5", "--headroom-interval", "0") == 0
+    assert train(tmp_path / "on", *OVERFLOWING, "--steps", "5", "--headroom-interval", "1") == 0
+    off, on = rows_of(tmp_path / "off"), rows_of(tmp_path / "on")
+    assert numerics(on) == numerics(off)
+    assert all("lr" not in r and "headroom" not in r for r in off)
+    assert ["headroom" in r for r in on] == [False, True, True, True, True]
+
+
+def test_schedule_resumes_bit_exact(tmp_path, monkeypatch) -> None:
+    common = [*OVERFLOWING, "--nproc", "2", "--steps", "8", "--checkpoint-interval", "4", "--timeout", "30",
+              "--optimizer.schedule", "warmup_cosine", "--optimizer.warmup-steps", "3"]  # fmt: skip
+    assert train(tmp_path / "whole", *common) == 0
+    monkeypatch.setenv("MIXPREC_FAULT", "1:6:exit")
+    assert train(tmp_path / "cut", *common) == 1
+    monkeypatch.delenv("MIXPREC_FAULT")
+    assert main(["train", "--out-dir", str(tmp_path / "cut"), "--resume"]) == 0
+    whole, cut = rows_of(tmp_path / "whole"), rows_of(tmp_path / "cut")
+    assert any(r["skipped"] for r in whole[4:])  # the resumed part has skips to carry over
+    assert [(*n, r["lr"]) for n, r in zip(numerics(cut), cut, strict=True)] == [
+        (*n, r["lr"]) for n, r in zip(numerics(whole), whole, strict=True)
+    ]
+
+
+def test_bad_schedule_options_exit_2(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:  # argparse's choices
+        train(tmp_path / "a", "--optimizer.schedule", "linear")
+    assert exc.value.code == 2
+    assert train(tmp_path / "b", "--optimizer.schedule", "warmup_cosine", "--optimizer.min-lr", "0.1") == 2
+    assert "min_lr" in capsys.readouterr().err
+    assert train(tmp_path / "c", "--headroom-interval", "-1") == 2
+    assert not os.path.exists(tmp_path / "b")
+
+
+# ---------------------------------------------------------------------------------------------------- headroom
+def test_headroom_rows_equal_grad_range_report_of_the_same_gradients(tmp_path) -> None:
+    """1 rank, fp32, static scale 2**10: the row of step 2 against grad_range_by_layer of the unscaled gradients of
+    step 2 at that scale, recomputed here from the same weights (steps 0 and 1 replayed) and the same batches."""
+    run = tmp_path / "run"
+    static = ["--loss-scaler", "static", "--loss-scale", "1024"]
+    assert train(run, "--steps", "3", "--headroom-interval", "2", *static) == 0
+    rows, cfg = rows_of(run), config_of(run)
+    assert [("headroom" in r) for r in rows] == [False, False, True]
+
+    corpus = load_corpus(cfg.data.corpus)
+    parts = build_parts(cfg, corpus.vocab_size, torch.device("cpu"), 1)
+
+    def batches(step):
+        return train_microbatches(
+            corpus.train, seed=cfg.training.seed, step=step, global_batch_size=cfg.data.global_batch_size,
+            micro_batch_size=cfg.data.micro_batch_size, block_size=cfg.model.block_size, rank=0, world_size=1,
+        )  # fmt: skip
+
+    for step in (0, 1):
+        parts.updater.step(batches(step))
+    parts.module.zero_grad(set_to_none=True)
+    for x, y in batches(2):
+        _, loss = parts.module(x, y)
+        (loss / cfg.num_microbatches).backward()
+    expected = grad_range_by_layer(parts.module, 1024.0, torch.float16)
+    got = rows[2]["headroom"]
+    assert list(got) == list(expected)
+    for layer, report in expected.items():
+        assert got[layer] == {name: getattr(report, name) for name in HEADROOM_FIELDS}, layer
+    assert rows[2]["loss_scale"] == 1024.0
+    # strict JSON on disk (no NaN/Infinity tokens), one object per line
+    for line in (run / METRICS_NAME).read_text().splitlines():
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+
+
+def test_headroom_shows_underflow_at_a_tiny_scale(tmp_path) -> None:
+    run = tmp_path / "run"
+    args = ["--steps", "2", "--headroom-interval", "1", "--loss-scaler", "static", "--loss-scale", str(2.0**-20)]
+    assert train(run, *args) == 0
+    headroom = rows_of(run)[1]["headroom"]
+    assert max(h["underflow"] for h in headroom.values()) > 0.5
+    assert all(0.0 <= sum(h.values()) <= 1.0 + 1e-12 for h in headroom.values())  # "normal" is the rest
+
+
+# ------------------------------------------------------------------------------------------ fingerprint as mode
+def _fingerprint_file(path, preset: str = "fp16/16") -> str:
+    fp = Fingerprint(
+        inputs="fp16", output=None, m=64, n=64, k=256, products_exact=True, effective_bits=11, rounding="nearest",
+        align_bits=None, k_group=16, promote_every=None, split_k=None, model=get_matmul_model(preset),
+        preset=preset, closest_preset=preset, bit_equal=1.0, probe_agreement=1.0, label="test",
+    )  # fmt: skip
+    return fp.save(path)
+
+
+def test_linear_mode_fingerprint_file_emulates_the_measured_model(tmp_path) -> None:
+    path = _fingerprint_file(tmp_path / "matmul_fp16.json")
+    assert train(tmp_path / "file", "--linear-mode", path, "--steps", "2") == 0
+    assert train(tmp_path / "preset", "--linear-mode", "fp16/16", "--steps", "2") == 0
+    assert numerics(rows_of(tmp_path / "file")) == numerics(rows_of(tmp_path / "preset"))
+    assert path in (tmp_path / "file" / "config.toml").read_text()
+
+
+@pytest.mark.parametrize("content", [None, "{not json", '{"format": "something else"}'])
+def test_linear_mode_bad_file_exits_2_in_one_line(tmp_path, capsys, content) -> None:
+    path = tmp_path / "fp.json"
+    if content is not None:
+        path.write_text(content)
+    assert train(tmp_path / "run", "--linear-mode", str(path), "--steps", "2") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "linear_mode" in err and "Traceback" not in err
+    assert not os.path.exists(tmp_path / "run")
