@@ -76,7 +76,8 @@ def test_default_run_logs_no_lr_and_telemetry_leaves_the_numbers_alone(tmp_path)
 
 def test_schedule_resumes_bit_exact(tmp_path, monkeypatch) -> None:
     common = [*OVERFLOWING, "--nproc", "2", "--steps", "8", "--checkpoint-interval", "4", "--timeout", "30",
-              "--optimizer.schedule", "warmup_cosine", "--optimizer.warmup-steps", "3"]  # fmt: skip
+              "--optimizer.schedule", "warmup_cosine", "--optimizer.warmup-steps", "3",
+              "--headroom-interval", "3"]  # fmt: skip
     assert train(tmp_path / "whole", *common) == 0
     monkeypatch.setenv("MIXPREC_FAULT", "1:6:exit")
     assert train(tmp_path / "cut", *common) == 1
@@ -84,6 +85,8 @@ def test_schedule_resumes_bit_exact(tmp_path, monkeypatch) -> None:
     assert main(["train", "--out-dir", str(tmp_path / "cut"), "--resume"]) == 0
     whole, cut = rows_of(tmp_path / "whole"), rows_of(tmp_path / "cut")
     assert any(r["skipped"] for r in whole[4:])  # the resumed part has skips to carry over
+    assert [r.get("headroom") for r in cut] == [r.get("headroom") for r in whole]
+    assert [r["step"] for r in whole if "headroom" in r] == [3, 6]
     assert [(*n, r["lr"]) for n, r in zip(numerics(cut), cut, strict=True)] == [
         (*n, r["lr"]) for n, r in zip(numerics(whole), whole, strict=True)
     ]
@@ -171,3 +174,61 @@ def test_linear_mode_bad_file_exits_2_in_one_line(tmp_path, capsys, content) -> 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "linear_mode" in err and "Traceback" not in err
     assert not os.path.exists(tmp_path / "run")
+
+
+# ------------------------------------------------------------------------------------------------ mixprec report
+def _write_rows(run_dir, rows: list[dict]) -> None:
+    run_dir.mkdir()
+    (run_dir / METRICS_NAME).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _headroom(underflow: float) -> dict:
+    return {"h.0.mlp": {"zero": 0.0, "underflow": underflow, "subnormal": 0.01, "overflow": 0.0, "nonfinite": 0.0}}
+
+
+def test_report_plots_and_says_the_scale_is_about_to_collapse(tmp_path, capsys) -> None:
+    rows = [
+        {"step": 0, "loss_scale": 1024.0, "skipped": False},
+        {"step": 1, "loss_scale": 1024.0, "skipped": True, "culprits": ["h.0.mlp.weight"], "headroom": _headroom(0.02)},
+        {"step": 2, "loss_scale": 512.0, "skipped": False, "headroom": _headroom(0.05)},
+        {"step": 3, "loss_scale": 512.0, "skipped": True, "culprits": ["h.0.mlp.weight"]},
+        {"step": 4, "loss_scale": 256.0, "skipped": False, "headroom": _headroom(0.12)},
+    ]
+    _write_rows(tmp_path / "run", rows)
+    assert main(["report", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "loss scale 1024 -> 256" in out and "2 skipped step(s), the last at step 3" in out
+    assert "h.0.mlp.weight (2)" in out
+    assert "layer h.0.mlp: 12% of gradients would underflow in fp16 at step 4, rising (from 2% at step 1)" in out
+    assert "heading for collapse" in out
+    png = (tmp_path / "run" / "report.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_report_of_a_real_run(tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    assert train(run, *OVERFLOWING, "--steps", "5", "--headroom-interval", "2") == 0
+    capsys.readouterr()
+    out_png = tmp_path / "plots" / "r.png"
+    assert main(["report", str(run), "--out", str(out_png)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("steps 0..4: loss scale 65536") and out_png.is_file()
+    assert main(["report", str(run), "--no-plot"]) == 0
+    assert "plot:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda d: None, "not a directory"),
+        (lambda d: d.mkdir(), "holds no metrics.jsonl"),
+        (lambda d: _write_rows(d, []), "holds no rows"),
+        (lambda d: _write_rows(d, [{"step": 0, "loss": 1.0}]), "loss_scale"),
+        (lambda d: _write_rows(d, [{"step": 0, "loss_scale": 1.0, "skipped": False, "headroom": [1]}]), "headroom"),
+    ],
+)
+def test_report_bad_input_exits_2_in_one_line(tmp_path, capsys, make, message) -> None:
+    make(tmp_path / "run")
+    assert main(["report", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
