@@ -232,3 +232,39 @@ def test_report_bad_input_exits_2_in_one_line(tmp_path, capsys, make, message) -
     assert main(["report", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
+
+
+# ------------------------------------------------------------------------------------------ demo --audit FILE
+def test_demo_report_cites_the_machines_audit(tmp_path, capsys) -> None:
+    from mixprec.lab import demo
+    from mixprec.lab.audit import audit_citation
+
+    argv = ["audit", "collectives", "--nproc", "2", "--max-size", "4KiB", "--dtypes", "bf16", "--out-dir"]
+    assert main([*argv, str(tmp_path / "audit")]) == 0
+    path = tmp_path / "audit" / "audit_collectives.json"
+    verdicts = json.loads(path.read_text())["verdicts"]
+    lines = audit_citation(path)
+    assert lines[0].startswith("From `audit_collectives.json` (backend gloo, 2 ranks, torch ")
+    assert lines[2:] == [f"- {v}" for v in verdicts]
+    out = tmp_path / "demo"
+    overrides = {**demo.QUICK_OVERRIDES, "steps": 2, "nproc": 1}
+    assert demo.run_demo(out_dir=str(out), overrides=overrides, runs=demo.DEMO_RUNS[:1], audit_lines=lines) == 0
+    report = (out / "report.md").read_text()
+    assert "## This machine's collectives (mixprec audit collectives)" in report
+    assert all(v in report for v in verdicts)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(None, "cannot read an audit"), ("[1, 2]", "no list of verdicts"), ('{"verdicts": []}', "no list of verdicts")],
+)
+def test_demo_audit_bad_file_exits_2_before_any_run(tmp_path, monkeypatch, capsys, content, message) -> None:
+    from mixprec.lab import demo
+
+    monkeypatch.setattr(demo, "launch", lambda *a, **k: pytest.fail("a run started"))
+    path = tmp_path / "audit.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["demo", "--quick", "--out-dir", str(tmp_path / "d"), "--audit", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
