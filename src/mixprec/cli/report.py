@@ -14,8 +14,12 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from mixprec.cli.args import check_output_file
+
+if TYPE_CHECKING:
+    from mixprec.lab.report import RunTelemetry
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,15 +45,15 @@ def prepare(args: argparse.Namespace) -> Callable[[], int]:
     return lambda: run(telemetry, None if args.no_plot else out)
 
 
-def run(telemetry: object, out: str | None) -> int:
+def run(telemetry: RunTelemetry, out: str | None) -> int:
     from mixprec.lab.report import plot_telemetry, summary_lines
 
-    for line in summary_lines(telemetry):  # type: ignore[arg-type]
+    for line in summary_lines(telemetry):
         print(line)
     if out is None:
         return 0
     if importlib.util.find_spec("matplotlib") is None:
         print("mixprec report: no plot: matplotlib is not installed (pip install 'mixprec[plot]')", file=sys.stderr)
         return 0
-    print(f"plot: {plot_telemetry(telemetry, out)}")  # type: ignore[arg-type]
+    print(f"plot: {plot_telemetry(telemetry, out)}")
     return 0
