@@ -25,6 +25,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--threshold", type=float, default=0.05, help="loss difference whose first crossing is reported (default: 0.05)"
     )
+    p.add_argument(
+        "--audit",
+        metavar="FILE",
+        default=None,
+        help="audit_collectives.json of 'mixprec audit collectives': the report quotes its verdict lines",
+    )
     p.add_argument("--quick", action="store_true", help="a tiny model for a few steps: seconds, for a first look")
     p.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bars (default: on a terminal)"
@@ -34,6 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def prepare(args: argparse.Namespace) -> Callable[[], int]:
     """Check every argument and build every run's configuration before the first run starts."""
+    from mixprec.lab.audit import audit_citation
     from mixprec.lab.demo import QUICK_OVERRIDES, plan_demo, run_demo
 
     overrides = dict(QUICK_OVERRIDES) if args.quick else {}
@@ -43,7 +50,13 @@ def prepare(args: argparse.Namespace) -> Callable[[], int]:
         overrides["nproc"] = args.nproc
     check_output_dir("--out-dir", args.out_dir)
     check_matplotlib()
+    audit_lines = audit_citation(args.audit) if args.audit else []
     plan_demo(out_dir=args.out_dir, seed=args.seed, overrides=overrides, threshold=args.threshold)
     return lambda: run_demo(
-        out_dir=args.out_dir, seed=args.seed, overrides=overrides, threshold=args.threshold, progress=args.progress
+        out_dir=args.out_dir,
+        seed=args.seed,
+        overrides=overrides,
+        threshold=args.threshold,
+        progress=args.progress,
+        audit_lines=audit_lines,
     )

@@ -28,6 +28,7 @@ _SUBCOMMAND_MODULES = (
     "mixprec.cli.study",
     "mixprec.cli.audit",
     "mixprec.cli.probe",
+    "mixprec.cli.report",
 )
 
 # reStructuredText markup that docstrings use and a terminal should not show.

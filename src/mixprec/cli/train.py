@@ -25,8 +25,8 @@ from typing import Any
 from mixprec.lab.config import (
     DEVICES,
     FP8_FORMATS,
-    LINEAR_MODES,
     LOSS_SCALERS,
+    LR_SCHEDULES,
     OPTIMIZERS,
     PRECISIONS,
     REDUCE_ROUNDINGS,
@@ -42,9 +42,9 @@ from mixprec.lab.config import (
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.precision": PRECISIONS,
-    "model.linear_mode": LINEAR_MODES,
     "scaler.kind": LOSS_SCALERS,
     "optimizer.name": OPTIMIZERS,
+    "optimizer.schedule": LR_SCHEDULES,
     "parallel.reduce": REDUCTIONS,
     "parallel.rounding": REDUCE_ROUNDINGS,
     "parallel.fp8_format": FP8_FORMATS,

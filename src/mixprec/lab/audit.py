@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_NPROC",
     "AuditConfig",
     "AuditRow",
+    "audit_citation",
     "audit_rank",
     "format_table",
     "parse_size",
@@ -478,6 +479,35 @@ def write_json(rows: list[AuditRow], path: Path, config: AuditConfig) -> Path:
     }
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def audit_citation(path: str | os.PathLike[str]) -> list[str]:
+    """Markdown lines quoting the verdicts of a JSON written by :func:`write_json` (``audit_collectives.json`` of
+    ``mixprec audit collectives``), for a report to cite the machine's own audit. ValueError in one line naming
+    ``path`` when it is not such a file."""
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read an audit from {os.fspath(path)!r}: {' '.join(str(exc).split())}") from None
+    verdict_lines = data.get("verdicts") if isinstance(data, dict) else None
+    rows = data.get("rows") if isinstance(data, dict) else None
+    if not (isinstance(verdict_lines, list) and verdict_lines and all(isinstance(v, str) for v in verdict_lines)):
+        raise ValueError(f"{os.fspath(path)!r} is not a 'mixprec audit collectives' JSON (no list of verdicts)")
+    first = rows[0] if isinstance(rows, list) and rows and isinstance(rows[0], dict) else {}
+    where = ", ".join(
+        part
+        for part in (
+            f"backend {first['backend']}" if "backend" in first else "",
+            f"{first['world_size']} ranks" if "world_size" in first else "",
+            f"torch {data['torch']}" if "torch" in data else "",
+        )
+        if part
+    )
+    head = (
+        f"From `{os.path.basename(os.fspath(path))}`" + (f" ({where})" if where else "") + ", one line per operation:"
+    )
+    return [head, "", *(f"- {line}" for line in verdict_lines)]
 
 
 def plot_rows(rows: list[AuditRow], path: Path) -> Path | None:

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from mixprec.compress import Topology
-from mixprec.emulate import emulate_linear_layers
-from mixprec.lab.config import TrainConfig
+from mixprec.emulate import Fingerprint, emulate_linear_layers
+from mixprec.lab.config import LINEAR_MODES, TrainConfig
 from mixprec.lab.model import GPT, GPTConfig, Linear
 from mixprec.parallel import DistributedDataParallel
 from mixprec.scaling import LossScaler, MasterWeightOptimizer, Updater
@@ -59,8 +59,11 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPT:
     model = GPT(gpt_config(cfg, vocab_size))
     torch.random.set_rng_state(gen_state)
     model.to(device=device, dtype=DTYPES[cfg.model.precision])
-    if cfg.model.linear_mode != "off":
-        emulate_linear_layers(model, cfg.model.linear_mode, include=(Linear,))  # the lab's Linear only casts dtypes
+    mode = cfg.model.linear_mode
+    if mode != "off":
+        # A mode that is no preset is a fingerprint file (ModelConfig checked it): the measured accelerator.
+        matmul_model = mode if mode in LINEAR_MODES else Fingerprint.load(mode).model
+        emulate_linear_layers(model, matmul_model, include=(Linear,))  # the lab's Linear only casts dtypes
     return model
 
 

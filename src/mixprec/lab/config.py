@@ -24,12 +24,14 @@ from typing import Any
 
 from mixprec.core.dtypes import ROUNDINGS
 from mixprec.core.validate import check_choice, check_positive_float, check_positive_int
+from mixprec.emulate import Fingerprint
 from mixprec.scaling import DynamicLossScaler, LossScaler, StaticLossScaler, advise
 
 __all__ = [
     "DEVICES",
     "LINEAR_MODES",
     "LOSS_SCALERS",
+    "LR_SCHEDULES",
     "OPTIMIZERS",
     "PRECISIONS",
     "REDUCE_ROUNDINGS",
@@ -66,6 +68,7 @@ REDUCTIONS = (
 COMPRESSED_REDUCTIONS = ("uint8", "uint8_hierarchical", "fp8", "fp8_hierarchical", "auto")
 FP8_FORMATS = ("e4m3", "e5m2")
 OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("constant", "warmup_cosine")
 LINEAR_MODES = ("off", "fp16/16", "fp16/32", "bf16/32", "two_stage", "fp8/promote128")
 DEVICES = ("auto", "cpu", "cuda")
 REDUCE_ROUNDINGS = ROUNDINGS
@@ -76,6 +79,7 @@ RESUMABLE_FIELDS = frozenset(
         "training.steps",
         "training.eval_interval",
         "training.checkpoint_interval",
+        "training.headroom_interval",
         "training.out_dir",
         "data.eval_sequences",
         "parallel.timeout",
@@ -113,6 +117,19 @@ def _check_types(section: Any) -> None:
             object.__setattr__(section, f.name, tuple(float(v) for v in value))
 
 
+def check_linear_mode_file(path: str) -> None:
+    """A linear_mode that is no preset must be a readable fingerprint file (ValueError in one line otherwise)."""
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"linear_mode must be one of {', '.join(map(repr, LINEAR_MODES))} or a fingerprint file written by "
+            f"'mixprec probe matmul --save'; {path!r} is neither"
+        )
+    try:
+        Fingerprint.load(path)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"linear_mode: {' '.join(str(exc).split())}") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """The GPT (GPTConfig's arguments; the vocabulary comes from the corpus) and the precision it runs in."""
@@ -131,8 +148,8 @@ class ModelConfig:
     """Parameter and gradient precision: 'fp32', 'bf16' or 'fp16' (low precisions keep fp32 master weights)."""
     linear_mode: str = "off"
     """Emulated accumulation of every linear layer ('fp16/16', 'fp16/32', 'bf16/32', 'two_stage',
-    'fp8/promote128'; the mode of mixprec.emulate.emulate_linear_layers), or 'off' for the precision's own
-    matmuls."""
+    'fp8/promote128'; the mode of mixprec.emulate.emulate_linear_layers), a fingerprint file (the JSON of
+    'mixprec probe matmul --save': the accelerator that was measured), or 'off' for the precision's own matmuls."""
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -143,7 +160,8 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must lie in [0, 1); got {self.dropout!r}")
         check_choice("precision", self.precision, PRECISIONS)
-        check_choice("linear_mode", self.linear_mode, LINEAR_MODES)
+        if self.linear_mode not in LINEAR_MODES:
+            check_linear_mode_file(self.linear_mode)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,18 +257,31 @@ class OptimizerConfig:
     name: str = field(default="adamw", metadata=_former("optimizer"))
     """'adamw' or 'sgd' (with momentum)."""
     lr: float = 2e-3
-    """Learning rate (constant)."""
+    """Learning rate (the peak learning rate under a schedule)."""
     weight_decay: float = 0.0
     """Decoupled weight decay for AdamW, L2 for SGD; 0 disables."""
     betas: tuple[float, float] = field(default=(0.9, 0.99), metadata=_former(("beta1", "beta2")))
     """AdamW's first- and second-moment decays."""
     momentum: float = 0.9
     """SGD momentum; 0 disables."""
+    schedule: str = "constant"
+    """'constant' (lr throughout) or 'warmup_cosine': linear warmup to lr over warmup_steps, then cosine decay to
+    min_lr at training.steps. It counts optimizer steps taken: a skipped step (inf/NaN gradients) does not
+    advance it."""
+    warmup_steps: int = 0
+    """warmup_cosine: steps of linear warmup, in optimizer steps taken."""
+    min_lr: float = 0.0
+    """warmup_cosine: the learning rate the cosine decays to, <= lr."""
 
     def __post_init__(self) -> None:
         _check_types(self)
         check_choice("name", self.name, OPTIMIZERS)
         check_positive_float("lr", self.lr)
+        check_choice("schedule", self.schedule, LR_SCHEDULES)
+        check_positive_int("warmup_steps", self.warmup_steps, minimum=0)
+        check_positive_float("min_lr", self.min_lr, allow_zero=True)
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr!r}) must not exceed lr ({self.lr!r})")
         check_positive_float("weight_decay", self.weight_decay, allow_zero=True)
         for what, v in (("betas[0]", self.betas[0]), ("betas[1]", self.betas[1]), ("momentum", self.momentum)):
             if not 0.0 <= v < 1.0:
@@ -346,13 +377,17 @@ class TrainingConfig:
     final model, reported in summary.json), in steps; 0 disables."""
     checkpoint_interval: int = 100
     """A checkpoint every this many steps, in steps, and always at the end; 0 = only at the end."""
+    headroom_interval: int = 50
+    """Headroom telemetry every this many steps (steps N, 2N, ...), in steps: per layer, the fractions of rank 0's
+    gradients that underflow, are subnormal or overflow in fp16 at the step's loss scale, in metrics.jsonl (see
+    'mixprec report'); 0 disables. It only reads the gradients: the run's numbers do not change."""
     out_dir: str = "runs/mixprec"
     """Run directory: config.toml, metrics.jsonl, checkpoint.pt, summary.json."""
 
     def __post_init__(self) -> None:
         _check_types(self)
         check_positive_int("steps", self.steps)
-        for name in ("seed", "max_consecutive_skips", "eval_interval", "checkpoint_interval"):
+        for name in ("seed", "max_consecutive_skips", "eval_interval", "checkpoint_interval", "headroom_interval"):
             check_positive_int(name, getattr(self, name), minimum=0)
         check_choice("device", self.device, DEVICES)
         check_positive_float("clip_grad_norm", self.clip_grad_norm, allow_zero=True)

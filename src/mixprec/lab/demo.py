@@ -135,11 +135,13 @@ def run_demo(
     threshold: float = 0.05,
     progress: bool | None = None,
     runs: Sequence[DemoRun] = DEMO_RUNS,
+    audit_lines: Sequence[str] = (),
 ) -> int:
     """Train each of ``runs``, compare them, write ``out_dir/report.md`` and ``out_dir/compare.png``.
 
     Returns 0 when every available run finished, 1 when one failed. Runs needing a missing capability are
     skipped and reported, not failed. Raises what :func:`plan_demo` raises, before any run starts.
+    ``audit_lines`` (from :func:`mixprec.lab.audit.audit_citation`): a section citing this machine's audit.
     """
     configs = plan_demo(out_dir=out_dir, seed=seed, overrides=overrides, threshold=threshold, runs=runs)
     base = {**DEMO_DEFAULTS, **(overrides or {}), "seed": seed}
@@ -180,6 +182,7 @@ def run_demo(
             threshold=threshold,
             png=os.path.basename(png),
             total_seconds=time.perf_counter() - t_start,
+            audit_lines=audit_lines,
         )
         with open(report, "w") as fh:
             fh.write(text)
@@ -274,6 +277,7 @@ def write_report(
     threshold: float,
     png: str,
     total_seconds: float,
+    audit_lines: Sequence[str] = (),
 ) -> str:
     """The text of ``report.md``, every sentence computed from the runs' metrics."""
     by_name = {o.run.name: o for o in outcomes}
@@ -325,6 +329,8 @@ def write_report(
         lines += ["", "## Not run", ""]
         for o in skipped:
             lines.append(f"- **{o.run.name}** ({o.run.description}): {o.status}: {o.detail}")
+    if audit_lines:
+        lines += ["", "## This machine's collectives (mixprec audit collectives)", "", *audit_lines]
     lines += [
         "",
         "## Reproduce",

@@ -37,6 +37,8 @@ from mixprec.lab.corpus import Corpus, load_corpus
 from mixprec.lab.data import dropout_seed, eval_chunks, train_microbatches
 from mixprec.lab.faults import maybe_inject_fault
 from mixprec.lab.metrics import METRICS_NAME, SUMMARY_NAME, encode_row, summarize_run, truncate_metrics, write_summary
+from mixprec.lab.schedule import build_schedule, current_lr
+from mixprec.lab.telemetry import HEADROOM_KEY, HeadroomProbe
 from mixprec.parallel import NonFiniteGradientWarning
 from mixprec.scaling import StaticLossScaler
 
@@ -105,6 +107,20 @@ def _announce(
             print(f"mixprec train: loss-scale advisor [{finding.severity}] {finding.message}", flush=True)
 
 
+def _telemetry_fields(parts: Parts, result: Any, lr: float | None, headroom: Any) -> dict[str, Any]:
+    """The optional keys of a metrics row: the scheduled lr, an overflow's culprits (parameter names of the bare
+    model, as the headroom's layers), the headroom telemetry."""
+    fields: dict[str, Any] = {}
+    if lr is not None:
+        fields["lr"] = lr
+    if result.skipped and result.culprits:
+        prefix = "module." if parts.wrapper is not None else ""
+        fields["culprits"] = [name.removeprefix(prefix) for name in result.culprits]
+    if headroom is not None:
+        fields[HEADROOM_KEY] = headroom
+    return fields
+
+
 def train_rank(
     cfg: TrainConfig,
     *,
@@ -135,6 +151,8 @@ def train_rank(
     corpus = load_corpus(cfg.data.corpus)
     parts = build_parts(cfg, corpus.vocab_size, device, world_size)
     start_step, wall_offset = _resume(parts, cfg, corpus, rank, device) if resume else (0, 0.0)
+    schedule = build_schedule(cfg, parts.optimizer, parts.scaler)  # after _resume: it starts at steps_taken
+    headroom = HeadroomProbe(parts.module, t.headroom_interval if is_main else 0)  # rank 0 logs, rank 0 measures
     metrics_path = os.path.join(t.out_dir, METRICS_NAME)
     if is_main and resume:
         truncate_metrics(metrics_path, start_step)
@@ -181,7 +199,10 @@ def train_rank(
                 world_size=world_size,
             )
             t0 = time.perf_counter()
-            result = parts.updater.step([(x.to(device), y.to(device)) for x, y in microbatches])
+            lr = current_lr(parts.optimizer) if schedule is not None else None
+            result = headroom.step(parts.updater, step, [(x.to(device), y.to(device)) for x, y in microbatches])
+            if schedule is not None:
+                schedule.step()  # SkipAwareLR: only when the optimizer step ran
             (loss_sum,) = all_reduce_sum_fp64([result.loss])
             dt = time.perf_counter() - t0
             loss = loss_sum / world_size
@@ -200,6 +221,7 @@ def train_rank(
                     "tokens_per_s": tokens_per_step / dt,
                     "wall_time": time.perf_counter() - t_start,
                 }
+                row.update(_telemetry_fields(parts, result, lr, headroom.captured))
                 metrics.write(encode_row(row) + "\n")
                 metrics.flush()
                 postfix = f"loss {loss:.4f} scale {result.scale:g} {row['tokens_per_s']:,.0f} tok/s"
