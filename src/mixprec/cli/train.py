@@ -160,7 +160,7 @@ def prepare(args: argparse.Namespace) -> Callable[[], int]:
     nproc = getattr(args, "parallel.nproc")
     if nproc is not None and nproc > 1 and torchrun_env() is not None:
         raise ValueError("--nproc starts ranks itself; under torchrun the world size comes from torchrun instead")
-    preflight(cfg, resume=args.resume, overwrite=args.overwrite)
+    cfg = preflight(cfg, resume=args.resume, overwrite=args.overwrite)
     return lambda: run(args, cfg)
 
 
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace, cfg: TrainConfig) -> int:
 
     try:
         with sigterm_as_interrupt():
-            summary = launch(cfg, resume=args.resume, overwrite=args.overwrite, progress=args.progress)
+            summary = launch(cfg, resume=args.resume, overwrite=args.overwrite, progress=args.progress, checked=True)
     except (TrainingFailed, TrainingDiverged, LossScaleFloorError, CheckpointWriteError) as exc:
         # A rank failed, the run diverged, or the disk refused a write: a message, not a traceback (the last
         # checkpoint is intact).

@@ -385,10 +385,17 @@ def preflight(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False
 
 
 def launch(
-    cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, progress: bool | None = None
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    checked: bool = False,
 ) -> dict[str, Any] | None:
     """Run ``cfg``: here when ``nproc == 1``, as ``nproc`` watched child ranks otherwise, or as this process's
     rank when torchrun's variables are set. Returns the run summary (None on ranks other than 0 under torchrun).
+    ``checked=True``: ``cfg`` is what :func:`preflight` returned for the same ``resume``/``overwrite``, so its
+    checks (the corpus, the checkpoint's checksum) are not made a second time.
 
     Raises:
         ValueError: a bad configuration, a missing corpus, an unwritable or existing run directory
@@ -397,9 +404,9 @@ def launch(
     """
     env = torchrun_env()
     if env is not None:
-        return _launch_torchrun(cfg, env, resume=resume, overwrite=overwrite, progress=progress)
-    cfg = _resolve(cfg, cfg.parallel.nproc)
-    check_run(cfg, resume=resume, overwrite=overwrite)
+        return _launch_torchrun(cfg, env, resume=resume, overwrite=overwrite, progress=progress, checked=checked)
+    if not checked:
+        cfg = preflight(cfg, resume=resume, overwrite=overwrite)
     device_type = resolve_device(cfg)
     if device_type == "cuda":
         _check_local_gpu(cfg.parallel.nproc - 1)
@@ -412,12 +419,12 @@ def launch(
 
 
 def _launch_torchrun(
-    cfg: TrainConfig, env: dict[str, int], *, resume: bool, overwrite: bool, progress: bool | None
+    cfg: TrainConfig, env: dict[str, int], *, resume: bool, overwrite: bool, progress: bool | None, checked: bool
 ) -> dict[str, Any] | None:
-    cfg = _resolve(cfg, env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"])
     rank = env["RANK"]
     # Every rank validates before anything is written, so all of them refuse a bad run together.
-    check_run(cfg, resume=resume, overwrite=overwrite)
+    if not checked:
+        cfg = preflight(cfg, resume=resume, overwrite=overwrite)
     device_type = resolve_device(cfg)
     if device_type == "cuda":
         _check_local_gpu(env["LOCAL_RANK"])
