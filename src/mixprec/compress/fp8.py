@@ -7,7 +7,7 @@ of ``x * 2**k`` (round to nearest even, or stochastic), sent as uint8 (gloo refu
 is exact and one round trip errs by at most ``u_f |x|`` (nearest; ``2 u_f |x|`` stochastic) or, below the
 format's normal range, half a subnormal spacing times the scale (``u_f = 2**-4`` e4m3, ``2**-3`` e5m2).
 MS-AMP sends fp8 with one scale per tensor and its users report overflow and underflow of the sums
-(MS-AMP issue #41); here every chunk has its own scale and the sums are fp32.
+(Azure/MS-AMP#41); here every chunk has its own scale and the sums are fp32.
 
 The class has :class:`~mixprec.compress.MinMaxUInt8`'s interface (``encode``/``decode`` and the row API the
 collectives are built from), so it goes wherever that one does. A chunk holding NaN/Inf is flagged (scale
