@@ -304,22 +304,14 @@ def worker(cfg: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------- driver
-def launch(net: Network, per_node: int, args: argparse.Namespace, out: str, deadline: float) -> list[dict]:
+def run_ranks(
+    net: Network, per_node: int, script: str, cfg_common: dict, port: int, out: str, deadline: float, limit: float
+) -> list[dict]:
+    """Start ``script --worker CFG`` for every rank in its node's namespace, watch them until they all exit
+    (a failed rank or the ``deadline`` stops the others), and return the rows rank 0 wrote to ``out``."""
     world = net.nodes * per_node
-    port = 29400 + os.getpid() % 500
-    procs = []
-    cfg_common = {
-        "world": world,
-        "per_node": per_node,
-        "rates": args.rates,
-        "sizes": [int(s * 2**20) for s in args.sizes],
-        "reps": args.reps,
-        "links": net.links(),
-        "timeout": args.rank_timeout,
-        "out": out,
-        "probe": not args.no_probe,
-    }
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = []
     try:
         for rank in range(world):
             node = rank // per_node
@@ -333,14 +325,14 @@ def launch(net: Network, per_node: int, args: argparse.Namespace, out: str, dead
                 "OMP_NUM_THREADS": "1",
                 "PYTHONPATH": os.pathsep.join([os.path.join(repo, "src"), os.environ.get("PYTHONPATH", "")]),
             }
-            cmd = ["ip", "netns", "exec", net.node_ns[node], sys.executable, __file__, "--worker", json.dumps(cfg)]
+            cmd = ["ip", "netns", "exec", net.node_ns[node], sys.executable, script, "--worker", json.dumps(cfg)]
             procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
         while any(p.poll() is None for p in procs):
             failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if failed:  # the others would wait for the dead rank until their collective timeout
                 raise RuntimeError(f"a rank exited with code {failed[0]} (see its stderr above)")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"benchmark deadline reached ({args.deadline:.0f} s)")
+                raise TimeoutError(f"benchmark deadline reached ({limit:.0f} s)")
             time.sleep(0.5)
         if any(p.returncode != 0 for p in procs):
             raise RuntimeError(f"rank exit codes {[p.returncode for p in procs]} (see their stderr above)")
@@ -361,6 +353,22 @@ def launch(net: Network, per_node: int, args: argparse.Namespace, out: str, dead
                 print(f"rank process {p.pid} did not exit 10 s after SIGKILL", file=sys.stderr)
     with open(out) as f:
         return json.load(f)
+
+
+def launch(net: Network, per_node: int, args: argparse.Namespace, out: str, deadline: float) -> list[dict]:
+    cfg_common = {
+        "world": net.nodes * per_node,
+        "per_node": per_node,
+        "rates": args.rates,
+        "sizes": [int(s * 2**20) for s in args.sizes],
+        "reps": args.reps,
+        "links": net.links(),
+        "timeout": args.rank_timeout,
+        "out": out,
+        "probe": not args.no_probe,
+    }
+    port = 29400 + os.getpid() % 500
+    return run_ranks(net, per_node, __file__, cfg_common, port, out, deadline, args.deadline)
 
 
 def report(config: str, rows: list[dict], methods: list[str]) -> None:

@@ -23,13 +23,12 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_netns import TAG_PREFIX, Network, free_third_octet, remove_stale_namespaces, run, set_rate
+from bench_netns import TAG_PREFIX, Network, free_third_octet, remove_stale_namespaces, run, run_ranks, set_rate
 
 METHODS = ("hier", "flat", "bf16", "fp32")
 
@@ -151,10 +150,8 @@ def worker(cfg: dict) -> None:
 
 # ------------------------------------------------------------------------------------------- driver
 def launch(net: Network, per_node: int, args: argparse.Namespace, out: str, deadline: float) -> list[dict]:
-    world = net.nodes * per_node
-    port = 29900 + os.getpid() % 90
     cfg_common = {
-        "world": world,
+        "world": net.nodes * per_node,
         "per_node": per_node,
         "rates": args.rates,
         "sizes": args.sizes,
@@ -163,46 +160,8 @@ def launch(net: Network, per_node: int, args: argparse.Namespace, out: str, dead
         "timeout": args.rank_timeout,
         "out": out,
     }
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    procs = []
-    try:
-        for rank in range(world):
-            node = rank // per_node
-            env = {
-                **os.environ,
-                "MASTER_ADDR": net.addr[0],
-                "MASTER_PORT": str(port),
-                "GLOO_SOCKET_IFNAME": net.node_if[node],
-                "LOCAL_WORLD_SIZE": str(per_node),
-                "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": os.pathsep.join([os.path.join(repo, "src"), os.environ.get("PYTHONPATH", "")]),
-            }
-            cfg = {**cfg_common, "rank": rank, "iface": net.node_if[node]}
-            cmd = ["ip", "netns", "exec", net.node_ns[node], sys.executable, __file__, "--worker", json.dumps(cfg)]
-            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
-        while any(p.poll() is None for p in procs):
-            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-            if failed:
-                raise RuntimeError(f"a rank exited with code {failed[0]} (see its stderr above)")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"benchmark deadline reached ({args.deadline:.0f} s)")
-            time.sleep(0.5)
-        if any(p.returncode != 0 for p in procs):
-            raise RuntimeError(f"rank exit codes {[p.returncode for p in procs]} (see their stderr above)")
-    finally:
-        for p in procs:
-            try:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                print(f"rank process {p.pid} did not exit 10 s after SIGKILL", file=sys.stderr)
-    with open(out) as f:
-        return json.load(f)
+    port = 29900 + os.getpid() % 90
+    return run_ranks(net, per_node, __file__, cfg_common, port, out, deadline, args.deadline)
 
 
 def report(rows: list[dict]) -> None:
