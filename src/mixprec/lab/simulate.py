@@ -45,6 +45,11 @@ def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() + b.float()).to(a.dtype)
 
 
+def ring_chunk(numel: int, world: int) -> int:
+    """Elements per chunk of gloo's ring: 2 segments of ceil(numel / 2P) elements."""
+    return 2 * -(-numel // (2 * world))
+
+
 def gloo_ring_sum(rows: torch.Tensor) -> torch.Tensor:
     """gloo's ring all-reduce (SUM) of ``rows[r]`` = rank r's tensor, bit for bit, in the rows' dtype.
 
@@ -53,11 +58,15 @@ def gloo_ring_sum(rows: torch.Tensor) -> torch.Tensor:
     ``((x[c-1] + x[c-2]) + ...) + x[c]`` (indices mod P). Measured against torch 2.13's gloo for P = 2-4.
     """
     world, n = rows.shape
-    seg = -(-n // (2 * world))
-    chunk = 2 * seg
-    padded = rows.new_zeros(world, world * chunk)
+    padded = rows.new_zeros(world, world * ring_chunk(n, world))
     padded[:, :n] = rows
-    v = padded.view(world, world, chunk)
+    return _ring_sum_padded(padded, n)
+
+
+def _ring_sum_padded(padded: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`gloo_ring_sum` of rows already padded to P chunks (the simulator stores them so: no copy)."""
+    world = padded.shape[0]
+    v = padded.view(world, world, -1)
     c = torch.arange(world)
     acc = v[(c - 1) % world, c]
     for m in range(2, world + 1):
@@ -82,7 +91,8 @@ class _Reduction:
         self.reduce, self.algorithm, self.world, self.numel, self.dtype = reduce, algorithm, world, numel, dtype
         self.rank = 0
         if reduce == "native":
-            self.rows = torch.empty(world, numel, dtype=dtype)
+            width = world * ring_chunk(numel, world) if algorithm == "ring" else numel
+            self.rows = torch.zeros(world, width, dtype=dtype)
         else:
             self.acc = torch.empty(numel, dtype=torch.float32)
         if reduce == "uint8":
@@ -93,7 +103,7 @@ class _Reduction:
 
     def add(self, bucket: torch.Tensor) -> None:
         if self.reduce == "native":
-            torch.div(bucket, self.world, out=self.rows[self.rank])  # the pre-divide, in the wire dtype
+            torch.div(bucket, self.world, out=self.rows[self.rank, : self.numel])  # the pre-divide, wire dtype
         elif self.reduce == "fp32_accumulate":
             if self.rank == 0:
                 self.acc.copy_(bucket)  # exact widening
@@ -114,7 +124,9 @@ class _Reduction:
         if self.rank != self.world:
             raise RuntimeError(f"internal error: {self.rank} of {self.world} ranks reduced")
         if self.reduce == "native":
-            return gloo_ring_sum(self.rows) if self.algorithm == "ring" else tree_sum(self.rows)
+            if self.algorithm == "ring":
+                return _ring_sum_padded(self.rows, self.numel)
+            return tree_sum(self.rows)
         self.acc.div_(self.world)
         if self.reduce == "fp32_accumulate":
             return self.acc.to(self.dtype)
