@@ -15,6 +15,7 @@ import torch
 
 from mixprec.compress import Topology
 from mixprec.emulate import emulate_linear_layers
+from mixprec.lab.band import perturb_weights
 from mixprec.lab.config import TrainConfig
 from mixprec.lab.model import GPT, GPTConfig, Linear
 from mixprec.parallel import DistributedDataParallel
@@ -59,6 +60,8 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPT:
     model = GPT(gpt_config(cfg, vocab_size))
     torch.random.set_rng_state(gen_state)
     model.to(device=device, dtype=DTYPES[cfg.model.precision])
+    if cfg.training.perturb:
+        perturb_weights(model, cfg.training.perturb)
     if cfg.model.linear_mode != "off":
         emulate_linear_layers(model, cfg.model.linear_mode, include=(Linear,))  # the lab's Linear only casts dtypes
     return model

@@ -354,11 +354,14 @@ class TrainingConfig:
     """A checkpoint every this many steps, in steps, and always at the end; 0 = only at the end."""
     out_dir: str = "runs/mixprec"
     """Run directory: config.toml, metrics.jsonl, checkpoint.pt, summary.json."""
+    perturb: int = 0
+    """Noise-band replica: k > 0 moves every initial weight by one unit in the last place of its dtype, up or
+    down by a sign pattern seeded by k (mixprec.lab.band); 0 = unperturbed."""
 
     def __post_init__(self) -> None:
         _check_types(self)
         check_positive_int("steps", self.steps)
-        for name in ("seed", "max_consecutive_skips", "eval_interval", "checkpoint_interval"):
+        for name in ("seed", "max_consecutive_skips", "eval_interval", "checkpoint_interval", "perturb"):
             check_positive_int(name, getattr(self, name), minimum=0)
         check_choice("device", self.device, DEVICES)
         check_positive_float("clip_grad_norm", self.clip_grad_norm, allow_zero=True)
