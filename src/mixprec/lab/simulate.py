@@ -17,8 +17,10 @@ not modelled: docs/lab.md ("Simulated data parallelism").
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+from collections.abc import Iterator
 
 import torch
 
@@ -153,6 +155,18 @@ def _reduce_rows(reduce: str, rows: torch.Tensor) -> torch.Tensor:
     return red.result()
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread, as every --nproc rank runs (CPU kernels are bit-reproducible per thread count);
+    the caller's setting is restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 class SimulatedRanks:
     """Trains ``parts`` as ``cfg.parallel.simulate_dp`` data-parallel ranks would (see the module docstring).
 
@@ -163,7 +177,6 @@ class SimulatedRanks:
     def __init__(self, parts: Parts, cfg: TrainConfig, corpus: Corpus, device: torch.device) -> None:
         if device.type != "cpu":
             raise ValueError(f"simulate_dp runs on the CPU (the models are bit-exact there); device is {device}")
-        torch.set_num_threads(1)  # as every --nproc rank: CPU kernels are bit-reproducible per thread count
         self.cfg, self.corpus, self.device, self.module = cfg, corpus, device, parts.module
         self.world = cfg.parallel.simulate_dp
         self.scaler = parts.scaler
@@ -221,6 +234,10 @@ class SimulatedRanks:
         return out
 
     def step(self, step: int) -> UpdateResult:
+        with _one_thread():
+            return self._step(step)
+
+    def _step(self, step: int) -> UpdateResult:
         cfg = self.cfg
         buckets = self.layout.buckets
         reductions = [
@@ -263,10 +280,14 @@ class SimulatedRanks:
                 else:
                     p.grad.copy_(value)
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """The validation loss a real P-rank run logs: each rank's (loss sum, count) in fp64, summed by gloo's
         ring in fp64 (as ``mixprec.lab.train.evaluate`` does with all_reduce_sum_fp64)."""
+        with _one_thread():
+            return self._evaluate()
+
+    @torch.no_grad()
+    def _evaluate(self) -> float:
         cfg, module = self.cfg, self.module
         context = autocast(cfg, self.device)
         was_training = module.training
