@@ -67,3 +67,12 @@ def test_replicas_and_compare_band_round_trip(tmp_path, capsys) -> None:
     assert load_run(str(tmp_path / "plain")).loss == load_run(str(tmp_path / "band" / "replica-0")).loss
     assert main(["train", *TINY, "--replicas", "1", "--out-dir", str(tmp_path / "bad")]) == 2
     assert not (tmp_path / "bad").exists()
+
+
+def test_dp_band_section_states_a_verdict_per_size_and_band(tmp_path) -> None:
+    from mixprec.lab.dp_band import run_dp_band
+
+    setting = {"sizes": (2, 4), "global_batch_size": 8, "steps": 4, "replicas": 2}
+    section, verdicts = run_dp_band(str(tmp_path), 0, setting, progress=False)
+    assert len(verdicts) == 2 * 3  # per size: native and fp32acc against fp32, native against bf16 fp32acc
+    assert "### P = 4" in section and all(("stays inside" in v) or ("leaves" in v) for v in verdicts)
