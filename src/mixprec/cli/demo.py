@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--dp-band",
         action="store_true",
         help="also: reduction precision at simulated DP 4 and 1024 (4 and 64 with --quick) against an fp32 noise "
-        "band, a report section (about 15 minutes on 2 cores; seconds with --quick)",
+        "band, a report section (about 20 minutes on 2 cores; about 20 s with --quick)",
     )
     p.set_defaults(prepare=prepare)
 
