@@ -108,6 +108,7 @@ def test_simulated_run_resumes_bit_for_bit(tmp_path) -> None:
         (("--simulate-dp", "2", "--reduce", "uint8_hierarchical"), "reduce"),
         (("--simulate-dp", "2", "--reduce", "uint8", "--error-feedback"), "error_feedback"),
         (("--simulate-dp", "2", "--simulate-algorithm", "butterfly"), "simulate_algorithm"),
+        (("--simulate-dp", "2", "--device", "cuda"), "CPU"),
     ],
 )
 def test_bad_simulation_input_exits_2_before_writing(tmp_path, capsys, args: tuple[str, ...], words: str) -> None:

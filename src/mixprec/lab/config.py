@@ -34,9 +34,9 @@ __all__ = [
     "PRECISIONS",
     "REDUCE_ROUNDINGS",
     "REDUCTIONS",
-    "SIMULATED_REDUCTIONS",
     "RESUMABLE_FIELDS",
     "SECTIONS",
+    "SIMULATED_REDUCTIONS",
     "DataConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -402,6 +402,8 @@ class TrainConfig:
                 "global_batch_size: " + "; ".join(f.message for f in advice.findings if f.code == "gbs-not-divisible")
             )
         self.build_scaler()  # init_scale against the dynamic scaler's range, when this run's scaler is dynamic
+        if self.parallel.simulate_dp and self.training.device == "cuda":
+            raise ValueError("simulate_dp runs on the CPU (its reduction models are checked there); use device 'cpu'")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "configuration") -> TrainConfig:
