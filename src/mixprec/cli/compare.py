@@ -39,6 +39,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="error",
         help="a step logged twice: refuse the file (error), or keep the later row and say so (last)",
     )
+    p.add_argument(
+        "--band",
+        metavar="DIR",
+        default=None,
+        help="noise band: the replicas `mixprec train --replicas` wrote to DIR; each RUN is then a variant, judged "
+        "against the band instead of against the first run",
+    )
+    p.add_argument(
+        "--band-widen", type=float, default=1.0, help="band = [min - f w, max + f w], w = max - min (default 1)"
+    )
+    p.add_argument(
+        "--band-persist", type=int, default=3, help="consecutive steps outside that count as leaving (default 3)"
+    )
+    p.add_argument("--band-metric", choices=("loss", "eval_loss"), default="loss", help="the band's metric")
     p.set_defaults(prepare=prepare)
 
 
@@ -55,6 +69,8 @@ def prepare(args: argparse.Namespace) -> Callable[[], int]:
         check_output_file("--plot", args.plot)
         check_matplotlib()
     runs = [load_run(path, name, duplicates=args.duplicate_steps) for path, name in zip(args.runs, labels)]
+    if args.band is not None:
+        return _prepare_band(args, runs)
 
     def work() -> int:
         for run in runs:
@@ -64,6 +80,33 @@ def prepare(args: argparse.Namespace) -> Callable[[], int]:
         print(format_table(rows, threshold=args.threshold))
         if not args.no_plot:
             print(f"\nplot: {plot_comparison(runs, args.plot, threshold=args.threshold)}")
+        return 0
+
+    return work
+
+
+def _prepare_band(args: argparse.Namespace, runs: list) -> Callable[[], int]:
+    """``--band DIR``: every check (the replicas, the statistic's parameters) before printing anything."""
+    from mixprec.lab.band import band_runs, band_verdicts, false_alarms, format_band_table
+    from mixprec.lab.compare import load_run
+
+    replicas = [load_run(path, duplicates=args.duplicate_steps) for path in band_runs(args.band)]
+    verdicts, spread = band_verdicts(
+        replicas, runs, widen=args.band_widen, persist=args.band_persist, metric=args.band_metric
+    )
+    alarms = false_alarms(replicas, widen=args.band_widen, persist=args.band_persist, metric=args.band_metric)
+
+    def work() -> int:
+        print(
+            format_band_table(
+                verdicts,
+                spread,
+                replicas=len(replicas),
+                widen=args.band_widen,
+                persist=args.band_persist,
+                alarms=alarms,
+            )
+        )
         return 0
 
     return work

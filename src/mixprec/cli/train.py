@@ -148,6 +148,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="progress bar on rank 0 (default: when stderr is a terminal)",
     )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="K",
+        help="noise band: train K copies into OUT_DIR/replica-0 .. replica-(K-1) that differ only by a last-bit "
+        "perturbation of the initial weights (replica 0 unperturbed), for `mixprec compare --band OUT_DIR`",
+    )
+    p.add_argument(
+        "--replica-kind",
+        choices=("ulp", "seed"),
+        default="ulp",
+        help="ulp: replica k sets training.perturb = k (chaos alone); seed: training.seed + k (data and initial "
+        "weights: the mean and spread of the final loss). Default: ulp",
+    )
     add_config_arguments(p)
     p.set_defaults(prepare=prepare)
 
@@ -160,8 +175,29 @@ def prepare(args: argparse.Namespace) -> Callable[[], int]:
     nproc = getattr(args, "parallel.nproc")
     if nproc is not None and nproc > 1 and torchrun_env() is not None:
         raise ValueError("--nproc starts ranks itself; under torchrun the world size comes from torchrun instead")
+    if args.replicas is not None:
+        from mixprec.lab.band import replica_configs
+
+        if args.resume:
+            raise ValueError("--replicas cannot --resume; resume each replica with --out-dir OUT_DIR/replica-K")
+        replicas = replica_configs(cfg, args.replicas, args.replica_kind)
+        for replica in replicas:
+            preflight(replica, resume=False, overwrite=args.overwrite)
+        return lambda: _run_replicas(args, replicas)
     cfg = preflight(cfg, resume=args.resume, overwrite=args.overwrite)
     return lambda: run(args, cfg)
+
+
+def _run_replicas(args: argparse.Namespace, replicas: list[TrainConfig]) -> int:
+    for replica in replicas:
+        code = run(args, replica)
+        if code:
+            return code
+    band_dir = os.path.dirname(replicas[0].training.out_dir)
+    print(
+        f"mixprec train: {len(replicas)} replicas in {band_dir}; compare with: mixprec compare --band {band_dir} RUN..."
+    )
+    return 0
 
 
 def run(args: argparse.Namespace, cfg: TrainConfig) -> int:

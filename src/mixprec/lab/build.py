@@ -15,6 +15,7 @@ import torch
 
 from mixprec.compress import Topology
 from mixprec.emulate import Fingerprint, emulate_linear_layers
+from mixprec.lab.band import perturb_weights
 from mixprec.lab.config import LINEAR_MODES, TrainConfig
 from mixprec.lab.model import GPT, GPTConfig, Linear
 from mixprec.parallel import DistributedDataParallel
@@ -59,6 +60,8 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPT:
     model = GPT(gpt_config(cfg, vocab_size))
     torch.random.set_rng_state(gen_state)
     model.to(device=device, dtype=DTYPES[cfg.model.precision])
+    if cfg.training.perturb:
+        perturb_weights(model, cfg.training.perturb)
     mode = cfg.model.linear_mode
     if mode != "off":
         # A mode that is no preset is a fingerprint file (ModelConfig checked it): the measured accelerator.

@@ -38,6 +38,7 @@ __all__ = [
     "REDUCTIONS",
     "RESUMABLE_FIELDS",
     "SECTIONS",
+    "SIMULATED_REDUCTIONS",
     "DataConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -72,6 +73,9 @@ LR_SCHEDULES = ("constant", "warmup_cosine")
 LINEAR_MODES = ("off", "fp16/16", "fp16/32", "bf16/32", "two_stage", "fp8/promote128")
 DEVICES = ("auto", "cpu", "cuda")
 REDUCE_ROUNDINGS = ROUNDINGS
+SIMULATED_REDUCTIONS = ("fp32_accumulate", "native", "uint8")  # what lab/simulate.py models bit for bit
+NATIVE_ALGORITHMS = ("ring", "tree")
+MAX_SIMULATED_RANKS = 4096
 
 # Fields a resumed run may change: none of them touches the numerics of a training step.
 RESUMABLE_FIELDS = frozenset(
@@ -324,6 +328,12 @@ class ParallelConfig:
     timeout: float = 300.0
     """Process-group timeout, in seconds (every group mixprec creates inherits it): a rank waiting longer than
     this on a collective stops with an error."""
+    simulate_dp: int = 0
+    """Simulated data parallelism: this many ranks' gradients computed in one process and reduced by a bit-exact
+    model of ``reduce`` (mixprec.lab.simulate), up to 4096; 0 = off. Needs nproc = 1."""
+    simulate_algorithm: str = "ring"
+    """The backend algorithm a simulated 'native' reduction models: 'ring' (gloo's, bit for bit) or 'tree' (a
+    binary tree in rank order, rounding after every addition)."""
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -342,6 +352,26 @@ class ParallelConfig:
             raise ValueError("sharded_optimizer needs nproc >= 2 (with one rank there is nothing to shard)")
         if self.reduce.endswith("_hierarchical") and self.ranks_per_node and self.nproc % self.ranks_per_node:
             raise ValueError(f"ranks_per_node ({self.ranks_per_node}) must divide the number of ranks ({self.nproc})")
+        self._check_simulation()
+
+    def _check_simulation(self) -> None:
+        check_positive_int("simulate_dp", self.simulate_dp, minimum=0)
+        check_choice("simulate_algorithm", self.simulate_algorithm, NATIVE_ALGORITHMS)
+        if not self.simulate_dp:
+            return
+        if self.simulate_dp > MAX_SIMULATED_RANKS:
+            raise ValueError(f"simulate_dp must be at most {MAX_SIMULATED_RANKS}; got {self.simulate_dp}")
+        if self.nproc != 1:
+            raise ValueError(f"simulate_dp runs every rank in one process; nproc must be 1, got {self.nproc}")
+        if self.reduce not in SIMULATED_REDUCTIONS:
+            raise ValueError(f"simulate_dp models reduce {', '.join(SIMULATED_REDUCTIONS)}; got {self.reduce!r}")
+        if self.rounding != "nearest" or self.error_feedback:
+            raise ValueError("simulate_dp models rounding='nearest' without error_feedback only")
+
+    @property
+    def ranks(self) -> int:
+        """Data-parallel ranks of the run: simulate_dp when it is set, else nproc."""
+        return self.simulate_dp or self.nproc
 
     def reduce_options(self) -> dict[str, Any]:
         """DistributedDataParallel's ``reduce_options`` but the topology (which needs the world size)."""
@@ -383,11 +413,21 @@ class TrainingConfig:
     'mixprec report'); 0 disables. It only reads the gradients: the run's numbers do not change."""
     out_dir: str = "runs/mixprec"
     """Run directory: config.toml, metrics.jsonl, checkpoint.pt, summary.json."""
+    perturb: int = 0
+    """Noise-band replica: k > 0 moves every initial weight by one unit in the last place of its dtype, up or
+    down by a sign pattern seeded by k (mixprec.lab.band); 0 = unperturbed."""
 
     def __post_init__(self) -> None:
         _check_types(self)
         check_positive_int("steps", self.steps)
-        for name in ("seed", "max_consecutive_skips", "eval_interval", "checkpoint_interval", "headroom_interval"):
+        for name in (
+            "seed",
+            "max_consecutive_skips",
+            "eval_interval",
+            "checkpoint_interval",
+            "headroom_interval",
+            "perturb",
+        ):
             check_positive_int(name, getattr(self, name), minimum=0)
         check_choice("device", self.device, DEVICES)
         check_positive_float("clip_grad_norm", self.clip_grad_norm, allow_zero=True)
@@ -422,12 +462,14 @@ class TrainConfig:
         for name, cls in SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 raise TypeError(f"{name} must be a {cls.__name__}; got {type(getattr(self, name)).__name__}")
-        advice = advise(self.data.global_batch_size, self.data.micro_batch_size, self.parallel.nproc, 1.0)
+        advice = advise(self.data.global_batch_size, self.data.micro_batch_size, self.parallel.ranks, 1.0)
         if advice.num_microbatches is None:
             raise ValueError(
                 "global_batch_size: " + "; ".join(f.message for f in advice.findings if f.code == "gbs-not-divisible")
             )
         self.build_scaler()  # init_scale against the dynamic scaler's range, when this run's scaler is dynamic
+        if self.parallel.simulate_dp and self.training.device == "cuda":
+            raise ValueError("simulate_dp runs on the CPU (its reduction models are checked there); use device 'cpu'")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "configuration") -> TrainConfig:
@@ -438,7 +480,7 @@ class TrainConfig:
     @property
     def num_microbatches(self) -> int:
         """GBS / (MBS x ranks): microbatches each rank accumulates per optimizer step."""
-        return self.data.global_batch_size // (self.data.micro_batch_size * self.parallel.nproc)
+        return self.data.global_batch_size // (self.data.micro_batch_size * self.parallel.ranks)
 
     @property
     def resolved_loss_scaler(self) -> str:
@@ -452,7 +494,7 @@ class TrainConfig:
     def advice(self) -> Any:
         """The loss-scale advisor's verdict on (GBS, MBS, ranks, loss scale); see :func:`mixprec.scaling.advise`."""
         scale = 1.0 if self.resolved_loss_scaler == "none" else self.scaler.init_scale
-        return advise(self.data.global_batch_size, self.data.micro_batch_size, self.parallel.nproc, scale)
+        return advise(self.data.global_batch_size, self.data.micro_batch_size, self.parallel.ranks, scale)
 
     def replace(self, **changes: dict[str, Any]) -> TrainConfig:
         """A copy with some fields of some sections changed: ``cfg.replace(parallel={"nproc": 2})``."""

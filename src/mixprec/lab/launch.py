@@ -112,7 +112,7 @@ def torchrun_env() -> dict[str, int] | None:
 
 
 def resolve_device(cfg: TrainConfig) -> str:
-    if cfg.training.device == "cpu":
+    if cfg.training.device == "cpu" or cfg.parallel.simulate_dp:  # simulated ranks: the CPU (config refuses cuda)
         return "cpu"
     available = torch.cuda.is_available()
     if cfg.training.device == "cuda" and not available:

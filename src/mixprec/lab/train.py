@@ -38,6 +38,7 @@ from mixprec.lab.data import dropout_seed, eval_chunks, train_microbatches
 from mixprec.lab.faults import maybe_inject_fault
 from mixprec.lab.metrics import METRICS_NAME, SUMMARY_NAME, encode_row, summarize_run, truncate_metrics, write_summary
 from mixprec.lab.schedule import build_schedule, current_lr
+from mixprec.lab.simulate import SimulatedRanks
 from mixprec.lab.telemetry import HEADROOM_KEY, HeadroomProbe
 from mixprec.parallel import NonFiniteGradientWarning
 from mixprec.scaling import StaticLossScaler
@@ -160,6 +161,14 @@ def train_rank(
         open(metrics_path, "w").close()
     if is_main and start_step < t.steps:
         _announce(parts, cfg, corpus, world_size, device, start_step)
+    sim = SimulatedRanks(parts, cfg, corpus, device) if cfg.parallel.simulate_dp else None
+    if sim is not None and start_step < t.steps:
+        print(f"mixprec train: {sim.describe()}", flush=True)
+
+    def evaluate_now() -> float:
+        if sim is not None:
+            return sim.evaluate()
+        return evaluate(parts.module, corpus, cfg, rank=rank, world_size=world_size, device=device)
 
     tokens_per_step = cfg.data.global_batch_size * cfg.model.block_size
     t_start = time.perf_counter() - wall_offset
@@ -185,7 +194,7 @@ def train_rank(
             eval_loss = None
             # The last step evaluates after its update (the final model, in summary.json); others before it.
             if t.eval_interval and step % t.eval_interval == 0 and not is_last:
-                eval_loss = evaluate(parts.module, corpus, cfg, rank=rank, world_size=world_size, device=device)
+                eval_loss = evaluate_now()
             if cfg.model.dropout:
                 torch.manual_seed(dropout_seed(t.seed, step, rank))
             microbatches = train_microbatches(
@@ -200,14 +209,17 @@ def train_rank(
             )
             t0 = time.perf_counter()
             lr = current_lr(parts.optimizer) if schedule is not None else None
-            result = headroom.step(parts.updater, step, [(x.to(device), y.to(device)) for x, y in microbatches])
+            if sim is not None:
+                result = sim.step(step)
+            else:
+                result = headroom.step(parts.updater, step, [(x.to(device), y.to(device)) for x, y in microbatches])
             if schedule is not None:
                 schedule.step()  # SkipAwareLR: only when the optimizer step ran
             (loss_sum,) = all_reduce_sum_fp64([result.loss])
             dt = time.perf_counter() - t0
             loss = loss_sum / world_size
             if t.eval_interval and is_last:
-                eval_loss = evaluate(parts.module, corpus, cfg, rank=rank, world_size=world_size, device=device)
+                eval_loss = evaluate_now()
             consecutive_skips = consecutive_skips + 1 if result.skipped else 0
 
             if metrics is not None and bar is not None:

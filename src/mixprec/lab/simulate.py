@@ -1,0 +1,320 @@
+"""Simulated data parallelism: P ranks' gradients computed in one process, reduced by a bit-exact model.
+
+``parallel.simulate_dp = P`` runs each simulated rank's microbatches through the one model in turn (the
+same batches, loss division and loss scale as rank r of a real ``--nproc P`` run, at one thread as the real
+ranks run), lays each rank's gradients out as mixprec's DistributedDataParallel buckets them, and reduces
+them with a model of ``parallel.reduce`` that rounds exactly where the real collective rounds:
+
+* ``fp32_accumulate``: widen, add in fp32 in rank order, divide by P, one rounding (``mixprec.comm``);
+* ``native``: each rank pre-divides by P in the wire dtype, then gloo's ring (every hop rounds to the wire
+  dtype, chunk c summed from rank c-1 downwards) or a binary tree (``simulate_algorithm``);
+* ``uint8``: the flat ByteGrad pipeline with ``MinMaxUInt8.encode_rows`` / ``decode_rows``.
+
+The logged loss is summed over the ranks in fp64 by the same ring model (gloo's order), so a simulated run's
+``metrics.jsonl`` equals the real run's bit for bit. Memory and speed, the measured gloo algorithm and what is
+not modelled: docs/lab.md ("Simulated data parallelism").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+from collections.abc import Iterator
+
+import torch
+
+from mixprec.compress import MinMaxUInt8
+from mixprec.lab.build import Parts, autocast
+from mixprec.lab.config import TrainConfig
+from mixprec.lab.corpus import Corpus
+from mixprec.lab.data import dropout_seed, eval_chunks, train_microbatches
+from mixprec.parallel import DistributedDataParallel
+from mixprec.parallel.buckets import build_layout
+from mixprec.scaling import Updater, UpdateResult
+
+__all__ = ["SimulatedRanks", "fp32_accumulate_sum", "gloo_ring_sum", "tree_sum", "uint8_flat_sum"]
+
+# The wrapper's default bucket size: the simulated buckets (and so the ring's chunks) must be the real ones.
+_BUCKET_SIZE: int = inspect.signature(DistributedDataParallel).parameters["bucket_size"].default
+_UINT8_CHUNK: int = inspect.signature(MinMaxUInt8).parameters["chunk_size"].default
+
+
+def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """One hop of a backend's SUM in the wire dtype: exact fp32 sum of two fp16/bf16 values, one rounding."""
+    if a.dtype in (torch.float32, torch.float64):
+        return a + b
+    return (a.float() + b.float()).to(a.dtype)
+
+
+def ring_chunk(numel: int, world: int) -> int:
+    """Elements per chunk of gloo's ring: 2 segments of ceil(numel / 2P) elements."""
+    return 2 * -(-numel // (2 * world))
+
+
+def gloo_ring_sum(rows: torch.Tensor) -> torch.Tensor:
+    """gloo's ring all-reduce (SUM) of ``rows[r]`` = rank r's tensor, bit for bit, in the rows' dtype.
+
+    gloo cuts the n elements into 2P segments of ceil(n / 2P) elements, two per rank; chunk c (segments 2c,
+    2c+1) starts at rank c-1 and travels down the ring, each rank adding its own value and rounding:
+    ``((x[c-1] + x[c-2]) + ...) + x[c]`` (indices mod P). Measured against torch 2.13's gloo for P = 2-4.
+    """
+    world, n = rows.shape
+    padded = rows.new_zeros(world, world * ring_chunk(n, world))
+    padded[:, :n] = rows
+    return _ring_sum_padded(padded, n)
+
+
+def _ring_sum_padded(padded: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`gloo_ring_sum` of rows already padded to P chunks (the simulator stores them so: no copy)."""
+    world = padded.shape[0]
+    v = padded.view(world, world, -1)
+    c = torch.arange(world)
+    acc = v[(c - 1) % world, c]
+    for m in range(2, world + 1):
+        acc = _add(acc, v[(c - m) % world, c])
+    return acc.reshape(-1)[:n]
+
+
+def tree_sum(rows: torch.Tensor) -> torch.Tensor:
+    """A binary-tree SUM in rank order, rounding after every addition: pairs (0,1), (2,3), ..., then pairs of
+    pairs; an odd last row waits a level. The shape of NCCL's tree, not its exact order."""
+    t = rows
+    while t.shape[0] > 1:
+        k = t.shape[0] // 2
+        t = torch.cat([_add(t[0 : 2 * k : 2], t[1 : 2 * k : 2]), t[2 * k :]])
+    return t[0]
+
+
+class _Reduction:
+    """One bucket's reduction over the simulated ranks, fed one rank's bucket at a time in rank order."""
+
+    def __init__(self, reduce: str, algorithm: str, world: int, numel: int, dtype: torch.dtype) -> None:
+        self.reduce, self.algorithm, self.world, self.numel, self.dtype = reduce, algorithm, world, numel, dtype
+        self.rank = 0
+        if reduce == "native":
+            width = world * ring_chunk(numel, world) if algorithm == "ring" else numel
+            self.rows = torch.zeros(world, width, dtype=dtype)
+        else:
+            self.acc = torch.empty(numel, dtype=torch.float32)
+        if reduce == "uint8":
+            self.comp = MinMaxUInt8(chunk_size=_UINT8_CHUNK)
+            self.part = numel // world
+            self.codes = torch.empty(world, self.comp.encoded_nbytes(self.part), dtype=torch.uint8)
+            self.decoded = torch.empty(numel, dtype=torch.float32)
+
+    def add(self, bucket: torch.Tensor) -> None:
+        if self.reduce == "native":
+            torch.div(bucket, self.world, out=self.rows[self.rank, : self.numel])  # the pre-divide, wire dtype
+        elif self.reduce == "fp32_accumulate":
+            if self.rank == 0:
+                self.acc.copy_(bucket)  # exact widening
+            else:
+                self.acc.add_(bucket.float())
+        else:
+            # Rank r quantizes its W parts; owner p decodes part p of every rank and sums them in fp32 in rank
+            # order: the same additions, one rank at a time.
+            self.comp.encode_rows(bucket.view(self.world, self.part), self.codes)
+            target = self.acc if self.rank == 0 else self.decoded
+            self.comp.decode_rows(self.codes, self.part, target.view(self.world, self.part))
+            if self.rank:
+                self.acc.add_(self.decoded)
+        self.rank += 1
+
+    def result(self) -> torch.Tensor:
+        """The averaged bucket every rank holds after the collective."""
+        if self.rank != self.world:
+            raise RuntimeError(f"internal error: {self.rank} of {self.world} ranks reduced")
+        if self.reduce == "native":
+            if self.algorithm == "ring":
+                return _ring_sum_padded(self.rows, self.numel)
+            return tree_sum(self.rows)
+        self.acc.div_(self.world)
+        if self.reduce == "fp32_accumulate":
+            return self.acc.to(self.dtype)
+        out = torch.empty(self.numel, dtype=self.dtype)
+        self.comp.encode_rows(self.acc.view(self.world, self.part), self.codes)  # each owner re-quantizes
+        self.comp.decode_rows(self.codes, self.part, out.view(self.world, self.part))
+        return out
+
+
+def fp32_accumulate_sum(rows: torch.Tensor) -> torch.Tensor:
+    """mixprec's fp32-accumulating all-reduce (average) of ``rows[r]`` = rank r's tensor."""
+    return _reduce_rows("fp32_accumulate", rows)
+
+
+def uint8_flat_sum(rows: torch.Tensor) -> torch.Tensor:
+    """mixprec's flat uint8 all-reduce (average, nearest rounding, no error feedback) of ``rows``."""
+    return _reduce_rows("uint8", rows)
+
+
+def _reduce_rows(reduce: str, rows: torch.Tensor) -> torch.Tensor:
+    red = _Reduction(reduce, "ring", rows.shape[0], rows.shape[1], rows.dtype)
+    for row in rows:
+        red.add(row)
+    return red.result()
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread, as every --nproc rank runs (CPU kernels are bit-reproducible per thread count);
+    the caller's setting is restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+class SimulatedRanks:
+    """Trains ``parts`` as ``cfg.parallel.simulate_dp`` data-parallel ranks would (see the module docstring).
+
+    ``step(step)`` returns the UpdateResult a real rank's Updater returns, its ``loss`` the mean over the ranks
+    as the real run logs it; ``evaluate()`` is the real run's validation loss.
+    """
+
+    def __init__(self, parts: Parts, cfg: TrainConfig, corpus: Corpus, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise ValueError(f"simulate_dp runs on the CPU (the models are bit-exact there); device is {device}")
+        self.cfg, self.corpus, self.device, self.module = cfg, corpus, device, parts.module
+        self.world = cfg.parallel.simulate_dp
+        self.scaler = parts.scaler
+        named = [(name, p) for name, p in parts.module.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.layout = build_layout(named, world_size=self.world, bucket_size=_BUCKET_SIZE, grad_dtype=None)
+        base = parts.updater
+        self.loss_fn = base.loss_fn
+        self.updater = Updater(
+            parts.module,
+            parts.optimizer,
+            base.loss_fn,
+            scaler=parts.scaler,
+            num_microbatches=base.num_microbatches,
+            grad_reduce=self._publish,
+            clip_grad_norm=base.clip_grad_norm,
+        )
+        self._reduced: list[torch.Tensor] = []
+
+    def _microbatches(self, step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        d, t = self.cfg.data, self.cfg.training
+        return train_microbatches(
+            self.corpus.train,
+            seed=t.seed,
+            step=step,
+            global_batch_size=d.global_batch_size,
+            micro_batch_size=d.micro_batch_size,
+            block_size=self.cfg.model.block_size,
+            rank=rank,
+            world_size=self.world,
+        )
+
+    def _local_gradient(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """One rank's accumulated gradient in ``param.grad`` and its mean loss, as Updater.step computes them."""
+        for p in self.params:
+            p.grad = None
+        n = len(microbatches)
+        total: torch.Tensor | None = None
+        for x, y in microbatches:
+            loss = self.loss_fn(self.module, (x.to(self.device), y.to(self.device)))
+            self.scaler.scale(loss.float() / n).backward()
+            term = loss.detach().reshape(()).double()
+            total = term if total is None else total + term
+        return float(total) / n if total is not None else 0.0
+
+    def _bucket(self, k: int) -> torch.Tensor:
+        """This rank's bucket k as the wrapper lays it out (reversed parameter order, zero padding)."""
+        b = self.layout.buckets[k]
+        dtype = self.layout.groups[b.group][1]
+        out = torch.zeros(b.numel, dtype=dtype)
+        for slot in b.slots:
+            grad = self.params[slot.index].grad
+            if grad is not None:
+                out[slot.start : slot.start + slot.numel] = grad.reshape(-1)
+        return out
+
+    def step(self, step: int) -> UpdateResult:
+        with _one_thread():
+            return self._step(step)
+
+    def _step(self, step: int) -> UpdateResult:
+        cfg = self.cfg
+        buckets = self.layout.buckets
+        reductions = [
+            _Reduction(
+                cfg.parallel.reduce,
+                cfg.parallel.simulate_algorithm,
+                self.world,
+                b.numel,
+                self.layout.groups[b.group][1],
+            )
+            for b in buckets
+        ]
+        losses = torch.empty(self.world, 1, dtype=torch.float64)
+        for rank in range(self.world):
+            if cfg.model.dropout:
+                torch.manual_seed(dropout_seed(cfg.training.seed, step, rank))
+            losses[rank, 0] = self._local_gradient(self._microbatches(step, rank))
+            for k, red in enumerate(reductions):
+                red.add(self._bucket(k))
+        self._reduced = [red.result() for red in reductions]
+        del reductions
+        # The Updater recomputes rank 0's gradient (1/P of the work) and then takes the reduced one from
+        # _publish: its unscale, overflow check, clipping and step are the real ranks' code.
+        if cfg.model.dropout:
+            torch.manual_seed(dropout_seed(cfg.training.seed, step, 0))
+        microbatches = [(x.to(self.device), y.to(self.device)) for x, y in self._microbatches(step, 0)]
+        result = self.updater.step(microbatches)
+        self._reduced = []
+        return dataclasses.replace(result, loss=float(gloo_ring_sum(losses)[0]) / self.world)
+
+    @torch.no_grad()
+    def _publish(self, grads: list[torch.Tensor]) -> None:
+        """Updater's grad_reduce: every parameter's gradient becomes its slice of the reduced buckets."""
+        for b, reduced in zip(self.layout.buckets, self._reduced, strict=True):
+            for slot in b.slots:
+                p = self.params[slot.index]
+                value = reduced[slot.start : slot.start + slot.numel].view(slot.shape).to(p.dtype)
+                if p.grad is None:
+                    p.grad = value.clone()
+                else:
+                    p.grad.copy_(value)
+
+    def evaluate(self) -> float:
+        """The validation loss a real P-rank run logs: each rank's (loss sum, count) in fp64, summed by gloo's
+        ring in fp64 (as ``mixprec.lab.train.evaluate`` does with all_reduce_sum_fp64)."""
+        with _one_thread():
+            return self._evaluate()
+
+    @torch.no_grad()
+    def _evaluate(self) -> float:
+        cfg, module = self.cfg, self.module
+        context = autocast(cfg, self.device)
+        was_training = module.training
+        module.eval()
+        sums = torch.zeros(self.world, 2, dtype=torch.float64)
+        for rank in range(self.world):
+            total, count = 0.0, 0.0
+            chunks = eval_chunks(
+                self.corpus.val,
+                seed=cfg.training.seed,
+                eval_sequences=cfg.data.eval_sequences,
+                micro_batch_size=cfg.data.micro_batch_size,
+                block_size=cfg.model.block_size,
+                rank=rank,
+                world_size=self.world,
+            )
+            for x, y in chunks:
+                with context():
+                    _, loss = module(x.to(self.device), y.to(self.device))
+                total += float(loss) * x.shape[0]
+                count += x.shape[0]
+            sums[rank, 0], sums[rank, 1] = total, count
+        module.train(was_training)
+        total, count = gloo_ring_sum(sums).tolist()
+        return total / count
+
+    def describe(self) -> str:
+        p = self.cfg.parallel
+        model = f"{p.reduce} ({p.simulate_algorithm})" if p.reduce == "native" else p.reduce
+        return f"simulating {self.world} data-parallel ranks in this process, reduction model {model}"

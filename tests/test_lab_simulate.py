@@ -1,0 +1,119 @@
+"""Simulated data parallelism: the reduction models against the real collectives, a simulated run against the
+real ``--nproc P`` run bit for bit, resume, and bad input refused before anything is written."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mixprec.cli.main import main
+from mixprec.lab.metrics import METRICS_NAME, read_rows
+from mixprec.lab.simulate import gloo_ring_sum, tree_sum
+from mixprec.testing import run_distributed
+
+# 1 layer, width 16, 16 characters of context: ~7k parameters; GBS 24 divides over 2, 3 and 4 ranks.
+TINY = [
+    "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+    "--global-batch-size", "24", "--micro-batch-size", "2", "--eval-sequences", "8", "--eval-interval", "2",
+    "--lr", "0.01", "--steps", "4", "--checkpoint-interval", "0",
+]  # fmt: skip
+
+
+def numerics(run_dir) -> list[tuple]:
+    rows = read_rows(os.path.join(run_dir, METRICS_NAME))
+    return [(r["step"], r["loss"], r["eval_loss"], r["loss_scale"], r["skipped"], r["grad_norm"]) for r in rows]
+
+
+def train(run_dir, *args: str) -> int:
+    return main(["train", "--out-dir", str(run_dir), *TINY, *args])
+
+
+def _gloo_all_reduce(rank: int, world: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + rank)
+    # Magnitudes spread over ~2**8 so that the order of the additions shows in the low bits.
+    x = (torch.randn(n, generator=g) * torch.exp2(torch.randint(-4, 4, (n,), generator=g).float())).to(dtype)
+    mine = x.clone()
+    dist.all_reduce(x)
+    return mine, x
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_model_is_gloos_all_reduce_bit_for_bit(world: int) -> None:
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        for n in (1, 7, 1001):
+            results = run_distributed(_gloo_all_reduce, world, n, dtype)
+            rows = torch.stack([mine for mine, _ in results])
+            model = gloo_ring_sum(rows)
+            assert torch.equal(model, results[0][1]), (dtype, n)
+            # Every chunk's order differs, so at P >= 3 some element must disagree with a plain rank-order sum.
+    if world >= 3:
+        rows = torch.tensor([[1.0], [2.0**-8], [2.0**-8]], dtype=torch.bfloat16)[:world]
+        # ring, chunk 0: (x2 + x1) + x0 = 2**-7 + 1 exact in bf16; rank order (1 + 2**-8) + 2**-8 rounds twice to 1
+        assert float(gloo_ring_sum(rows)[0]) == 1.0 + 2.0**-7
+
+
+def test_tree_rounds_pairwise() -> None:
+    rows = torch.tensor([[1.0], [2.0**-8], [2.0**-8], [2.0**-8]], dtype=torch.bfloat16)
+    # (1 + 2**-8) -> 1 (tie to even), (2**-8 + 2**-8) = 2**-7, 1 + 2**-7 exact
+    assert float(tree_sum(rows)[0]) == 1.0 + 2.0**-7
+
+
+@pytest.mark.parametrize(
+    ("world", "reduce", "precision"),
+    [
+        (2, "fp32_accumulate", "bf16"),
+        (3, "fp32_accumulate", "bf16"),
+        (4, "fp32_accumulate", "bf16"),
+        (3, "uint8", "bf16"),
+        (4, "uint8", "fp32"),
+        (3, "native", "bf16"),
+        (4, "native", "bf16"),
+        (3, "fp32_accumulate", "fp16"),  # dynamic loss scale from 2**22: overflows, skipped steps, back-offs
+    ],
+)
+def test_simulated_run_is_the_real_run_bit_for_bit(tmp_path, world: int, reduce: str, precision: str) -> None:
+    common = ("--reduce", reduce, "--precision", precision)
+    if precision == "fp16":
+        common += ("--loss-scaler", "dynamic", "--loss-scale", str(2.0**22), "--steps", "8")
+    assert train(tmp_path / "real", "--nproc", str(world), *common) == 0
+    assert train(tmp_path / "sim", "--simulate-dp", str(world), *common) == 0
+    real, sim = numerics(tmp_path / "real"), numerics(tmp_path / "sim")
+    assert len(real) == (8 if precision == "fp16" else 4)
+    if precision == "fp16":
+        assert any(r[4] for r in real) and not all(r[4] for r in real)  # some steps skipped, some taken
+    assert sim == real  # losses, validation losses and gradient norms, every bit
+
+
+def test_simulated_run_resumes_bit_for_bit(tmp_path) -> None:
+    common = ("--simulate-dp", "3", "--precision", "bf16", "--reduce", "native")
+    assert train(tmp_path / "whole", *common) == 0
+    assert train(tmp_path / "split", *common, "--training.steps", "2") == 0
+    assert main(["train", "--out-dir", str(tmp_path / "split"), "--resume", "--training.steps", "4"]) == 0
+    split, whole = numerics(tmp_path / "split"), numerics(tmp_path / "whole")
+    # The 2-step run evaluated its last step (1) after the update; everything else is the same, every bit.
+    assert [r[:2] + r[3:] for r in split] == [r[:2] + r[3:] for r in whole]
+    assert split[2:] == whole[2:]
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (("--simulate-dp", "-1"), "simulate_dp"),
+        (("--simulate-dp", "5"), "global_batch_size"),  # 24 sequences over 5 ranks
+        (("--simulate-dp", "5000"), "4096"),
+        (("--simulate-dp", "2", "--nproc", "2"), "nproc"),
+        (("--simulate-dp", "2", "--reduce", "uint8_hierarchical"), "reduce"),
+        (("--simulate-dp", "2", "--reduce", "uint8", "--error-feedback"), "error_feedback"),
+        (("--simulate-dp", "2", "--simulate-algorithm", "butterfly"), "simulate_algorithm"),
+        (("--simulate-dp", "2", "--device", "cuda"), "CPU"),
+    ],
+)
+def test_bad_simulation_input_exits_2_before_writing(tmp_path, capsys, args: tuple[str, ...], words: str) -> None:
+    out = tmp_path / "run"
+    assert train(out, *args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+    assert not out.exists()
