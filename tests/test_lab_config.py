@@ -155,7 +155,8 @@ def test_bad_choice_exits_2(tmp_path, capsys) -> None:
     path = tmp_path / "c.toml"
     path.write_text('[parallel]\nreduce = "ring"\n')
     assert _train(tmp_path, "--config", str(path)) == 2
-    assert "reduce must be one of 'native', 'fp32_accumulate', 'uint8', 'uint8_hierarchical'" in capsys.readouterr().err
+    choices = "'native', 'fp32_accumulate', 'fp32_accumulate_hierarchical', 'uint8', 'uint8_hierarchical', 'fp8', "
+    assert f"reduce must be one of {choices}'fp8_hierarchical', 'auto'; got 'ring'" in capsys.readouterr().err
 
 
 def test_wrong_toml_type_exits_2(tmp_path, capsys) -> None:
