@@ -22,11 +22,11 @@ import math
 import torch
 
 from mixprec.compress._scratch import Scratch
-from mixprec.compress.quantize import CHECK_FINITE, FLOAT_DTYPES, CheckFinite, MinMaxUInt8, NonFiniteError
-from mixprec.core.dtypes import ROUNDINGS, Rounding
+from mixprec.compress.quantize import FLOAT_DTYPES, CheckFinite, ChunkedCompressor, MinMaxUInt8, NonFiniteError
+from mixprec.core.dtypes import Rounding
 from mixprec.core.formats import get_format
 from mixprec.core.rounding import round_to
-from mixprec.core.validate import check_bool, check_choice, check_dtype, check_positive_int, check_tensor
+from mixprec.core.validate import check_choice, check_dtype, check_positive_int, check_tensor
 
 __all__ = ["FP8_FORMATS", "SCALE_BYTES_PER_CHUNK", "ScaledFP8"]
 
@@ -37,7 +37,7 @@ FP8_FORMATS: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torc
 _K_MIN, _K_MAX = -126, 126
 
 
-class ScaledFP8:
+class ScaledFP8(ChunkedCompressor):
     """Per-chunk power-of-two scaled fp8 quantizer: ``encode(tensor) -> uint8 buffer``, ``decode(...)``.
 
     Args:
@@ -49,6 +49,8 @@ class ScaledFP8:
         generator: torch.Generator for stochastic rounding, on the tensors' device; None = torch's default.
         check_finite: ``"raise"`` a :class:`NonFiniteError` on NaN/Inf, or ``"flag"`` the chunk (scale NaN).
     """
+
+    HEADER_BYTES = SCALE_BYTES_PER_CHUNK
 
     def __init__(
         self,
@@ -62,12 +64,7 @@ class ScaledFP8:
         self.fmt: str = check_choice("fmt", fmt, tuple(FP8_FORMATS))
         self.dtype = FP8_FORMATS[self.fmt]
         self.format = get_format(self.dtype)
-        self.chunk_size = check_positive_int("chunk_size", chunk_size)
-        self.rounding: Rounding = check_choice("rounding", rounding, ROUNDINGS)
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
-        self.generator = generator
-        self.check_finite: CheckFinite = check_choice("check_finite", check_finite, CHECK_FINITE)
+        super().__init__(chunk_size=chunk_size, rounding=rounding, generator=generator, check_finite=check_finite)
         self._scratch = Scratch()
         self._tables: dict[torch.device, torch.Tensor] = {}
 
@@ -76,15 +73,6 @@ class ScaledFP8:
             f"ScaledFP8(fmt={self.fmt!r}, chunk_size={self.chunk_size}, rounding={self.rounding!r}, "
             f"check_finite={self.check_finite!r})"
         )
-
-    # ------------------------------------------------------------------ sizes
-    def num_chunks(self, numel: int) -> int:
-        """Number of scales for ``numel`` elements: ``ceil(numel / chunk_size)``."""
-        return -(-check_positive_int("numel", numel, minimum=0) // self.chunk_size)
-
-    def encoded_nbytes(self, numel: int) -> int:
-        """Bytes of the encoded buffer: ``4 * num_chunks(numel) + numel``."""
-        return SCALE_BYTES_PER_CHUNK * self.num_chunks(numel) + numel
 
     # ------------------------------------------------------------------ public API
     def encode(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,35 +125,6 @@ class ScaledFP8:
     def found_nonfinite(self, buffer: torch.Tensor, numel: int) -> bool:
         """Whether any chunk of an encoded buffer was flagged non-finite (reads only the scales)."""
         return bool(self.scales(buffer, numel).isnan().any())
-
-    # ------------------------------------------------------------------ row API
-    def check_generator_device(self, device: torch.device) -> None:
-        """ValueError unless stochastic rounding's ``generator`` (if any) can draw on ``device``."""
-        MinMaxUInt8.check_generator_device(self, device)  # type: ignore[arg-type]  # same attributes
-
-    def encode_rows(self, x: torch.Tensor, out: torch.Tensor, *, uniforms: torch.Tensor | None = None) -> int:
-        """Encode each row of ``x`` [R, L] into the row of ``out`` [R, encoded_nbytes(L)] (see
-        :meth:`MinMaxUInt8.encode_rows`); returns the number of chunks flagged non-finite."""
-        MinMaxUInt8._check_rows("x", x, FLOAT_DTYPES, None)
-        rows, length = x.shape
-        MinMaxUInt8._check_rows("out", out, (torch.uint8,), (rows, self.encoded_nbytes(length)), x.device)
-        if uniforms is not None:
-            MinMaxUInt8._check_rows("uniforms", uniforms, (torch.float32,), (rows, length), x.device)
-        self.check_generator_device(x.device)
-        return self._encode_rows(x, out, uniforms)
-
-    def decode_rows(self, buffers: torch.Tensor, length: int, out: torch.Tensor, *, reduce: bool = False) -> int:
-        """Decode each row of ``buffers`` into ``out``'s rows, or with ``reduce`` sum them in fp32 in row order
-        into the 1-D fp32 ``out`` (see :meth:`MinMaxUInt8.decode_rows`); returns the flagged chunks seen."""
-        length = check_positive_int("length", length, minimum=0)
-        MinMaxUInt8._check_rows("buffers", buffers, (torch.uint8,), (None, self.encoded_nbytes(length)))
-        if reduce:
-            check_tensor("out", out, (torch.float32,), contiguous=True, device=buffers.device)
-            if out.shape != (length,):
-                raise ValueError(f"out must be 1-D with {length} elements when reduce=True; got {tuple(out.shape)}")
-        else:
-            MinMaxUInt8._check_rows("out", out, FLOAT_DTYPES, (buffers.shape[0], length), buffers.device)
-        return self._decode_rows(buffers, length, out, check_bool("reduce", reduce))
 
     # ------------------------------------------------------------------ internals
     def _check_buffer(

@@ -15,6 +15,7 @@ path near the fp32 limits), the derivation of the bound and the speed tricks: ``
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Literal
 
@@ -24,7 +25,7 @@ from mixprec.compress._scratch import Scratch
 from mixprec.core.dtypes import LOW_PRECISION_DTYPES, ROUNDINGS, Rounding
 from mixprec.core.validate import check_bool, check_choice, check_dtype, check_positive_int, check_tensor
 
-__all__ = ["HEADER_BYTES_PER_CHUNK", "MinMaxUInt8", "NonFiniteError"]
+__all__ = ["HEADER_BYTES_PER_CHUNK", "ChunkedCompressor", "MinMaxUInt8", "NonFiniteError"]
 
 CheckFinite = Literal["raise", "flag"]
 
@@ -48,8 +49,136 @@ class NonFiniteError(ValueError):
     """The tensor to encode holds NaN or +-Inf (``check_finite="raise"``)."""
 
 
-class MinMaxUInt8:
+class ChunkedCompressor(abc.ABC):
+    """What the chunked quantizers share (:class:`MinMaxUInt8`, :class:`mixprec.compress.ScaledFP8`): their
+    options, the encoded buffer's size (``HEADER_BYTES`` of header per chunk, then one byte per element), and
+    the validated row API that the collectives call. A subclass sets ``HEADER_BYTES`` and implements
+    ``_encode_rows`` / ``_decode_rows`` on arguments this class has checked."""
+
+    HEADER_BYTES: int
+
+    def __init__(
+        self,
+        *,
+        chunk_size: int,
+        rounding: Rounding,
+        generator: torch.Generator | None,
+        check_finite: CheckFinite,
+    ) -> None:
+        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.rounding: Rounding = check_choice("rounding", rounding, ROUNDINGS)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
+        self.generator = generator
+        self.check_finite: CheckFinite = check_choice("check_finite", check_finite, CHECK_FINITE)
+
+    # ------------------------------------------------------------------ sizes
+    def num_chunks(self, numel: int) -> int:
+        """Number of chunks (each with its header) for ``numel`` elements: ``ceil(numel / chunk_size)``."""
+        return -(-check_positive_int("numel", numel, minimum=0) // self.chunk_size)
+
+    def encoded_nbytes(self, numel: int) -> int:
+        """Bytes of the encoded buffer: ``HEADER_BYTES * num_chunks(numel) + numel``."""
+        return self.HEADER_BYTES * self.num_chunks(numel) + numel
+
+    # ------------------------------------------------------------------ row API (the collectives' building blocks)
+    def check_generator_device(self, device: torch.device) -> None:
+        """ValueError unless stochastic rounding's ``generator`` (if any) can draw on ``device``.
+
+        Torch raises an obscure error for a CPU generator and CUDA output, and a CUDA generator cannot draw
+        CPU numbers; a collective calls this before it sends anything.
+        """
+        gen = self.generator
+        if gen is None or self.rounding != "stochastic":
+            return
+        same = gen.device.type == device.type and (
+            gen.device.index is None or device.index is None or gen.device.index == device.index
+        )
+        if not same:
+            raise ValueError(
+                f"generator is on {gen.device} but the tensor is on {device}: stochastic rounding draws on the "
+                "tensor's device; pass a generator created there (e.g. mixprec.comm.rank_generator(seed, device))"
+            )
+
+    def encode_rows(self, x: torch.Tensor, out: torch.Tensor, *, uniforms: torch.Tensor | None = None) -> int:
+        """Encode each row of ``x`` into the matching row of ``out``, each row as :meth:`encode` would.
+
+        Never raises for NaN/Inf: flagged chunks are counted (``check_finite`` is the caller's business).
+
+        Args:
+            x: [R, L] fp32/fp16/bf16; rows may be strided, each row's elements contiguous. Not modified.
+            out: [R, encoded_nbytes(L)] uint8 on ``x``'s device, each row's bytes contiguous.
+            uniforms: for stochastic rounding, [R, L] fp32 draws in [0, 1) on ``x``'s device to use instead
+                of drawing ``R * L`` from ``generator`` (in row-major order); ignored for nearest rounding.
+
+        Returns:
+            The number of chunks flagged non-finite (over all rows).
+        """
+        self._check_rows("x", x, FLOAT_DTYPES, None)
+        rows, length = x.shape
+        self._check_rows("out", out, (torch.uint8,), (rows, self.encoded_nbytes(length)), x.device)
+        if uniforms is not None:
+            self._check_rows("uniforms", uniforms, (torch.float32,), (rows, length), x.device)
+        self.check_generator_device(x.device)
+        return self._encode_rows(x, out, uniforms)
+
+    def decode_rows(self, buffers: torch.Tensor, length: int, out: torch.Tensor, *, reduce: bool = False) -> int:
+        """Decode each row of ``buffers`` into the matching row of ``out``, or sum the decoded rows.
+
+        Each decoded row is exactly what :meth:`decode` gives in fp32. With ``reduce=True`` the rows are
+        summed in fp32, in row order (``((dec_0 + dec_1) + dec_2) + ...``), into ``out``; else each row is
+        rounded once to ``out``'s dtype. Flagged chunks decode to NaN.
+
+        Args:
+            buffers: [R, encoded_nbytes(length)] uint8, each row's bytes contiguous.
+            length: elements per row, int >= 0.
+            out: [R, length] fp32/fp16/bf16 (rows may be strided, each row contiguous); with ``reduce``,
+                a contiguous 1-D fp32 tensor of ``length`` elements. On ``buffers``' device.
+            reduce: sum the rows instead of decoding each into its own row.
+
+        Returns:
+            The number of flagged (non-finite) chunks seen (over all rows).
+        """
+        length = check_positive_int("length", length, minimum=0)
+        self._check_rows("buffers", buffers, (torch.uint8,), (None, self.encoded_nbytes(length)))
+        if reduce:
+            check_tensor("out", out, (torch.float32,), contiguous=True, device=buffers.device)
+            if out.shape != (length,):
+                raise ValueError(f"out must be 1-D with {length} elements when reduce=True; got {tuple(out.shape)}")
+        else:
+            self._check_rows("out", out, FLOAT_DTYPES, (buffers.shape[0], length), buffers.device)
+        return self._decode_rows(buffers, length, out, check_bool("reduce", reduce))
+
+    @abc.abstractmethod
+    def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, uniforms: torch.Tensor | None) -> int:
+        """:meth:`encode_rows` on checked arguments."""
+
+    @abc.abstractmethod
+    def _decode_rows(self, buf: torch.Tensor, length: int, out: torch.Tensor, reduce: bool) -> int:
+        """:meth:`decode_rows` on checked arguments."""
+
+    @staticmethod
+    def _check_rows(
+        name: str,
+        t: torch.Tensor,
+        dtypes: tuple[torch.dtype, ...],
+        shape: tuple[int | None, int] | None,
+        device: torch.device | None = None,
+    ) -> None:
+        """``t`` is a 2-D tensor of ``dtypes``, of ``shape`` (None: any rows), whose rows are contiguous."""
+        check_tensor(name, t, dtypes, device=device)
+        rows, cols = shape if shape is not None else (None, None)
+        if t.dim() != 2 or (rows is not None and t.shape[0] != rows) or (cols is not None and t.shape[1] != cols):
+            want = "2-D" if shape is None else f"of shape [{'R' if rows is None else rows}, {cols}]"
+            raise ValueError(f"{name} must be {want}; got shape {tuple(t.shape)}")
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"each row of {name} must be contiguous; got strides {t.stride()}")
+
+
+class MinMaxUInt8(ChunkedCompressor):
     """Per-chunk min-max 8-bit quantizer: ``encode(tensor) -> uint8 buffer``, ``decode(buffer, numel, dtype)``.
+
+    Each chunk's header is an fp32 (min, max) pair (``HEADER_BYTES = 8``).
 
     The format, the arithmetic and the error bound: ``docs/compress.md``.
 
@@ -72,6 +201,8 @@ class MinMaxUInt8:
     reused across calls, so an instance is not thread-safe.
     """
 
+    HEADER_BYTES = HEADER_BYTES_PER_CHUNK
+
     def __init__(
         self,
         *,
@@ -80,27 +211,13 @@ class MinMaxUInt8:
         generator: torch.Generator | None = None,
         check_finite: CheckFinite = "raise",
     ) -> None:
-        self.chunk_size = check_positive_int("chunk_size", chunk_size)
-        self.rounding: Rounding = check_choice("rounding", rounding, ROUNDINGS)
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
-        self.generator = generator
-        self.check_finite: CheckFinite = check_choice("check_finite", check_finite, CHECK_FINITE)
+        super().__init__(chunk_size=chunk_size, rounding=rounding, generator=generator, check_finite=check_finite)
         self._scratch = Scratch()
 
     def __repr__(self) -> str:
         return (
             f"MinMaxUInt8(chunk_size={self.chunk_size}, rounding={self.rounding!r}, check_finite={self.check_finite!r})"
         )
-
-    # ------------------------------------------------------------------ sizes
-    def num_chunks(self, numel: int) -> int:
-        """Number of (min, max) pairs for ``numel`` elements: ``ceil(numel / chunk_size)``."""
-        return -(-check_positive_int("numel", numel, minimum=0) // self.chunk_size)
-
-    def encoded_nbytes(self, numel: int) -> int:
-        """Bytes of the encoded buffer: ``8 * num_chunks(numel) + numel``."""
-        return HEADER_BYTES_PER_CHUNK * self.num_chunks(numel) + numel
 
     # ------------------------------------------------------------------ public API
     def encode(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -174,92 +291,7 @@ class MinMaxUInt8:
         mins, maxs = self.header(buffer, numel)
         return bool(mins.isnan().any() or maxs.isnan().any())
 
-    # ------------------------------------------------------------------ row API (the collectives' building blocks)
-    def check_generator_device(self, device: torch.device) -> None:
-        """ValueError unless stochastic rounding's ``generator`` (if any) can draw on ``device``.
-
-        Torch raises an obscure error for a CPU generator and CUDA output, and a CUDA generator cannot draw
-        CPU numbers; a collective calls this before it sends anything.
-        """
-        gen = self.generator
-        if gen is None or self.rounding != "stochastic":
-            return
-        same = gen.device.type == device.type and (
-            gen.device.index is None or device.index is None or gen.device.index == device.index
-        )
-        if not same:
-            raise ValueError(
-                f"generator is on {gen.device} but the tensor is on {device}: stochastic rounding draws on the "
-                "tensor's device; pass a generator created there (e.g. mixprec.comm.rank_generator(seed, device))"
-            )
-
-    def encode_rows(self, x: torch.Tensor, out: torch.Tensor, *, uniforms: torch.Tensor | None = None) -> int:
-        """Encode each row of ``x`` into the matching row of ``out``, each row as :meth:`encode` would.
-
-        Never raises for NaN/Inf: flagged chunks are counted (``check_finite`` is the caller's business).
-
-        Args:
-            x: [R, L] fp32/fp16/bf16; rows may be strided, each row's elements contiguous. Not modified.
-            out: [R, encoded_nbytes(L)] uint8 on ``x``'s device, each row's bytes contiguous.
-            uniforms: for stochastic rounding, [R, L] fp32 draws in [0, 1) on ``x``'s device to use instead
-                of drawing ``R * L`` from ``generator`` (in row-major order); ignored for nearest rounding.
-
-        Returns:
-            The number of chunks flagged non-finite (over all rows).
-        """
-        self._check_rows("x", x, FLOAT_DTYPES, None)
-        rows, length = x.shape
-        self._check_rows("out", out, (torch.uint8,), (rows, self.encoded_nbytes(length)), x.device)
-        if uniforms is not None:
-            self._check_rows("uniforms", uniforms, (torch.float32,), (rows, length), x.device)
-        self.check_generator_device(x.device)
-        return self._encode_rows(x, out, uniforms)
-
-    def decode_rows(self, buffers: torch.Tensor, length: int, out: torch.Tensor, *, reduce: bool = False) -> int:
-        """Decode each row of ``buffers`` into the matching row of ``out``, or sum the decoded rows.
-
-        Each decoded row is exactly what :meth:`decode` gives in fp32. With ``reduce=True`` the rows are
-        summed in fp32, in row order (``((dec_0 + dec_1) + dec_2) + ...``), into ``out``; else each row is
-        rounded once to ``out``'s dtype. Flagged chunks decode to NaN.
-
-        Args:
-            buffers: [R, encoded_nbytes(length)] uint8, each row's bytes contiguous.
-            length: elements per row, int >= 0.
-            out: [R, length] fp32/fp16/bf16 (rows may be strided, each row contiguous); with ``reduce``,
-                a contiguous 1-D fp32 tensor of ``length`` elements. On ``buffers``' device.
-            reduce: sum the rows instead of decoding each into its own row.
-
-        Returns:
-            The number of flagged (non-finite) chunks seen (over all rows).
-        """
-        length = check_positive_int("length", length, minimum=0)
-        self._check_rows("buffers", buffers, (torch.uint8,), (None, self.encoded_nbytes(length)))
-        if reduce:
-            check_tensor("out", out, (torch.float32,), contiguous=True, device=buffers.device)
-            if out.shape != (length,):
-                raise ValueError(f"out must be 1-D with {length} elements when reduce=True; got {tuple(out.shape)}")
-        else:
-            self._check_rows("out", out, FLOAT_DTYPES, (buffers.shape[0], length), buffers.device)
-        return self._decode_rows(buffers, length, out, check_bool("reduce", reduce))
-
     # ------------------------------------------------------------------ internals
-    @staticmethod
-    def _check_rows(
-        name: str,
-        t: torch.Tensor,
-        dtypes: tuple[torch.dtype, ...],
-        shape: tuple[int | None, int] | None,
-        device: torch.device | None = None,
-    ) -> None:
-        """``t`` is a 2-D tensor of ``dtypes``, of ``shape`` (None: any rows), whose rows are contiguous."""
-        check_tensor(name, t, dtypes, device=device)
-        rows, cols = shape if shape is not None else (None, None)
-        if t.dim() != 2 or (rows is not None and t.shape[0] != rows) or (cols is not None and t.shape[1] != cols):
-            want = "2-D" if shape is None else f"of shape [{'R' if rows is None else rows}, {cols}]"
-            raise ValueError(f"{name} must be {want}; got shape {tuple(t.shape)}")
-        if t.shape[1] > 1 and t.stride(1) != 1:
-            raise ValueError(f"each row of {name} must be contiguous; got strides {t.stride()}")
-
     def _check_buffer(
         self, name: str, buffer: torch.Tensor | None, numel: int, device: torch.device | None, *, allocate: bool
     ) -> torch.Tensor:
