@@ -19,19 +19,20 @@ SRC = Path(mixprec.__file__).parent
 
 # Lower number = lower layer. Packages on one layer are siblings and must not import each other.
 LAYERS = {
-    "core": 0,
-    "comm": 1,
-    "scaling": 2,
-    "emulate": 2,
-    "testing": 2,
-    "parallel": 3,
-    "compress": 3,
-    "kernels": 3,
-    "integrations": 4,
-    "hooks": 5,
-    "fsdp": 5,
-    "lab": 6,
-    "cli": 7,
+    "native": 0,
+    "core": 1,
+    "comm": 2,
+    "scaling": 3,
+    "emulate": 3,
+    "testing": 3,
+    "parallel": 4,
+    "compress": 4,
+    "kernels": 4,
+    "integrations": 5,
+    "hooks": 6,
+    "fsdp": 6,
+    "lab": 7,
+    "cli": 8,
 }
 
 
