@@ -8,6 +8,8 @@ directly from fp64. Modes: ``"nearest"`` (ties to even), ``"toward_zero"`` and `
 Overflow: nearest and stochastic give +-max if ``fmt.saturate``, else +-inf (NaN for formats without inf);
 toward_zero sends finite inputs to +-max. ``fmt.subnormals=False`` flushes results below the smallest normal.
 
+Round to nearest on CPU tensors runs as one compiled pass (``mixprec.native``'s ``rounding.c``) when the kernels
+are available, else as the torch ops below, which stay the fallback and the oracle (same bits; docs/native.md).
 The in-place work-tensor primitives (``round_nearest_grid_``, ``apply_overflow_``, ``flush_subnormals_``,
 ``round_directed_``) are public for the matmul emulator's hot loop. How each rounding is computed (the integer
 trick, the "magic constant" addition, stochastic draws) is derived in ``docs/emulate.md``.
@@ -15,10 +17,12 @@ trick, the "magic constant" addition, stochastic draws) is derived in ``docs/emu
 
 from __future__ import annotations
 
+import ctypes
 from typing import Literal
 
 import torch
 
+from mixprec import native
 from mixprec.core.formats import FloatFormat, get_format
 from mixprec.core.validate import check_choice, check_tensor
 
@@ -154,6 +158,73 @@ def round_directed_(w: torch.Tensor, fmt: FloatFormat, rounding: str, generator:
     flush_subnormals_(w, fmt)
 
 
+# source dtypes the compiled kernel reads directly (its SRC_* codes); others are widened to fp32 by torch first
+_NATIVE_SRC = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _native_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """``mixprec_round_nearest`` from the compiled library (argtypes bound once per library), or None."""
+    lib = native.library()
+    if lib is None:
+        return None
+    fn = lib.mixprec_round_nearest
+    if fn.argtypes is None:
+        c_int = ctypes.c_int
+        fn.restype = c_int
+        fn.argtypes = [ctypes.c_void_p, c_int, ctypes.c_void_p, ctypes.c_int64, *[c_int] * 6]
+    return fn
+
+
+def _native_ok(x: torch.Tensor) -> bool:
+    """The compiled kernel may serve ``x``: a CPU tensor, and no autograd graph to record (the torch path's
+    result tracks ``x``'s graph, a raw-pointer kernel's cannot)."""
+    return x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of two contiguous tensors intersects."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _native_round_nearest(fn: ctypes._CFuncPtr, src: torch.Tensor, dst: torch.Tensor, fmt: FloatFormat) -> None:  # type: ignore[name-defined]
+    """Round contiguous ``src`` (fp32/fp16/bf16) to nearest into contiguous fp32 ``dst`` (``src`` itself or
+    disjoint from it) with the compiled kernel."""
+    status = fn(
+        src.data_ptr(), _NATIVE_SRC[src.dtype], dst.data_ptr(), src.numel(), fmt.exp_bits, fmt.man_bits,
+        int(fmt.has_inf), int(fmt.saturate), int(fmt.subnormals), native.num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"mixprec_round_nearest rejected format {fmt!r} (status {status}): a bug in mixprec")
+
+
+def _round_to_native(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor | None) -> torch.Tensor | None:
+    """round_to(x, fmt, "nearest", out=out) through the compiled kernel for non-fp64 ``x``; None when it cannot
+    run here (no library, not CPU, autograd), and the torch path must."""
+    fn = _native_kernel()
+    if fn is None or not _native_ok(x) or (out is not None and not _native_ok(out)):
+        return None
+    if x.dtype in _NATIVE_SRC:
+        src = x.contiguous()
+    else:  # float8: widened exactly by torch's cast, then rounded in that buffer
+        src = x.to(torch.float32, memory_format=torch.contiguous_format)
+    if out is not None and out.dtype == torch.float32 and out.is_contiguous():
+        if out.data_ptr() == src.data_ptr() and src.dtype == torch.float32:
+            dst = out  # out is x: in place
+        elif not _overlap(out, src):
+            dst = out
+        else:
+            dst = torch.empty(x.shape, dtype=torch.float32)
+    elif src is not x and src.dtype == torch.float32:
+        dst = src  # a temporary of ours: round it in place
+    else:
+        dst = torch.empty(x.shape, dtype=torch.float32)
+    _native_round_nearest(fn, src, dst, fmt)
+    if out is None or dst is out:
+        return dst
+    return out.copy_(dst)
+
+
 def _check_input(x: object, name: str) -> torch.Tensor:
     return check_tensor(name, x, _INPUT_DTYPES)
 
@@ -193,6 +264,10 @@ def round_to(
         check_tensor("out", out, (torch.float32, torch.float64))
         if out.shape != x.shape or out.device != x.device:
             raise ValueError(f"out must have x's shape {tuple(x.shape)} and device {x.device}; got {tuple(out.shape)}")
+    if rounding == "nearest" and x.dtype != torch.float64:
+        done = _round_to_native(x, fmt, out)
+        if done is not None:
+            return done
     if x.dtype == torch.float64 or rounding != "nearest" or not _magic_or_trick_ok(fmt):
         w = x.to(torch.float64, copy=True, memory_format=torch.contiguous_format)
     elif out is not None and out.dtype == torch.float32 and out.is_contiguous():
@@ -231,6 +306,14 @@ def round_to_(
     fmt = get_format(fmt)
     check_choice("rounding", rounding, ROUNDING_MODES)
     _check_generator(generator)
+    if rounding == "nearest" and x.dtype == torch.float32 and (fn := _native_kernel()) is not None and _native_ok(x):
+        if fmt.is_fp32:
+            return x
+        w = x if x.is_contiguous() else x.contiguous()
+        _native_round_nearest(fn, w, w, fmt)
+        if w is not x:
+            x.copy_(w)
+        return x
     if rounding == "nearest" and (x.dtype == torch.float64 or _magic_or_trick_ok(fmt)):
         if x.is_contiguous():
             _round_nearest_work_(x, fmt)
