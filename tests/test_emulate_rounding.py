@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import mixprec.native as native
 from emulate_reference import ref_neighbours, ref_round
 from mixprec.emulate import FORMAT_PRESETS, FloatFormat, get_format, round_to, round_to_
 
@@ -17,6 +18,18 @@ TORCH_FORMATS = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
+
+
+@pytest.fixture(params=["compiled", "torch"])
+def path(request):
+    """Run the test on the compiled kernel and on the torch path (the fallback), each against torch's casts."""
+    if request.param == "torch":
+        with native.disabled():
+            yield
+    elif native.library() is None:
+        pytest.skip(f"no compiled kernels: {native.describe()}")
+    else:
+        yield
 
 
 def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor) -> None:
@@ -60,7 +73,7 @@ def midpoints_and_neighbours(dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", list(TORCH_FORMATS))
-def test_every_value_is_fixed_point_and_matches_torch(name):
+def test_every_value_is_fixed_point_and_matches_torch(name, path):
     x = all_values(TORCH_FORMATS[name])
     assert_bits_equal(round_to(x, name), x.to(TORCH_FORMATS[name]).float(), x)
     finite = torch.isfinite(x)
@@ -68,7 +81,7 @@ def test_every_value_is_fixed_point_and_matches_torch(name):
 
 
 @pytest.mark.parametrize("name", list(TORCH_FORMATS))
-def test_midpoints_ties_to_even_and_overflow_match_torch(name):
+def test_midpoints_ties_to_even_and_overflow_match_torch(name, path):
     x = midpoints_and_neighbours(TORCH_FORMATS[name])
     assert_bits_equal(round_to(x, name), x.to(TORCH_FORMATS[name]).float(), x)
 
@@ -82,7 +95,7 @@ def special_values() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", list(TORCH_FORMATS))
-def test_special_values_match_torch(name):
+def test_special_values_match_torch(name, path):
     x = special_values()
     got = round_to(x, name)
     assert_bits_equal(got, x.to(TORCH_FORMATS[name]).float(), x)
@@ -114,7 +127,7 @@ def test_ten_million_random_fp32_match_torch():
             assert_bits_equal(out, x.to(dtype).float(), x)
 
 
-def test_fp16_and_bf16_inputs_are_widened_exactly():
+def test_fp16_and_bf16_inputs_are_widened_exactly(path):
     x16 = all_values(torch.float16).half()
     assert_bits_equal(round_to(x16, "bf16"), x16.float().to(torch.bfloat16).float(), x16.float())
     xb = all_values(torch.bfloat16).bfloat16()
@@ -178,7 +191,7 @@ def test_custom_formats_match_exact_reference(fmt, mode):
     assert_bits_equal(round_to(x64, fmt, mode), want64, x64.float())
 
 
-def test_in_place_and_out_variants_agree():
+def test_in_place_and_out_variants_agree(path):
     gen = torch.Generator().manual_seed(3)
     x = random_fp32(60_000, gen)
     for name in ["fp16", "bf16", "fp8_e4m3", "tf32"]:

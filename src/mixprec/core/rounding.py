@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from mixprec import native
+import mixprec.native as native
 from mixprec.core.formats import FloatFormat, get_format
 from mixprec.core.validate import check_choice, check_tensor
 

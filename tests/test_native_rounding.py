@@ -1,0 +1,209 @@
+"""The compiled round-to-nearest kernel against the torch path (``mixprec.native.disabled()``, the oracle) and
+torch's own casts, bit for bit (NaN payloads included) on adversarial inputs: every fp32 exponent, ties at every
+bit position, the overflow threshold, subnormal targets, signed zeros, inf and NaN, for every kind of format;
+fp16/bf16/float8 inputs, odd sizes, 1 and 2 threads, non-contiguous tensors and ``out=`` aliasing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mixprec.native as native
+from mixprec.core.rounding import _native_kernel
+from mixprec.emulate import FORMAT_PRESETS, FloatFormat, round_to, round_to_
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no compiled kernels: {native.describe()}")
+
+TORCH_DTYPES = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+# every branch of the kernel: 8 exponent bits (integer trick), fp32 magic constant, fp64 magic constant
+# (man_bits 22 and 23), "fn" formats, saturation, flushed subnormals, and the narrowest format
+FORMATS = [
+    *FORMAT_PRESETS.values(),
+    FloatFormat(2, 1),
+    FloatFormat(3, 2),
+    FloatFormat(4, 3, has_inf=False),
+    FloatFormat(4, 3, has_inf=False, saturate=True, subnormals=False),
+    FloatFormat(5, 2, saturate=True),
+    FloatFormat(5, 10, subnormals=False),
+    FloatFormat(6, 5, has_inf=False),
+    FloatFormat(7, 21),
+    FloatFormat(7, 21, has_inf=False, saturate=True),
+    FloatFormat(5, 22),
+    FloatFormat(3, 23, subnormals=False),
+    FloatFormat(8, 15, saturate=True),
+    FloatFormat(8, 7, subnormals=False),
+    FloatFormat(8, 23, saturate=True),
+    FloatFormat(8, 23, subnormals=False),
+]
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32)
+
+
+def from_bits(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def every_exponent_and_tie() -> torch.Tensor:
+    """For each of the 256 fp32 exponent fields: fractions 0, 1, all ones, and for every rounding position d
+    (1..23 dropped bits) the tie with an even and an odd kept bit and its two fp32 neighbours; both signs."""
+    fracs = [0, 1, 0x7FFFFF, 0x400000]
+    for d in range(1, 24):
+        half = 1 << (d - 1)
+        for kept in (0, 1 << d, 3 << d):
+            tie = (kept | half) & 0x7FFFFF
+            fracs += [tie, tie - 1, tie + 1]
+    fracs = sorted({f & 0x7FFFFF for f in fracs})
+    pats = [(e << 23) | f for e in range(256) for f in fracs]
+    x = from_bits(pats)
+    return torch.cat([x, -x])
+
+
+def thresholds(fmt: FloatFormat) -> torch.Tensor:
+    """Values at and one fp32 ulp around: max_finite, the overflow threshold (max + half a spacing), the
+    smallest normal, the smallest subnormal and half of it, the largest subnormal; both signs."""
+    spacing_top = math.ldexp(1.0, fmt.emax - fmt.man_bits)
+    pts = [fmt.max_finite, fmt.max_finite + spacing_top / 2, fmt.max_finite + spacing_top, fmt.min_normal,
+           fmt.min_subnormal, fmt.min_subnormal / 2, fmt.min_subnormal * 1.5, fmt.min_normal - fmt.min_subnormal,
+           fmt.min_normal - fmt.min_subnormal / 2]  # fmt: skip
+    x = torch.tensor([p for p in pts if p < 3.4e38], dtype=torch.float32)
+    inf = torch.tensor(math.inf)
+    x = torch.cat([x, torch.nextafter(x, inf), torch.nextafter(x, -inf)])
+    return torch.cat([x, -x])
+
+
+# +-0, +-inf, quiet and signalling NaNs of both signs with payloads, +-fp32 max, fp32 subnormals, min normal
+_SPECIAL_BITS = [0, 1 << 31, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FA12345,
+                 0xFFFFFFFF, 0x7F7FFFFF, 0xFF7FFFFF, 1, 0x80000001, 0x007FFFFF, 0x00800000]  # fmt: skip
+SPECIALS = from_bits(_SPECIAL_BITS)
+
+
+def adversarial(fmt: FloatFormat) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(fmt.exp_bits * 64 + fmt.man_bits)
+    rand = torch.randint(-(2**31), 2**31, (5000,), generator=gen, dtype=torch.int64).to(torch.int32)
+    return torch.cat([every_exponent_and_tie(), thresholds(fmt), SPECIALS, rand.view(torch.float32)])
+
+
+def torch_path(fn, *args, **kwargs):
+    with native.disabled():
+        return fn(*args, **kwargs)
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if not torch.equal(bits(got), bits(want)):
+        bad = (bits(got) != bits(want)).nonzero()[:5, 0]
+        pytest.fail(f"{int((bits(got) != bits(want)).sum())} mismatches at {bad.tolist()}: "
+                    f"got {[hex(v & 0xFFFFFFFF) for v in bits(got)[bad].tolist()]}, "
+                    f"want {[hex(v & 0xFFFFFFFF) for v in bits(want)[bad].tolist()]}")  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_compiled_matches_torch_path_bit_for_bit(fmt: FloatFormat) -> None:
+    x = adversarial(fmt)
+    want = torch_path(round_to, x, fmt)
+    assert_same_bits(round_to(x, fmt), want)
+    y = x.clone()
+    assert round_to_(y, fmt) is y
+    assert_same_bits(y, want)
+    out = torch.empty_like(x)
+    assert round_to(x, fmt, out=out) is out
+    assert_same_bits(out, want)
+
+
+@pytest.mark.parametrize("name", list(TORCH_DTYPES))
+def test_compiled_matches_torch_casts(name: str) -> None:
+    fmt = FORMAT_PRESETS[name]
+    x = torch.cat([adversarial(fmt), thresholds(fmt)])
+    want = x.to(TORCH_DTYPES[name]).float()
+    got = round_to(x, name)
+    nan = torch.isnan(want)  # torch's scalar and vectorized casts disagree on NaN payloads: positions only
+    assert torch.equal(torch.isnan(got), nan)
+    assert_same_bits(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_narrow_inputs_every_pattern(dtype: torch.dtype) -> None:
+    """Every bit pattern of the input dtype, rounded to each format: compiled == torch path, and == rounding the
+    input widened by torch first (NaN payloads of the widening differ between torch's own code paths)."""
+    width = dtype.itemsize * 8
+    pats = torch.arange(-(2 ** (width - 1)), 2 ** (width - 1), dtype=torch.int32)
+    x = pats.to(torch.int16 if width == 16 else torch.int8).view(dtype)
+    for fmt in FORMATS:
+        got = round_to(x, fmt)
+        assert_same_bits(got, torch_path(round_to, x, fmt))
+        widened = round_to(x.float(), fmt)
+        nan = torch.isnan(widened)
+        assert torch.equal(torch.isnan(got), nan)
+        assert_same_bits(got[~nan], widened[~nan])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [0, 1, 15, 17, 33, 32767, 32768, 32769, 100_003])
+def test_odd_sizes_and_thread_slices(n: int, threads: int) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(n)
+        x = torch.randint(-(2**31), 2**31, (n,), generator=gen, dtype=torch.int64).to(torch.int32).view(torch.float32)
+        for fmt in (FORMAT_PRESETS["fp16"], FORMAT_PRESETS["bf16"], FloatFormat(5, 22)):
+            assert_same_bits(round_to(x, fmt), torch_path(round_to, x, fmt))
+            assert_same_bits(round_to(x.half(), fmt), torch_path(round_to, x.half(), fmt))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_non_contiguous_and_out_aliasing() -> None:
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(64, 130, generator=gen) * torch.exp2(torch.randint(-20, 20, (64, 130), generator=gen).float())
+    for fmt in (FORMAT_PRESETS["fp16"], FORMAT_PRESETS["bf16"], FORMAT_PRESETS["fp8_e4m3"]):
+        for view in (base.t(), base[:, ::3], base[::2, 1:]):
+            want = torch_path(round_to, view, fmt)
+            assert_same_bits(round_to(view, fmt), want)
+            assert_same_bits(round_to(view.bfloat16(), fmt), torch_path(round_to, view.bfloat16(), fmt))
+            y = view.clone()  # same strides as the view's
+            assert_same_bits(round_to_(y, fmt), want)
+            strided = base.clone()[:, ::3]
+            assert_same_bits(round_to_(strided, fmt), torch_path(round_to, base[:, ::3], fmt))
+            x = view.clone()
+            assert round_to(x, fmt, out=x) is x  # out is x
+            assert_same_bits(x, want)
+            out = torch.empty(view.shape[::-1]).t()  # non-contiguous out
+            assert_same_bits(round_to(view, fmt, out=out), want)
+            out64 = torch.empty(view.shape, dtype=torch.float64)
+            assert torch.equal(round_to(view, fmt, out=out64), want.double())
+        # out overlapping x shifted by one element: the result is as if x had been read before out was written
+        buf = base.flatten().clone()
+        x, out = buf[:-1], buf[1:]
+        want = torch_path(round_to, x.clone(), fmt)
+        assert_same_bits(round_to(x, fmt, out=out), want)
+
+
+def test_autograd_inputs_keep_the_torch_path() -> None:
+    """A tensor that needs grad goes through the torch ops, whose result stays in the graph as it always did."""
+    x = torch.randn(40, requires_grad=True)
+    y = round_to(x, "fp16")
+    assert y.requires_grad
+    assert_same_bits(y.detach(), round_to(x.detach(), "fp16"))
+    with torch.no_grad():
+        assert not round_to(x, "fp16").requires_grad
+
+
+def test_kernel_rejects_formats_outside_float_format() -> None:
+    fn = _native_kernel()
+    x, out = torch.ones(4), torch.empty(4)
+    args = (x.data_ptr(), 0, out.data_ptr(), 4)
+    assert fn(*args, 5, 10, 1, 0, 1, 1) == 0
+    assert fn(*args, 9, 10, 1, 0, 1, 1) == -1  # exp_bits
+    assert fn(*args, 5, 0, 1, 0, 1, 1) == -1  # man_bits
+    assert fn(*args, 8, 7, 0, 0, 1, 1) == -1  # 8 exponent bits without inf
+    assert fn(x.data_ptr(), 3, out.data_ptr(), 4, 5, 10, 1, 0, 1, 1) == -1  # source kind
