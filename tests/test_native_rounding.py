@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mixprec.native as native
-from mixprec.core.rounding import _native_kernel
+from mixprec.core.rounding import _native_lib
 from mixprec.emulate import FORMAT_PRESETS, FloatFormat, round_to, round_to_
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no compiled kernels: {native.describe()}")
@@ -158,6 +158,8 @@ def test_odd_sizes_and_thread_slices(n: int, threads: int) -> None:
         for fmt in (FORMAT_PRESETS["fp16"], FORMAT_PRESETS["bf16"], FloatFormat(5, 22)):
             assert_same_bits(round_to(x, fmt), torch_path(round_to, x, fmt))
             assert_same_bits(round_to(x.half(), fmt), torch_path(round_to, x.half(), fmt))
+            x64 = x.double() * (1 + 2.0**-40)
+            assert_same_bits(round_to(x64, fmt), torch_path(round_to, x64, fmt))
     finally:
         torch.set_num_threads(before)
 
@@ -199,7 +201,7 @@ def test_autograd_inputs_keep_the_torch_path() -> None:
 
 
 def test_kernel_rejects_formats_outside_float_format() -> None:
-    fn = _native_kernel()
+    fn = _native_lib().mixprec_round_nearest
     x, out = torch.ones(4), torch.empty(4)
     args = (x.data_ptr(), 0, out.data_ptr(), 4)
     assert fn(*args, 5, 10, 1, 0, 1, 1) == 0
@@ -207,3 +209,38 @@ def test_kernel_rejects_formats_outside_float_format() -> None:
     assert fn(*args, 5, 0, 1, 0, 1, 1) == -1  # man_bits
     assert fn(*args, 8, 7, 0, 0, 1, 1) == -1  # 8 exponent bits without inf
     assert fn(x.data_ptr(), 3, out.data_ptr(), 4, 5, 10, 1, 0, 1, 1) == -1  # source kind
+    fn64 = _native_lib().mixprec_round_nearest_f64
+    x64 = x.double()
+    assert fn64(x64.data_ptr(), out.data_ptr(), 0, 4, 5, 10, 1, 0, 1, 1) == 0
+    assert fn64(x64.data_ptr(), out.data_ptr(), 0, 4, 5, 24, 1, 0, 1, 1) == -1
+
+
+def fp64_inputs(fmt: FloatFormat) -> torch.Tensor:
+    """fp32 adversarial values widened and nudged below fp32 precision (so that a rounding through fp32 would
+    differ), each format's midpoints one fp64 ulp either side, values beyond fp32's range, fp64 subnormals and
+    NaN payloads only fp64 can hold."""
+    gen = torch.Generator().manual_seed(fmt.man_bits)
+    x = adversarial(fmt).double()
+    nudged = x * (1 + 2.0**-30 * torch.randn(x.shape, generator=gen, dtype=torch.float64))
+    mids = thresholds(fmt).double()
+    inf = torch.tensor(math.inf, dtype=torch.float64)
+    near = torch.cat([torch.nextafter(mids, inf), torch.nextafter(mids, -inf)])
+    wide = torch.tensor([1e300, -1e300, 2.0**128, 2.0**-1074, -(2.0**-1074), 2.0**-1022, 1e-300, 5e-324])
+    nans = torch.tensor([0x7FF0000000000001, 0x7FF8000000000123, -1, 0x7FF4000000000000], dtype=torch.int64)
+    return torch.cat([x, nudged, near, wide, nans.view(torch.float64)])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_fp64_inputs_round_once_like_the_torch_path(fmt: FloatFormat) -> None:
+    x = fp64_inputs(fmt)
+    want = torch_path(round_to, x, fmt)
+    assert_same_bits(round_to(x, fmt), want)
+    out64 = torch.empty_like(x)
+    want64 = torch_path(round_to, x, fmt, out=torch.empty_like(x))
+    assert torch.equal(round_to(x, fmt, out=out64).view(torch.int64), want64.view(torch.int64))
+    y = x.clone()
+    assert round_to_(y, fmt) is y
+    assert torch.equal(y.view(torch.int64), want64.view(torch.int64))
+    strided = x.clone()[::3]
+    round_to_(strided, fmt)
+    assert torch.equal(strided.view(torch.int64), want64[::3].view(torch.int64))

@@ -158,21 +158,27 @@ def round_directed_(w: torch.Tensor, fmt: FloatFormat, rounding: str, generator:
     flush_subnormals_(w, fmt)
 
 
-# source dtypes the compiled kernel reads directly (its SRC_* codes); others are widened to fp32 by torch first
+# source dtypes mixprec_round_nearest reads directly (its SRC_* codes); float8 is widened to fp32 by torch first,
+# fp64 has its own kernel (one rounding, from fp64)
 _NATIVE_SRC = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_C_FMT = [ctypes.c_int] * 6  # exp_bits, man_bits, has_inf, saturate, subnormals, threads
+_ARGTYPES = {
+    "mixprec_round_nearest": [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, *_C_FMT],
+    "mixprec_round_nearest_f64": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, *_C_FMT],
+}
 
 
-def _native_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """``mixprec_round_nearest`` from the compiled library (argtypes bound once per library), or None."""
+def _native_lib() -> ctypes.CDLL | None:
+    """The compiled library with the rounding kernels' argtypes bound (once per library), or None."""
     lib = native.library()
     if lib is None:
         return None
-    fn = lib.mixprec_round_nearest
-    if fn.argtypes is None:
-        c_int = ctypes.c_int
-        fn.restype = c_int
-        fn.argtypes = [ctypes.c_void_p, c_int, ctypes.c_void_p, ctypes.c_int64, *[c_int] * 6]
-    return fn
+    for name, argtypes in _ARGTYPES.items():
+        fn = getattr(lib, name)
+        if fn.argtypes is None:
+            fn.restype = ctypes.c_int
+            fn.argtypes = argtypes
+    return lib
 
 
 def _native_ok(x: torch.Tensor) -> bool:
@@ -187,39 +193,42 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def _native_round_nearest(fn: ctypes._CFuncPtr, src: torch.Tensor, dst: torch.Tensor, fmt: FloatFormat) -> None:  # type: ignore[name-defined]
-    """Round contiguous ``src`` (fp32/fp16/bf16) to nearest into contiguous fp32 ``dst`` (``src`` itself or
-    disjoint from it) with the compiled kernel."""
-    status = fn(
-        src.data_ptr(), _NATIVE_SRC[src.dtype], dst.data_ptr(), src.numel(), fmt.exp_bits, fmt.man_bits,
-        int(fmt.has_inf), int(fmt.saturate), int(fmt.subnormals), native.num_threads(),
-    )  # fmt: skip
+def _native_round_nearest(lib: ctypes.CDLL, src: torch.Tensor, dst: torch.Tensor, fmt: FloatFormat) -> None:
+    """Round contiguous ``src`` to nearest into contiguous ``dst`` (``src`` itself or disjoint from it) with the
+    compiled kernel: fp32/fp16/bf16 into fp32, or fp64 into fp64 or fp32."""
+    args = (src.numel(), fmt.exp_bits, fmt.man_bits, int(fmt.has_inf), int(fmt.saturate), int(fmt.subnormals),
+            native.num_threads())  # fmt: skip
+    if src.dtype == torch.float64:
+        status = lib.mixprec_round_nearest_f64(src.data_ptr(), dst.data_ptr(), int(dst.dtype == torch.float64), *args)
+    else:
+        status = lib.mixprec_round_nearest(src.data_ptr(), _NATIVE_SRC[src.dtype], dst.data_ptr(), *args)
     if status != 0:
-        raise RuntimeError(f"mixprec_round_nearest rejected format {fmt!r} (status {status}): a bug in mixprec")
+        raise RuntimeError(f"the compiled rounding kernel rejected format {fmt!r} (status {status}): a bug in mixprec")
 
 
 def _round_to_native(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor | None) -> torch.Tensor | None:
-    """round_to(x, fmt, "nearest", out=out) through the compiled kernel for non-fp64 ``x``; None when it cannot
-    run here (no library, not CPU, autograd), and the torch path must."""
-    fn = _native_kernel()
-    if fn is None or not _native_ok(x) or (out is not None and not _native_ok(out)):
+    """round_to(x, fmt, "nearest", out=out) through the compiled kernel; None when it cannot run here (no
+    library, not CPU, autograd), and the torch path must."""
+    lib = _native_lib()
+    if lib is None or not _native_ok(x) or (out is not None and not _native_ok(out)):
         return None
-    if x.dtype in _NATIVE_SRC:
+    if x.dtype in _NATIVE_SRC or x.dtype == torch.float64:
         src = x.contiguous()
     else:  # float8: widened exactly by torch's cast, then rounded in that buffer
         src = x.to(torch.float32, memory_format=torch.contiguous_format)
-    if out is not None and out.dtype == torch.float32 and out.is_contiguous():
-        if out.data_ptr() == src.data_ptr() and src.dtype == torch.float32:
+    writable = (torch.float32, torch.float64) if src.dtype == torch.float64 else (torch.float32,)
+    if out is not None and out.dtype in writable:
+        if out.is_contiguous() and out.data_ptr() == src.data_ptr() and out.dtype == src.dtype:
             dst = out  # out is x: in place
-        elif not _overlap(out, src):
+        elif out.is_contiguous() and not _overlap(out, src):
             dst = out
         else:
-            dst = torch.empty(x.shape, dtype=torch.float32)
+            dst = torch.empty(x.shape, dtype=out.dtype)
     elif src is not x and src.dtype == torch.float32:
         dst = src  # a temporary of ours: round it in place
     else:
         dst = torch.empty(x.shape, dtype=torch.float32)
-    _native_round_nearest(fn, src, dst, fmt)
+    _native_round_nearest(lib, src, dst, fmt)
     if out is None or dst is out:
         return dst
     return out.copy_(dst)
@@ -264,7 +273,7 @@ def round_to(
         check_tensor("out", out, (torch.float32, torch.float64))
         if out.shape != x.shape or out.device != x.device:
             raise ValueError(f"out must have x's shape {tuple(x.shape)} and device {x.device}; got {tuple(out.shape)}")
-    if rounding == "nearest" and x.dtype != torch.float64:
+    if rounding == "nearest":
         done = _round_to_native(x, fmt, out)
         if done is not None:
             return done
@@ -306,11 +315,11 @@ def round_to_(
     fmt = get_format(fmt)
     check_choice("rounding", rounding, ROUNDING_MODES)
     _check_generator(generator)
-    if rounding == "nearest" and x.dtype == torch.float32 and (fn := _native_kernel()) is not None and _native_ok(x):
-        if fmt.is_fp32:
+    if rounding == "nearest" and (lib := _native_lib()) is not None and _native_ok(x):
+        if fmt.is_fp32 and x.dtype == torch.float32:
             return x
         w = x if x.is_contiguous() else x.contiguous()
-        _native_round_nearest(fn, w, w, fmt)
+        _native_round_nearest(lib, w, w, fmt)
         if w is not x:
             x.copy_(w)
         return x

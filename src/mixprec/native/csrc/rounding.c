@@ -8,6 +8,8 @@
  * then the epilogue: magnitudes above max_finite -> +-max / +-inf / NaN, results below min_normal -> signed
  * zero when the format has no subnormals, and NaN handled as the torch path leaves it. Sources: fp32, fp16
  * (widened as vcvtph2ps does) or bf16 (a shift); dst may be src itself (in place) but not overlap it otherwise.
+ * mixprec_round_nearest_f64 rounds fp64 input directly (one rounding, the fp64 magic constant for every format)
+ * into fp64 or fp32.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -145,6 +147,71 @@ int mixprec_round_nearest(const void *src, int src_kind, float *dst, int64_t n, 
         const int64_t per = ((n + nt - 1) / nt + 15) & ~(int64_t)15;
         const int64_t lo = t * per < n ? t * per : n, hi = lo + per < n ? lo + per : n;
         if (hi > lo) fn(s + lo * elem, d + lo, hi - lo, &p);
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- fp64 input: one rounding, from fp64 */
+typedef struct {
+    uint64_t lo, hi, add;                      /* exponent clamp and magic offset, fp64 patterns */
+    uint64_t max_bits, ovf_bits, min_normal_bits;
+} rparams64;
+
+static inline __attribute__((always_inline)) uint64_t round_bits64(uint64_t u, const rparams64 *p) {
+    const uint64_t s = u & 0x8000000000000000ull, a = u & 0x7FFFFFFFFFFFFFFFull;
+    uint64_t c = u & 0x7FF0000000000000ull;
+    c = c < p->lo ? p->lo : c;
+    c = c > p->hi ? p->hi : c;
+    const double m = bits_f64(c + p->add);
+    uint64_t ra = f64_bits((bits_f64(u) + m) - m) & 0x7FFFFFFFFFFFFFFFull;
+    ra = ra > p->max_bits ? p->ovf_bits : ra;
+    ra = ra < p->min_normal_bits ? 0u : ra;
+    return a > 0x7FF0000000000000ull ? (u | 0x0008000000000000ull) : (s | ra); /* NaN quieted by the additions */
+}
+
+static void loop64_f64(const double *src, void *dst_, int64_t n, const rparams64 *pp) {
+    uint64_t *dst = (uint64_t *)dst_;
+    const rparams64 p = *pp;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) dst[i] = round_bits64(f64_bits(src[i]), &p);
+}
+
+/* The rounded value is on the format's grid, so the narrowing is exact; NaN narrows as torch's cast does. */
+static void loop64_f32(const double *src, void *dst_, int64_t n, const rparams64 *pp) {
+    float *dst = (float *)dst_;
+    const rparams64 p = *pp;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) dst[i] = (float)bits_f64(round_bits64(f64_bits(src[i]), &p));
+}
+
+/* Round n fp64 values to the format into dst: fp64 (dst_f64 != 0; may be src itself) or fp32. Returns 0, or -1
+ * for arguments outside what FloatFormat allows. */
+int mixprec_round_nearest_f64(const double *src, void *dst, int dst_f64, int64_t n, int exp_bits, int man_bits,
+                              int has_inf, int saturate, int subnormals, int nthreads) {
+    if (exp_bits < 2 || exp_bits > 8 || man_bits < 1 || man_bits > 23 || (exp_bits == 8 && !has_inf) || n < 0)
+        return -1;
+    const int bias = (1 << (exp_bits - 1)) - 1, emin = 1 - bias;
+    const int emax = has_inf ? bias : (1 << exp_bits) - 1 - bias;
+    const uint64_t top_frac = has_inf ? (1ull << man_bits) - 1u : (1ull << man_bits) - 2u;
+    rparams64 p;
+    p.lo = (uint64_t)(emin + 1023) << 52;
+    p.hi = (uint64_t)(emax + 1 + 1023) << 52;
+    p.add = ((uint64_t)(52 - man_bits) << 52) | (1ull << 51);
+    p.max_bits = ((uint64_t)(emax + 1023) << 52) | (top_frac << (52 - man_bits));
+    p.ovf_bits = saturate ? p.max_bits : (has_inf ? 0x7FF0000000000000ull : 0x7FF8000000000000ull);
+    p.min_normal_bits = subnormals ? 0u : (uint64_t)(emin + 1023) << 52;
+    const int64_t esize = dst_f64 ? 8 : 4;
+#pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (n >= MIXPREC_GRAIN)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t per = ((n + nt - 1) / nt + 15) & ~(int64_t)15;
+        const int64_t lo = t * per < n ? t * per : n, hi = lo + per < n ? lo + per : n;
+        if (hi > lo) {
+            if (dst_f64)
+                loop64_f64(src + lo, (char *)dst + lo * esize, hi - lo, &p);
+            else
+                loop64_f32(src + lo, (char *)dst + lo * esize, hi - lo, &p);
+        }
     }
     return 0;
 }
