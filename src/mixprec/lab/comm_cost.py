@@ -73,12 +73,14 @@ class Calibration:
     byte a rank sends through a TCP socket (kernel copies on both ends; 0 for NVLink/RDMA, where copy engines
     or the NIC move the bytes); memory_ns_per_byte: time per byte read or written by an elementwise pass
     (copy, widening, fp32 add, rounding), the inverse of the device's effective memory bandwidth; segments:
-    how many the hierarchical schemes cut a shard into (``hierarchical_fp32.area_elements``' default)."""
+    how many the hierarchical schemes cut a shard into (``hierarchical_fp32.area_elements``' default);
+    fused_sum: whether the fp32 sums run as one pass (the compiled CPU kernel) or as torch's passes."""
 
     wire_efficiency: float = 0.94
     socket_ns_per_byte: float = 0.0
     memory_ns_per_byte: float = 0.001  # about 1 TB/s: a GPU's HBM under elementwise kernels
     segments: int = 4
+    fused_sum: bool = False  # the compiled one-pass CPU sum (mixprec.native) instead of torch's passes
 
 
 @dataclass(frozen=True)
@@ -113,10 +115,13 @@ class Phase:
         return slowest + self.fill * (sum(parts) - slowest) + latency
 
 
-def _sum_bytes(addends: int, elements: float, wire: int, out: int, average: bool = True) -> float:
-    """Memory traffic of ``fp32_sum.sum_shards_into``: widen the first addend into the fp32 accumulator,
-    then per further addend widen it (read ``wire``, write 4) and add (read 8, write 4); divide (read 4,
-    write 4) when averaging; round into the output (read 4, write ``out``; none for an fp32 output)."""
+def _sum_bytes(addends: int, elements: float, wire: int, out: int, fused: bool, average: bool = True) -> float:
+    """Memory traffic of ``fp32_sum.sum_shards_into``. Torch's passes: widen the first addend into the fp32
+    accumulator, then per further addend widen it (read ``wire``, write 4) and add (read 8, write 4);
+    divide (read 4, write 4) when averaging; round into the output (read 4, write ``out``; none for an fp32
+    output). The compiled kernel: read every addend once, write the output once."""
+    if fused:
+        return (addends * wire + out) * elements
     per = (wire + 4) + (addends - 1) * (wire + 4 + 12) + (8 if average else 0) + (4 + out if out != 4 else 0)
     return per * elements
 
@@ -171,7 +176,9 @@ def phases(
                 inter_messages=(m - 1) * n,  # pairwise exchange: one message per peer (Thakur et al., 2005)
                 intra_messages=n - 1,
             ),
-            Phase(memory_bytes=_sum_bytes(w, shard, s, s), fill=1.0),  # the sum starts when the data is in
+            Phase(
+                memory_bytes=_sum_bytes(w, shard, s, s, calib.fused_sum), fill=1.0
+            ),  # the sum starts when the data is in
         ]
         if ar:  # gloo's all-gather: a ring
             moved = (w - 1) * shard * s
@@ -194,8 +201,8 @@ def phases(
     else:
         inter_s, intra_s, stage_s = (4 if scheme == "hier_fp32_inter" else s), s, s
     memory = 2 * numel * s  # stage 1's staging copy of the input
-    memory += _sum_bytes(n, numel / n, intra_s, 4 if inter_s == 4 else s)  # node partials
-    memory += _sum_bytes(m, shard, inter_s, s)  # across nodes
+    memory += _sum_bytes(n, numel / n, intra_s, 4 if inter_s == 4 else s, calib.fused_sum)  # node partials
+    memory += _sum_bytes(m, shard, inter_s, s, calib.fused_sum)  # across nodes
     if scheme == "hier_uint8":  # encode before and decode after each stage: about two more passes each
         memory *= 3
     fill, count = _segments(int(shard), calib.segments, hier_segments)
@@ -295,6 +302,8 @@ def model_ms(data: dict, row: dict, calib: Calibration) -> float:
     if lengths is None:
         shard = int(row["numel"]) // (cluster.nodes * cluster.per_node)
         lengths = [shard // calib.segments] * calib.segments
+    # Rows without "native_sum" were measured before the compiled sum existed: torch's passes.
+    calib = replace(calib, fused_sum=bool(row.get("native_sum", False)))
     ph = phases(scheme, cluster, int(row["numel"]), op, calib, wire, lengths)
     return 1e3 * sum(p.seconds(cluster, calib) for p in ph)
 
