@@ -228,3 +228,14 @@ def _mesh_topology(rank: int, world: int) -> bool:
 
 def test_device_mesh_gives_the_same_bits_as_a_topology(dist_run) -> None:
     assert all(dist_run(_mesh_topology, 4))
+
+
+@pytest.mark.parametrize(("shard", "seg"), [(37, 10), (37, 5), (1 << 22, 1 << 20), (8, 2), (100, 100), (3, 1), (1, 4)])
+def test_segments_cover_the_shard_and_ramp_at_both_ends(shard: int, seg: int) -> None:
+    bounds = segment_bounds(shard, seg)
+    assert bounds[0][0] == 0 and bounds[-1][1] == shard
+    assert all(bounds[i][1] == bounds[i + 1][0] for i in range(len(bounds) - 1))
+    assert all(0 < b - a <= seg for a, b in bounds)  # every segment fits a slot of the area
+    lengths = [b - a for a, b in bounds]
+    if shard >= 2 * (seg // 4 + seg // 2) + seg and seg >= 4:
+        assert lengths[:2] == [seg // 4, seg // 2] and lengths[-2:] == [seg // 2, seg // 4]

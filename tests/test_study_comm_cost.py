@@ -65,6 +65,15 @@ def test_the_hierarchical_fill_is_the_pipelines_first_and_last_segment() -> None
     assert even.fill == pytest.approx(0.25) and even.fill > phase.fill
 
 
+def test_the_compiled_sum_is_one_pass_in_the_model() -> None:
+    data = {"nodes": 2, "per_node": 2}
+    calib = Calibration(wire_efficiency=0.9, socket_ns_per_byte=1.0, memory_ns_per_byte=0.2)
+    row = {"rate": 1.0, "op": "rs", "method": "flat", "numel": N}
+    torch_passes, one_pass = model_ms(data, row, calib), model_ms(data, {**row, "native_sum": True}, calib)
+    # the flat scheme's serial sum of 4 shards: 74 bytes per output element in torch's passes, 10 in one
+    assert torch_passes - one_pass == pytest.approx(1e3 * 1e-9 * 0.2 * (74 - 10) * N / 4)
+
+
 def _synthetic_benchmark(calib: Calibration) -> dict:
     data: dict = {"nodes": 2, "per_node": 2, "rows": []}
     for rate in (1.0, 2.5, 10.0):
