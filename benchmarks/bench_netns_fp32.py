@@ -11,9 +11,9 @@ Megatron-LM's ``reduce_scatter_with_fp32_accumulation``), ``bf16`` and ``fp32`` 
 (rate, size) one warm-up call of each, then ``--reps`` rounds in which the methods take turns between barriers;
 a call's time is the slowest rank's, the table shows the median. Inter-node bytes: the accounting of each
 scheme per node beside the kernel's ``tx_bytes`` of the node's veth (frames: payload + headers + ACKs). The
-JSON (``--json``) holds every row plus the machine: ``mixprec study comm-cost --calibration FILE`` fits its
-model on it and prints model vs measured. Goals at 1 Gbit/s (2 nodes x 2 ranks): hier's veth bytes <= bf16's,
-time <= 0.9x bf16 and <= 0.6x flat.
+JSON (``--json``) holds every row plus the machine and hier's segment lengths: ``mixprec study comm-cost
+--calibration FILE`` fits its model on it and prints model vs measured. Goals at 1 Gbit/s (2 nodes x 2
+ranks): hier's veth bytes <= bf16's, time <= 0.9x bf16 and <= 0.6x flat.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def worker(cfg: dict) -> None:
     torch.set_num_threads(1)
     from mixprec.comm import all_reduce_fp32_accumulate, reduce_scatter_fp32_accumulate
     from mixprec.comm.compat import reduce_scatter_flat
-    from mixprec.comm.hierarchical_fp32 import area_elements
+    from mixprec.comm.hierarchical_fp32 import area_elements, segment_bounds, segment_length
     from mixprec.compress import Topology
 
     rank, world, per_node = cfg["rank"], cfg["world"], cfg["per_node"]
@@ -125,6 +125,11 @@ def worker(cfg: dict) -> None:
                     dist.all_gather_object(gathered, tx[m] / cfg["reps"] if rank % per_node == 0 else 0.0)
                     if rank == 0:
                         nodes = world // per_node
+                        extra = {}
+                        if m == "hier":  # the pipeline's segment lengths, for the cost model's fill and drain
+                            shard = numel // world
+                            seg = segment_length(shard, world, area(m, op, numel).numel(), nodes, op == "ar")
+                            extra["hier_segments"] = [b - a for a, b in segment_bounds(shard, seg)]
                         rows.append(
                             {
                                 "rate": gbit,
@@ -137,6 +142,7 @@ def worker(cfg: dict) -> None:
                                 "ms_all": [1e3 * t for t in slowest.tolist()],
                                 "veth_tx_per_node": sum(gathered) / nodes,
                                 "accounted_inter_node_per_node": accounted_inter_node(m, op, numel, nodes, per_node),
+                                **extra,
                             }
                         )
                         print(f"{gbit:g} Gbit/s {op} {m:5s} {numel / 2**20:.2f}M: {rows[-1]['ms']:.1f} ms",

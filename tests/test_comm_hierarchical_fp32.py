@@ -228,3 +228,67 @@ def _mesh_topology(rank: int, world: int) -> bool:
 
 def test_device_mesh_gives_the_same_bits_as_a_topology(dist_run) -> None:
     assert all(dist_run(_mesh_topology, 4))
+
+
+@pytest.mark.parametrize(
+    ("shard", "seg"), [(37, 10), (37, 5), (1 << 22, 1 << 20), (1 << 20, 1 << 16), (5 << 16, 1 << 16), (8, 2), (1, 4)]
+)
+def test_segments_cover_the_shard_and_ramp_at_both_ends(shard: int, seg: int) -> None:
+    from mixprec.comm.hierarchical_fp32 import RAMP_MIN
+
+    bounds = segment_bounds(shard, seg)
+    assert bounds[0][0] == 0 and bounds[-1][1] == shard
+    assert all(bounds[i][1] == bounds[i + 1][0] for i in range(len(bounds) - 1))
+    assert all(0 < b - a <= seg for a, b in bounds)  # every segment fits a slot of the area
+    lengths = [b - a for a, b in bounds]
+    if seg >= RAMP_MIN and shard >= 2 * (seg // 4 + seg // 2) + seg:
+        assert lengths[:2] == [seg // 4, seg // 2] and lengths[-2:] == [seg // 2, seg // 4]
+    else:  # short segments are latency-bound, short shards cannot ramp: plain segments
+        assert lengths == [seg] * (shard // seg) + ([shard % seg] if shard % seg else [])
+
+
+def _ramped(rank: int, world: int) -> dict[str, bool]:
+    """A shard long enough for ramped segments (default area: 4 segments of more than RAMP_MIN elements):
+    the pipeline with segments of unequal length still equals the reference, stochastic draws included."""
+    from mixprec.comm.hierarchical_fp32 import RAMP_MIN
+
+    nodes, per_node, shard = 2, world // 2, 4 * RAMP_MIN + 7
+    seg = -(-shard // 4)
+    assert len(segment_bounds(shard, seg)) > 4  # ramped
+    topo = Topology(nodes, per_node)
+    results = {}
+    for dtype, average, rounding, inter in [
+        (torch.bfloat16, True, "stochastic", None),
+        (torch.float16, False, "nearest", torch.float32),
+    ]:
+        inputs = [rank_input(q, shard * world, dtype) for q in range(world)]
+        inter_dtype = dtype if inter is None else inter
+        seeds = [77 + q for q in range(world)] if rounding == "stochastic" else None
+        common = {"average": average, "rounding": rounding, "out_dtype": dtype, "inter_dtype": inter_dtype}
+        ref = reference(inputs, nodes, per_node, seg, seeds=seeds, **common)
+        gen = torch.Generator().manual_seed(77 + rank) if seeds else None
+        out = torch.empty(shard, dtype=dtype)
+        reduce_scatter_fp32_accumulate(
+            out, inputs[rank].clone(), average=average, rounding=rounding, generator=gen, topology=topo,
+            inter_node_dtype=inter,
+        )  # fmt: skip
+        results[f"rs-{dtype}-{rounding}"] = torch.equal(out, ref[rank])
+        gen = torch.Generator().manual_seed(77 + rank) if seeds else None
+        tensor = inputs[rank].clone()
+        all_reduce_fp32_accumulate(
+            tensor, average=average, rounding=rounding, generator=gen, topology=topo, inter_node_dtype=inter
+        )
+        relaid = [x.view(per_node, nodes, shard).transpose(0, 1).reshape(-1) for x in inputs]
+        ref_ar = reference(relaid, nodes, per_node, seg, seeds=seeds, **common)
+        expected = torch.empty(shard * world, dtype=dtype).view(per_node, nodes, shard)
+        for q in range(world):
+            i, local = divmod(q, per_node)
+            expected[local, i] = ref_ar[q]
+        results[f"ar-{dtype}-{rounding}"] = torch.equal(tensor, expected.view(-1))
+    return results
+
+
+def test_ramped_segments_equal_the_reference_bit_for_bit(dist_run) -> None:
+    results = dist_run(_ramped, 4, timeout=180)
+    failed = sorted({k for r in results for k, ok in r.items() if not ok})
+    assert not failed, failed

@@ -27,10 +27,20 @@ from mixprec.comm.handles import PendingReduction
 from mixprec.comm.topology import HierarchicalGroups
 from mixprec.core.dtypes import Rounding
 
-__all__ = ["SLOTS", "area_elements", "segment_bounds", "segment_length", "start_all_reduce", "start_reduce_scatter"]
+__all__ = [
+    "RAMP_MIN",
+    "SLOTS",
+    "area_elements",
+    "segment_bounds",
+    "segment_length",
+    "start_all_reduce",
+    "start_reduce_scatter",
+]
 
 # Segments in flight per reduction: one summed while the other is on the wire.
 SLOTS = 2
+# Segment length from which the pipeline's first and last segments are ramped (segment_bounds).
+RAMP_MIN = 1 << 16
 
 
 def per_segment(world: int, nodes: int, all_reduce: bool) -> int:
@@ -51,7 +61,23 @@ def area_elements(shard: int, world: int, nodes: int = 1, all_reduce: bool = Fal
 
 
 def segment_bounds(shard: int, seg: int) -> list[tuple[int, int]]:
-    return [(a, min(shard, a + seg)) for a in range(0, shard, seg)]
+    """Segments of at most ``seg`` elements, the first and last two ramped (``seg // 4``, ``seg // 2``):
+    nothing is on the inter-node wire until the first segment has crossed the node and been summed, and
+    the last one is summed (and, for the all-reduce, gathered) after the wire is done, so short end
+    segments shorten the pipeline's fill and drain. Segments below ``RAMP_MIN`` elements are latency-bound
+    (three more segments would cost three more messages to every peer) and shards too short for the ramp
+    get plain segments."""
+    quarter, half = seg // 4, seg // 2
+    ends = [quarter, half] if seg >= RAMP_MIN else []
+    if not ends or shard < 2 * sum(ends) + seg:
+        return [(a, min(shard, a + seg)) for a in range(0, shard, seg)]
+    middle = shard - 2 * sum(ends)
+    lengths = ends + [seg] * (middle // seg) + ([middle % seg] if middle % seg else []) + ends[::-1]
+    bounds, a = [], 0
+    for length in lengths:
+        bounds.append((a, a + length))
+        a += length
+    return bounds
 
 
 def _as_fp32(region: torch.Tensor, count: int) -> torch.Tensor:
