@@ -11,9 +11,10 @@ Megatron-LM's ``reduce_scatter_with_fp32_accumulation``), ``bf16`` and ``fp32`` 
 (rate, size) one warm-up call of each, then ``--reps`` rounds in which the methods take turns between barriers;
 a call's time is the slowest rank's, the table shows the median. Inter-node bytes: the accounting of each
 scheme per node beside the kernel's ``tx_bytes`` of the node's veth (frames: payload + headers + ACKs). The
-JSON (``--json``) holds every row plus the machine and hier's segment lengths: ``mixprec study comm-cost
---calibration FILE`` fits its model on it and prints model vs measured. Goals at 1 Gbit/s (2 nodes x 2
-ranks): hier's veth bytes <= bf16's, time <= 0.9x bf16 and <= 0.6x flat.
+JSON (``--json``) holds every row plus the machine, whether the compiled fp32 sum ran (``MIXPREC_NATIVE=0``
+runs the torch path) and hier's segment lengths: ``mixprec study comm-cost --calibration FILE`` fits its
+model on it and prints model vs measured. Goals at 1 Gbit/s (2 nodes x 2 ranks): hier's veth bytes <= bf16's,
+time <= 0.9x bf16 and <= 0.6x flat.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def worker(cfg: dict) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    from mixprec import native
     from mixprec.comm import all_reduce_fp32_accumulate, reduce_scatter_fp32_accumulate
     from mixprec.comm.compat import reduce_scatter_flat
     from mixprec.comm.hierarchical_fp32 import area_elements, segment_bounds, segment_length
@@ -125,7 +127,7 @@ def worker(cfg: dict) -> None:
                     dist.all_gather_object(gathered, tx[m] / cfg["reps"] if rank % per_node == 0 else 0.0)
                     if rank == 0:
                         nodes = world // per_node
-                        extra = {}
+                        extra = {"native_sum": native.library() is not None}  # the compiled fp32 sum ran
                         if m == "hier":  # the pipeline's segment lengths, for the cost model's fill and drain
                             shard = numel // world
                             seg = segment_length(shard, world, area(m, op, numel).numel(), nodes, op == "ar")
@@ -239,6 +241,9 @@ def main() -> None:
     remove_stale_namespaces()
     tag = f"{TAG_PREFIX}{os.getpid()}"
     header = machine_header("fp32-accumulating reduce-scatter / all-reduce across rate-limited nodes (gloo)")
+    from mixprec import native
+
+    header += f"- fp32 sums: {native.describe()}\n"
     print(header)
     print(f"- {args.nodes} nodes x {args.per_node} ranks, bf16 wire (fp32: gloo fp32), {args.reps} timed calls")
     with Network(args.nodes, tag, free_third_octet()) as net, tempfile.TemporaryDirectory() as tmp:
