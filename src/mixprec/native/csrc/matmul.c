@@ -1,0 +1,249 @@
+/* Emulated matmul (mixprec.emulate.matmul): the low-precision accumulation model on a cache-blocked, register-
+ * blocked fp64 kernel. See docs/emulate.md, "The compiled kernel", for the blocking and why its bits equal the
+ * torch path's wherever the fp64 group sums are exact.
+ *
+ * Per output element: acc <- round_acc(acc + sum of one K-group's products), the products formed and added in
+ * fp64 (exact products: inputs have <= 24-bit significands); with promotion, prom <- fp32(prom + acc) and
+ * acc <- 0 every `pg` groups. A 12 x 16 tile of accumulators stays in AVX-512 registers across a whole K block;
+ * it is rounded after every group while in registers. Blocks: A (MC x KC) and B (KC x NC) are packed into
+ * per-thread buffers (zero-padded to whole tiles and whole groups: zero products change no sum), the
+ * accumulator state of an MC x NC output block lives in a per-thread buffer for the whole K, and OpenMP
+ * distributes the output blocks. */
+#include <math.h>
+#include <stdlib.h>
+#include "common.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define MR 12
+#define NR 16
+#define MC 96
+#define NC 256
+#define KC_TARGET 256
+
+enum { ROUND_FP32 = 0, ROUND_FP16 = 1, ROUND_GENERIC = 2 };
+
+typedef struct {
+    int mode;
+    int64_t lo, hi, add;  /* exponent clamp (fp64 bit patterns of 2**emin, 2**(emax+1)) and magic offset */
+    double maxv, over, min_normal;
+    int subnormals;
+} rfmt;
+
+/* Round one fp64 value to the accumulator format, nearest even, exactly as core/rounding.py does on fp64
+ * work (magic constant with the exponent clamped to [emin, emax + 1]), then the overflow rule and the flush. */
+static inline double round_scalar(double x, const rfmt *f) {
+    if (f->mode == ROUND_FP32) return (double)(float)x;
+    int64_t e = (int64_t)(f64_bits(x) & 0x7FF0000000000000ULL);
+    e = e < f->lo ? f->lo : (e > f->hi ? f->hi : e);
+    double c = bits_f64((uint64_t)(e + f->add));
+    x = (x + c) - c;
+    if (fabs(x) > f->maxv) x = copysign(f->over, x);
+    if (!f->subnormals && fabs(x) < f->min_normal && x != 0.0) x = x * 0.0;
+    return x;
+}
+
+/* ------------------------------------------------------------------------------------------ micro-kernels */
+/* acc (MR x NR, row stride NCP) and prom (same layout, or NULL) hold the state of one output tile; ap is a
+ * packed A panel (k-major, MR per k), bp a packed B panel (k-major, NR per k), ng groups of kg products.
+ * g0 is the global index of the first group, groups the total, pg the groups per promotion (0: none). */
+#define NCP NC
+
+static void tile_scalar(const double *ap, const double *bp, int ng, int kg, double *acc, double *prom, int g0,
+                        int groups, int pg, const rfmt *f) {
+    double t[MR][NR];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) t[i][j] = acc[i * NCP + j];
+    for (int g = 0; g < ng; g++) {
+        for (int k = 0; k < kg; k++) {
+            const double *a = ap + (size_t)(g * kg + k) * MR, *b = bp + (size_t)(g * kg + k) * NR;
+            for (int i = 0; i < MR; i++)
+                for (int j = 0; j < NR; j++) t[i][j] += a[i] * b[j]; /* exact product, one rounding: = fma */
+        }
+        for (int i = 0; i < MR; i++)
+            for (int j = 0; j < NR; j++) t[i][j] = round_scalar(t[i][j], f);
+        int gg = g0 + g;
+        if (pg && ((gg + 1) % pg == 0 || gg == groups - 1)) {
+            for (int i = 0; i < MR; i++)
+                for (int j = 0; j < NR; j++) {
+                    prom[i * NCP + j] = (double)(float)(prom[i * NCP + j] + t[i][j]);
+                    t[i][j] = 0.0;
+                }
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) acc[i * NCP + j] = t[i][j];
+}
+
+#ifdef __AVX512F__
+static inline __attribute__((always_inline)) __m512d round_vec(__m512d x, int mode, const rfmt *f) {
+    if (mode == ROUND_FP32) return _mm512_cvtps_pd(_mm512_cvtpd_ps(x));
+#ifdef __AVX512FP16__
+    if (mode == ROUND_FP16) /* IEEE fp64 -> fp16 is one nearest-even rounding; + 0 turns -0 into +0 */
+        return _mm512_add_pd(_mm512_cvtph_pd(_mm512_cvtpd_ph(x)), _mm512_setzero_pd());
+#endif
+    __m512i e = _mm512_and_si512(_mm512_castpd_si512(x), _mm512_set1_epi64(0x7FF0000000000000LL));
+    e = _mm512_min_epi64(_mm512_max_epi64(e, _mm512_set1_epi64(f->lo)), _mm512_set1_epi64(f->hi));
+    __m512d c = _mm512_castsi512_pd(_mm512_add_epi64(e, _mm512_set1_epi64(f->add)));
+    x = _mm512_sub_pd(_mm512_add_pd(x, c), c);
+    __m512d ax = _mm512_abs_pd(x);
+    __mmask8 over = _mm512_cmp_pd_mask(ax, _mm512_set1_pd(f->maxv), _CMP_GT_OQ);
+    __m512d sign = _mm512_castsi512_pd(_mm512_and_si512(_mm512_castpd_si512(x), _mm512_set1_epi64(INT64_MIN)));
+    __m512d ov = _mm512_castsi512_pd(_mm512_or_si512(_mm512_castpd_si512(_mm512_set1_pd(f->over)),
+                                                     _mm512_castpd_si512(sign)));
+    x = _mm512_mask_blend_pd(over, x, ov);
+    if (!f->subnormals) {
+        __m512d ax2 = _mm512_abs_pd(x);
+        __mmask8 tiny = _mm512_cmp_pd_mask(ax2, _mm512_set1_pd(f->min_normal), _CMP_LT_OQ) &
+                        _mm512_cmp_pd_mask(ax2, _mm512_setzero_pd(), _CMP_NEQ_OQ);
+        x = _mm512_mask_mul_pd(x, tiny, x, _mm512_setzero_pd());
+    }
+    return x;
+}
+
+static inline __attribute__((always_inline)) void tile_avx512(const double *ap, const double *bp, int ng, int kg,
+                                                              double *acc, double *prom, int g0, int groups, int pg,
+                                                              const rfmt *f, int mode) {
+    __m512d c[MR][2];
+    for (int i = 0; i < MR; i++) {
+        c[i][0] = _mm512_loadu_pd(acc + i * NCP);
+        c[i][1] = _mm512_loadu_pd(acc + i * NCP + 8);
+    }
+    for (int g = 0; g < ng; g++) {
+        const double *a = ap + (size_t)g * kg * MR, *b = bp + (size_t)g * kg * NR;
+        for (int k = 0; k < kg; k++, a += MR, b += NR) {
+            __m512d b0 = _mm512_load_pd(b), b1 = _mm512_load_pd(b + 8);
+            for (int i = 0; i < MR; i++) {
+                __m512d ai = _mm512_set1_pd(a[i]);
+                c[i][0] = _mm512_fmadd_pd(ai, b0, c[i][0]);
+                c[i][1] = _mm512_fmadd_pd(ai, b1, c[i][1]);
+            }
+        }
+        for (int i = 0; i < MR; i++) {
+            c[i][0] = round_vec(c[i][0], mode, f);
+            c[i][1] = round_vec(c[i][1], mode, f);
+        }
+        int gg = g0 + g;
+        if (pg && ((gg + 1) % pg == 0 || gg == groups - 1)) {
+            for (int i = 0; i < MR; i++)
+                for (int h = 0; h < 2; h++) {
+                    double *p = prom + i * NCP + 8 * h;
+                    __m512d s = _mm512_add_pd(_mm512_loadu_pd(p), c[i][h]);
+                    _mm512_storeu_pd(p, _mm512_cvtps_pd(_mm512_cvtpd_ps(s)));
+                    c[i][h] = _mm512_setzero_pd();
+                }
+        }
+    }
+    for (int i = 0; i < MR; i++) {
+        _mm512_storeu_pd(acc + i * NCP, c[i][0]);
+        _mm512_storeu_pd(acc + i * NCP + 8, c[i][1]);
+    }
+}
+
+static void tile_fp32(const double *ap, const double *bp, int ng, int kg, double *acc, double *prom, int g0,
+                      int groups, int pg, const rfmt *f) {
+    tile_avx512(ap, bp, ng, kg, acc, prom, g0, groups, pg, f, ROUND_FP32);
+}
+static void tile_fp16(const double *ap, const double *bp, int ng, int kg, double *acc, double *prom, int g0,
+                      int groups, int pg, const rfmt *f) {
+    tile_avx512(ap, bp, ng, kg, acc, prom, g0, groups, pg, f, ROUND_FP16);
+}
+static void tile_generic(const double *ap, const double *bp, int ng, int kg, double *acc, double *prom, int g0,
+                         int groups, int pg, const rfmt *f) {
+    tile_avx512(ap, bp, ng, kg, acc, prom, g0, groups, pg, f, ROUND_GENERIC);
+}
+#endif
+
+typedef void (*tile_fn)(const double *, const double *, int, int, double *, double *, int, int, int, const rfmt *);
+
+/* ------------------------------------------------------------------------------------------------ driver */
+/* out[b, i, j] (fp32, contiguous B x M x N) = the model's result for a[b] (M x K) @ b[b] (K x N). Operands are
+ * fp32 holding values of the input format, addressed by element strides (batch stride 0 broadcasts). Returns 0,
+ * or -1 when a buffer could not be allocated (the caller then runs the torch path). */
+int mixprec_matmul_model(const float *a, int64_t sab, int64_t sam, int64_t sak, const float *b, int64_t sbb,
+                         int64_t sbk, int64_t sbn, float *out, int64_t nb, int64_t m, int64_t n, int64_t k, int kg,
+                         int pg, int mode, int acc_man, int acc_emin, int acc_emax, double acc_max, double acc_over,
+                         double acc_min_normal, int acc_subnormals, int nthreads) {
+    rfmt f = {mode,
+              (int64_t)(acc_emin + 1023) << 52,
+              (int64_t)(acc_emax + 1 + 1023) << 52,
+              ((int64_t)(52 - acc_man) << 52) | ((int64_t)1 << 51),
+              acc_max,
+              acc_over,
+              acc_min_normal,
+              acc_subnormals};
+    tile_fn tile = tile_scalar;
+#ifdef __AVX512F__
+    tile = mode == ROUND_FP32 ? tile_fp32 : tile_generic;
+#ifdef __AVX512FP16__
+    if (mode == ROUND_FP16) tile = tile_fp16;
+#endif
+#endif
+    if (mode == ROUND_FP16) f.mode = ROUND_GENERIC; /* the scalar tiles round fp16 with the magic constant */
+    const int64_t groups = (k + kg - 1) / kg;
+    const int64_t gpb = kg >= KC_TARGET ? 1 : KC_TARGET / kg; /* groups per K block */
+    const int64_t kc = gpb * kg;
+    const int64_t mblocks = (m + MC - 1) / MC, nblocks = (n + NC - 1) / NC;
+    const int64_t blocks = nb * mblocks * nblocks;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nb * m * n * k >= MIXPREC_GRAIN * 64 && blocks > 1)
+    {
+        double *ap = aligned_alloc(64, sizeof(double) * MC * kc);
+        double *bp = aligned_alloc(64, sizeof(double) * NC * kc);
+        double *acc = aligned_alloc(64, sizeof(double) * MC * NC);
+        double *prom = pg ? aligned_alloc(64, sizeof(double) * MC * NC) : NULL;
+        int ok = ap && bp && acc && (prom || !pg);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            if (!ok) continue;
+            const int64_t bi = blk / (mblocks * nblocks), rest = blk % (mblocks * nblocks);
+            const int64_t i0 = rest / nblocks * MC, j0 = rest % nblocks * NC;
+            const int64_t mc = m - i0 < MC ? m - i0 : MC, nc = n - j0 < NC ? n - j0 : NC;
+            const int64_t mt = (mc + MR - 1) / MR, nt = (nc + NR - 1) / NR;
+            const float *ab = a + bi * sab + i0 * sam, *bb = b + bi * sbb + j0 * sbn;
+            memset(acc, 0, sizeof(double) * MC * NC);
+            if (prom) memset(prom, 0, sizeof(double) * MC * NC);
+            for (int64_t g0 = 0; g0 < groups; g0 += gpb) {
+                const int64_t ng = groups - g0 < gpb ? groups - g0 : gpb, kk = ng * kg, k0 = g0 * kg;
+                /* pack A: panel t holds rows t*MR.., k-major; zeros past m and past k */
+                for (int64_t t = 0; t < mt; t++)
+                    for (int64_t q = 0; q < kk; q++) {
+                        double *dst = ap + t * MR * kc + q * MR;
+                        for (int r = 0; r < MR; r++) {
+                            const int64_t i = t * MR + r, kq = k0 + q;
+                            dst[r] = (i < mc && kq < k) ? (double)ab[i * sam + kq * sak] : 0.0;
+                        }
+                    }
+                for (int64_t t = 0; t < nt; t++)
+                    for (int64_t q = 0; q < kk; q++) {
+                        double *dst = bp + t * NR * kc + q * NR;
+                        const int64_t kq = k0 + q;
+                        for (int c = 0; c < NR; c++) {
+                            const int64_t j = t * NR + c;
+                            dst[c] = (j < nc && kq < k) ? (double)bb[kq * sbk + j * sbn] : 0.0;
+                        }
+                    }
+                for (int64_t tj = 0; tj < nt; tj++)
+                    for (int64_t ti = 0; ti < mt; ti++) {
+                        const int64_t off = ti * MR * NC + tj * NR;
+                        tile(ap + ti * MR * kc, bp + tj * NR * kc, (int)ng, kg, acc + off, prom ? prom + off : NULL,
+                             (int)g0, (int)groups, pg, &f);
+                    }
+            }
+            const double *res = prom ? prom : acc;
+            float *o = out + bi * m * n + i0 * n + j0;
+            for (int64_t i = 0; i < mc; i++)
+                for (int64_t j = 0; j < nc; j++) o[i * n + j] = (float)res[i * NC + j];
+        }
+        free(ap);
+        free(bp);
+        free(acc);
+        free(prom);
+    }
+    return failed ? -1 : 0;
+}
