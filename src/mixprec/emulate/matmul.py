@@ -254,9 +254,7 @@ def matmul_with_model(a: torch.Tensor, b: torch.Tensor, model: MatmulModel, *, r
         nbatch = math.prod(batch)
         lib = _native_library(a, model, nbatch * m * n * k)
         if lib is not None:
-            # fp32 holds every input format exactly; the kernel widens to fp64 while packing
-            ar = a.float() if rounded else round_to(a, model.inputs)
-            br = b.float() if rounded else round_to(b, model.inputs)
+            ar, br = _native_operands(a, b, model, rounded)
             y = _native_accumulate(lib, ar, br, batch, model)
             if y is not None:
                 if model.output is not None:
@@ -290,12 +288,30 @@ def _native_library(a: torch.Tensor, model: MatmulModel, work: int) -> ctypes.CD
     return native.library()
 
 
+_NATIVE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _native_operands(
+    a: torch.Tensor, b: torch.Tensor, model: MatmulModel, rounded: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` rounded to ``model.inputs``, held in fp16/bf16 when that is the format (half the bytes to
+    pack), else in fp32 (which holds every input format). torch's cast to fp16/bf16 from fp32/fp16/bf16 is
+    bit-exact with :func:`round_to` (core/rounding.py's contract) and exact on already-rounded operands; fp64
+    operands are rounded once by :func:`round_to` (torch's fp64 casts round twice)."""
+    dtype = model.inputs.torch_dtype
+    if dtype in (torch.float16, torch.bfloat16) and (rounded or torch.float64 not in (a.dtype, b.dtype)):
+        return a.to(dtype), b.to(dtype)
+    if rounded:
+        return a.float(), b.float()
+    return round_to(a, model.inputs), round_to(b, model.inputs)
+
+
 def _native_fn(lib: ctypes.CDLL) -> Any:
     bound = _BOUND.get(id(lib))
     if bound is None or bound[0] is not lib:
         fn = lib.mixprec_matmul_model
         i64, i32, f64, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i64]
+        fn.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, i32, ptr, i64, i64, i64, i64]
         fn.argtypes += [i32, i32, i32, i32, i32, i32, f64, f64, f64, i32, i32]
         fn.restype = ctypes.c_int
         bound = _BOUND[id(lib)] = (lib, fn)
@@ -329,7 +345,7 @@ def _native_accumulate(
     sa, sb = a3.stride(), b3.stride()
     status = _native_fn(lib)(
         a3.data_ptr(), sa[0] if nb > 1 else 0, sa[1], sa[2],
-        b3.data_ptr(), sb[0] if b3.shape[0] > 1 else 0, sb[1], sb[2],
+        b3.data_ptr(), sb[0] if b3.shape[0] > 1 else 0, sb[1], sb[2], _NATIVE_DTYPES[a3.dtype],
         out.data_ptr(), nb, rows, n, k, model.k_group, pg, mode,
         acc.man_bits, acc.emin, acc.emax, acc.max_finite, over, acc.min_normal, int(acc.subnormals),
         native.num_threads(),

@@ -18,7 +18,7 @@
 
 #define MR 12
 #define NR 16
-#define MC 96
+#define MC 192
 #define NC 256
 #define KC_TARGET 256
 
@@ -157,12 +157,92 @@ static void tile_generic(const double *ap, const double *bp, int ng, int kg, dou
 
 typedef void (*tile_fn)(const double *, const double *, int, int, double *, double *, int, int, int, const rfmt *);
 
+/* ------------------------------------------------------------------------------------------------ packing */
+enum { DT_FP32 = 0, DT_FP16 = 1, DT_BF16 = 2 };
+
+static inline __attribute__((always_inline)) double load_elem(const void *p, int64_t idx, int dt) {
+    if (dt == DT_FP32) return (double)((const float *)p)[idx];
+    if (dt == DT_BF16) return (double)bits_f32((uint32_t)((const uint16_t *)p)[idx] << 16);
+    return (double)((const _Float16 *)p)[idx];
+}
+
+/* dst[0..count) = src[idx..idx+count) widened to fp64; vector conversions (no scalar chain through a merged
+ * register: vcvtsh2sd/vcvtss2sd depend on their destination's previous value). */
+static inline __attribute__((always_inline)) void convert_run(double *dst, const void *src, int64_t idx,
+                                                              int64_t count, int dt) {
+    int64_t q = 0;
+#if defined(__AVX512F__) && defined(__F16C__)
+    for (; q + 8 <= count; q += 8) {
+        __m256 v;
+        if (dt == DT_FP32) {
+            v = _mm256_loadu_ps((const float *)src + idx + q);
+        } else {
+            __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)src + idx + q));
+            if (dt == DT_FP16)
+                v = _mm256_cvtph_ps(h);
+            else
+                v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        }
+        _mm512_storeu_pd(dst + q, _mm512_cvtps_pd(v));
+    }
+#endif
+    for (; q < count; q++) dst[q] = load_elem(src, idx + q, dt);
+}
+
+/* Panels of `width` (MR or NR) lines, k-major: dst[t][q][r] = src[line t*width + r, k k0 + q], zero outside
+ * `lines` x `k`. Element (line, kk) is at src[line * sl + kk * sk]. */
+static inline __attribute__((always_inline)) void pack_panels(double *dst, const void *src, int64_t sl, int64_t sk,
+                                                              int64_t lines, int64_t k0, int64_t kk, int64_t k,
+                                                              int64_t kc, int width, int dt) {
+    const int64_t panels = (lines + width - 1) / width, kin = k - k0 < kk ? k - k0 : kk;
+    if (sk == 1) { /* contiguous along k (row-major A): read each line, write strided */
+        for (int64_t t = 0; t < panels; t++) {
+            double *d = dst + t * width * kc;
+            const int64_t l0 = t * width, nl = lines - l0 < width ? lines - l0 : width;
+            if (nl < width || kin < kk) memset(d, 0, sizeof(double) * width * kk);
+            double tmp[NR][64]; /* convert a 64-wide strip of each line, then transpose it */
+            for (int64_t q0 = 0; q0 < kin; q0 += 64) {
+                const int64_t qn = kin - q0 < 64 ? kin - q0 : 64;
+                for (int r = 0; r < nl; r++) convert_run(tmp[r], src, (l0 + r) * sl + k0 + q0, qn, dt);
+                for (int64_t q = 0; q < qn; q++)
+                    for (int r = 0; r < nl; r++) d[(q0 + q) * width + r] = tmp[r][q];
+            }
+        }
+        return;
+    }
+    /* contiguous across lines (row-major B): one k row at a time, into every panel */
+    for (int64_t t = 0; t < panels; t++)
+        if ((t + 1) * width > lines || kin < kk) memset(dst + t * width * kc, 0, sizeof(double) * width * kk);
+    for (int64_t q = 0; q < kin; q++) {
+        const int64_t base = (k0 + q) * sk;
+        for (int64_t t = 0; t < panels; t++) {
+            double *d = dst + t * width * kc + q * width;
+            const int64_t l0 = t * width, nl = lines - l0 < width ? lines - l0 : width;
+            if (nl == width && sl == 1) {
+                convert_run(d, src, base + l0, width, dt);
+            } else {
+                for (int r = 0; r < nl; r++) d[r] = load_elem(src, base + (l0 + r) * sl, dt);
+            }
+        }
+    }
+}
+
+static void pack(double *dst, const void *src, int64_t sl, int64_t sk, int64_t lines, int64_t k0, int64_t kk,
+                 int64_t k, int64_t kc, int width, int dt) {
+    if (dt == DT_FP32)
+        pack_panels(dst, src, sl, sk, lines, k0, kk, k, kc, width, DT_FP32);
+    else if (dt == DT_FP16)
+        pack_panels(dst, src, sl, sk, lines, k0, kk, k, kc, width, DT_FP16);
+    else
+        pack_panels(dst, src, sl, sk, lines, k0, kk, k, kc, width, DT_BF16);
+}
+
 /* ------------------------------------------------------------------------------------------------ driver */
-/* out[b, i, j] (fp32, contiguous B x M x N) = the model's result for a[b] (M x K) @ b[b] (K x N). Operands are
- * fp32 holding values of the input format, addressed by element strides (batch stride 0 broadcasts). Returns 0,
- * or -1 when a buffer could not be allocated (the caller then runs the torch path). */
-int mixprec_matmul_model(const float *a, int64_t sab, int64_t sam, int64_t sak, const float *b, int64_t sbb,
-                         int64_t sbk, int64_t sbn, float *out, int64_t nb, int64_t m, int64_t n, int64_t k, int kg,
+/* out[b, i, j] (fp32, contiguous B x M x N) = the model's result for a[b] (M x K) @ b[b] (K x N). Operands hold
+ * values of the input format as fp32, fp16 or bf16 (dt), addressed by element strides (batch stride 0
+ * broadcasts). Returns 0, or -1 when a buffer could not be allocated (the caller then runs the torch path). */
+int mixprec_matmul_model(const void *a, int64_t sab, int64_t sam, int64_t sak, const void *b, int64_t sbb,
+                         int64_t sbk, int64_t sbn, int dt, float *out, int64_t nb, int64_t m, int64_t n, int64_t k, int kg,
                          int pg, int mode, int acc_man, int acc_emin, int acc_emax, double acc_max, double acc_over,
                          double acc_min_normal, int acc_subnormals, int nthreads) {
     rfmt f = {mode,
@@ -205,29 +285,15 @@ int mixprec_matmul_model(const float *a, int64_t sab, int64_t sam, int64_t sak, 
             const int64_t i0 = rest / nblocks * MC, j0 = rest % nblocks * NC;
             const int64_t mc = m - i0 < MC ? m - i0 : MC, nc = n - j0 < NC ? n - j0 : NC;
             const int64_t mt = (mc + MR - 1) / MR, nt = (nc + NR - 1) / NR;
-            const float *ab = a + bi * sab + i0 * sam, *bb = b + bi * sbb + j0 * sbn;
+            const size_t esz = dt == DT_FP32 ? 4 : 2;
+            const void *ab = (const char *)a + (bi * sab + i0 * sam) * esz;
+            const void *bb = (const char *)b + (bi * sbb + j0 * sbn) * esz;
             memset(acc, 0, sizeof(double) * MC * NC);
             if (prom) memset(prom, 0, sizeof(double) * MC * NC);
             for (int64_t g0 = 0; g0 < groups; g0 += gpb) {
                 const int64_t ng = groups - g0 < gpb ? groups - g0 : gpb, kk = ng * kg, k0 = g0 * kg;
-                /* pack A: panel t holds rows t*MR.., k-major; zeros past m and past k */
-                for (int64_t t = 0; t < mt; t++)
-                    for (int64_t q = 0; q < kk; q++) {
-                        double *dst = ap + t * MR * kc + q * MR;
-                        for (int r = 0; r < MR; r++) {
-                            const int64_t i = t * MR + r, kq = k0 + q;
-                            dst[r] = (i < mc && kq < k) ? (double)ab[i * sam + kq * sak] : 0.0;
-                        }
-                    }
-                for (int64_t t = 0; t < nt; t++)
-                    for (int64_t q = 0; q < kk; q++) {
-                        double *dst = bp + t * NR * kc + q * NR;
-                        const int64_t kq = k0 + q;
-                        for (int c = 0; c < NR; c++) {
-                            const int64_t j = t * NR + c;
-                            dst[c] = (j < nc && kq < k) ? (double)bb[kq * sbk + j * sbn] : 0.0;
-                        }
-                    }
+                pack(ap, ab, sam, sak, mc, k0, kk, k, kc, MR, dt);
+                pack(bp, bb, sbn, sbk, nc, k0, kk, k, kc, NR, dt);
                 for (int64_t tj = 0; tj < nt; tj++)
                     for (int64_t ti = 0; ti < mt; ti++) {
                         const int64_t off = ti * MR * NC + tj * NR;
