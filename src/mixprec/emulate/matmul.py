@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mixprec import native
+import mixprec.native as native
 from mixprec.core.formats import FORMAT_PRESETS, FloatFormat, get_format
 from mixprec.core.rounding import (
     apply_overflow_,
