@@ -80,8 +80,8 @@ static void tile_scalar(const double *ap, const double *bp, int ng, int kg, doub
 static inline __attribute__((always_inline)) __m512d round_vec(__m512d x, int mode, const rfmt *f) {
     if (mode == ROUND_FP32) return _mm512_cvtps_pd(_mm512_cvtpd_ps(x));
 #ifdef __AVX512FP16__
-    if (mode == ROUND_FP16) /* IEEE fp64 -> fp16 is one nearest-even rounding; + 0 turns -0 into +0 */
-        return _mm512_add_pd(_mm512_cvtph_pd(_mm512_cvtpd_ph(x)), _mm512_setzero_pd());
+    if (mode == ROUND_FP16) /* IEEE fp64 -> fp16 is one nearest-even rounding; -0 is made +0 at the end */
+        return _mm512_cvtph_pd(_mm512_cvtpd_ph(x));
 #endif
     __m512i e = _mm512_and_si512(_mm512_castpd_si512(x), _mm512_set1_epi64(0x7FF0000000000000LL));
     e = _mm512_min_epi64(_mm512_max_epi64(e, _mm512_set1_epi64(f->lo)), _mm512_set1_epi64(f->hi));
@@ -264,7 +264,15 @@ int mixprec_matmul_model(const void *a, int64_t sab, int64_t sam, int64_t sak, c
     const int64_t groups = (k + kg - 1) / kg;
     const int64_t gpb = kg >= KC_TARGET ? 1 : KC_TARGET / kg; /* groups per K block */
     const int64_t kc = gpb * kg;
-    const int64_t mblocks = (m + MC - 1) / MC, nblocks = (n + NC - 1) / NC;
+    const int64_t nblocks = (n + NC - 1) / NC;
+    /* rows per block: MC, or fewer (a multiple of MR) so that small products still give every thread work */
+    int64_t mcb = MC;
+    if (nthreads > 1) {
+        const int64_t want = 4 * (int64_t)nthreads, per = nb * nblocks, split = (want + per - 1) / per;
+        const int64_t rows = ((m + split - 1) / split + MR - 1) / MR * MR;
+        mcb = rows < MC ? (rows > MR ? rows : MR) : MC;
+    }
+    const int64_t mblocks = (m + mcb - 1) / mcb;
     const int64_t blocks = nb * mblocks * nblocks;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nb * m * n * k >= MIXPREC_GRAIN * 64 && blocks > 1)
@@ -282,8 +290,8 @@ int mixprec_matmul_model(const void *a, int64_t sab, int64_t sam, int64_t sak, c
         for (int64_t blk = 0; blk < blocks; blk++) {
             if (!ok) continue;
             const int64_t bi = blk / (mblocks * nblocks), rest = blk % (mblocks * nblocks);
-            const int64_t i0 = rest / nblocks * MC, j0 = rest % nblocks * NC;
-            const int64_t mc = m - i0 < MC ? m - i0 : MC, nc = n - j0 < NC ? n - j0 : NC;
+            const int64_t i0 = rest / nblocks * mcb, j0 = rest % nblocks * NC;
+            const int64_t mc = m - i0 < mcb ? m - i0 : mcb, nc = n - j0 < NC ? n - j0 : NC;
             const int64_t mt = (mc + MR - 1) / MR, nt = (nc + NR - 1) / NR;
             const size_t esz = dt == DT_FP32 ? 4 : 2;
             const void *ab = (const char *)a + (bi * sab + i0 * sam) * esz;
@@ -301,10 +309,14 @@ int mixprec_matmul_model(const void *a, int64_t sab, int64_t sam, int64_t sak, c
                              (int)g0, (int)groups, pg, &f);
                     }
             }
+            /* The torch path's rounding gives +0 for every zero; here the fp16 conversion keeps -0 for negative
+             * sums that round to zero. Only the sign of a zero differs, which no later step can see except
+             * the output (a promotion adds into a sum that is never -0, and rounds again), so + 0 here. */
             const double *res = prom ? prom : acc;
+            const double fix = (!prom && mode == ROUND_FP16) ? 0.0 : -0.0; /* x + -0 = x for every x */
             float *o = out + bi * m * n + i0 * n + j0;
             for (int64_t i = 0; i < mc; i++)
-                for (int64_t j = 0; j < nc; j++) o[i * n + j] = (float)res[i * NC + j];
+                for (int64_t j = 0; j < nc; j++) o[i * n + j] = (float)(res[i * NC + j] + fix);
         }
         free(ap);
         free(bp);
