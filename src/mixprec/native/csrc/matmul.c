@@ -50,7 +50,7 @@ static inline double round_scalar(double x, const rfmt *f) {
  * g0 is the global index of the first group, groups the total, pg the groups per promotion (0: none). */
 #define NCP NC
 
-static void tile_scalar(const double *ap, const double *bp, int ng, int kg, double *acc, double *prom, int g0,
+static void tile_scalar(const double *ap, const double *bp, int ng, int kg, double *acc, float *prom, int g0,
                         int groups, int pg, const rfmt *f) {
     double t[MR][NR];
     for (int i = 0; i < MR; i++)
@@ -67,7 +67,7 @@ static void tile_scalar(const double *ap, const double *bp, int ng, int kg, doub
         if (pg && ((gg + 1) % pg == 0 || gg == groups - 1)) {
             for (int i = 0; i < MR; i++)
                 for (int j = 0; j < NR; j++) {
-                    prom[i * NCP + j] = (double)(float)(prom[i * NCP + j] + t[i][j]);
+                    prom[i * NCP + j] += (float)t[i][j]; /* exact widening; one fp32 rounding */
                     t[i][j] = 0.0;
                 }
         }
@@ -103,7 +103,7 @@ static inline __attribute__((always_inline)) __m512d round_vec(__m512d x, int mo
 }
 
 static inline __attribute__((always_inline)) void tile_avx512(const double *ap, const double *bp, int ng, int kg,
-                                                              double *acc, double *prom, int g0, int groups, int pg,
+                                                              double *acc, float *prom, int g0, int groups, int pg,
                                                               const rfmt *f, int mode) {
     __m512d c[MR][2];
     for (int i = 0; i < MR; i++) {
@@ -128,9 +128,8 @@ static inline __attribute__((always_inline)) void tile_avx512(const double *ap, 
         if (pg && ((gg + 1) % pg == 0 || gg == groups - 1)) {
             for (int i = 0; i < MR; i++)
                 for (int h = 0; h < 2; h++) {
-                    double *p = prom + i * NCP + 8 * h;
-                    __m512d s = _mm512_add_pd(_mm512_loadu_pd(p), c[i][h]);
-                    _mm512_storeu_pd(p, _mm512_cvtps_pd(_mm512_cvtpd_ps(s)));
+                    float *p = prom + i * NCP + 8 * h;
+                    _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), _mm512_cvtpd_ps(c[i][h])));
                     c[i][h] = _mm512_setzero_pd();
                 }
         }
@@ -141,21 +140,21 @@ static inline __attribute__((always_inline)) void tile_avx512(const double *ap, 
     }
 }
 
-static void tile_fp32(const double *ap, const double *bp, int ng, int kg, double *acc, double *prom, int g0,
+static void tile_fp32(const double *ap, const double *bp, int ng, int kg, double *acc, float *prom, int g0,
                       int groups, int pg, const rfmt *f) {
     tile_avx512(ap, bp, ng, kg, acc, prom, g0, groups, pg, f, ROUND_FP32);
 }
-static void tile_fp16(const double *ap, const double *bp, int ng, int kg, double *acc, double *prom, int g0,
+static void tile_fp16(const double *ap, const double *bp, int ng, int kg, double *acc, float *prom, int g0,
                       int groups, int pg, const rfmt *f) {
     tile_avx512(ap, bp, ng, kg, acc, prom, g0, groups, pg, f, ROUND_FP16);
 }
-static void tile_generic(const double *ap, const double *bp, int ng, int kg, double *acc, double *prom, int g0,
+static void tile_generic(const double *ap, const double *bp, int ng, int kg, double *acc, float *prom, int g0,
                          int groups, int pg, const rfmt *f) {
     tile_avx512(ap, bp, ng, kg, acc, prom, g0, groups, pg, f, ROUND_GENERIC);
 }
 #endif
 
-typedef void (*tile_fn)(const double *, const double *, int, int, double *, double *, int, int, int, const rfmt *);
+typedef void (*tile_fn)(const double *, const double *, int, int, double *, float *, int, int, int, const rfmt *);
 
 /* ------------------------------------------------------------------------------------------------ packing */
 enum { DT_FP32 = 0, DT_FP16 = 1, DT_BF16 = 2 };
@@ -280,7 +279,7 @@ int mixprec_matmul_model(const void *a, int64_t sab, int64_t sam, int64_t sak, c
         double *ap = aligned_alloc(64, sizeof(double) * MC * kc);
         double *bp = aligned_alloc(64, sizeof(double) * NC * kc);
         double *acc = aligned_alloc(64, sizeof(double) * MC * NC);
-        double *prom = pg ? aligned_alloc(64, sizeof(double) * MC * NC) : NULL;
+        float *prom = pg ? aligned_alloc(64, sizeof(float) * MC * NC) : NULL;
         int ok = ap && bp && acc && (prom || !pg);
         if (!ok) {
 #pragma omp atomic write
@@ -297,7 +296,7 @@ int mixprec_matmul_model(const void *a, int64_t sab, int64_t sam, int64_t sak, c
             const void *ab = (const char *)a + (bi * sab + i0 * sam) * esz;
             const void *bb = (const char *)b + (bi * sbb + j0 * sbn) * esz;
             memset(acc, 0, sizeof(double) * MC * NC);
-            if (prom) memset(prom, 0, sizeof(double) * MC * NC);
+            if (prom) memset(prom, 0, sizeof(float) * MC * NC);
             for (int64_t g0 = 0; g0 < groups; g0 += gpb) {
                 const int64_t ng = groups - g0 < gpb ? groups - g0 : gpb, kk = ng * kg, k0 = g0 * kg;
                 pack(ap, ab, sam, sak, mc, k0, kk, k, kc, MR, dt);
@@ -312,11 +311,14 @@ int mixprec_matmul_model(const void *a, int64_t sab, int64_t sam, int64_t sak, c
             /* The torch path's rounding gives +0 for every zero; here the fp16 conversion keeps -0 for negative
              * sums that round to zero. Only the sign of a zero differs, which no later step can see except
              * the output (a promotion adds into a sum that is never -0, and rounds again), so + 0 here. */
-            const double *res = prom ? prom : acc;
-            const double fix = (!prom && mode == ROUND_FP16) ? 0.0 : -0.0; /* x + -0 = x for every x */
             float *o = out + bi * m * n + i0 * n + j0;
-            for (int64_t i = 0; i < mc; i++)
-                for (int64_t j = 0; j < nc; j++) o[i * n + j] = (float)(res[i * NC + j] + fix);
+            if (prom) {
+                for (int64_t i = 0; i < mc; i++) memcpy(o + i * n, prom + i * NC, sizeof(float) * nc);
+            } else {
+                const double fix = mode == ROUND_FP16 ? 0.0 : -0.0; /* x + -0 = x for every x */
+                for (int64_t i = 0; i < mc; i++)
+                    for (int64_t j = 0; j < nc; j++) o[i * n + j] = (float)(acc[i * NC + j] + fix);
+            }
         }
         free(ap);
         free(bp);
