@@ -17,7 +17,7 @@ import torch
 
 import mixprec.native as native
 from _common import machine_header, markdown_table
-from mixprec.emulate import MATMUL_PRESETS, matmul
+from mixprec.emulate import matmul
 
 GOAL = 5.0
 PRESETS = ("fp16/16", "fp16/32", "bf16/32", "two_stage")
@@ -64,9 +64,12 @@ def main() -> None:
         for threads in args.threads:
             torch.set_num_threads(threads)
             for name in PRESETS:
-                fns: list[Callable[[], object]] = [lambda: a @ b, lambda name=name: matmul(a, b, mode=name)]
+                fns: list[Callable[[], object]] = [
+                    lambda a=a, b=b: a @ b,
+                    lambda a=a, b=b, name=name: matmul(a, b, mode=name),
+                ]
                 if with_torch_path:
-                    fns.append(lambda name=name: torch_path(a, b, name))
+                    fns.append(lambda a=a, b=b, name=name: torch_path(a, b, name))
                 times = time_interleaved(fns, warmup=1, repeat=repeat)
                 t32, tc = times[0], times[1]
                 tt = times[2] if with_torch_path else None

@@ -5,6 +5,7 @@ accumulator formats, operand dtypes and thread counts. Data keeps each group's t
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -42,6 +43,20 @@ def mixed(shape: tuple[int, ...], gen: torch.Generator, spread: int = 6) -> torc
     x[pick == 2] = 0.0
     x[(pick == 2) & (torch.rand(shape, generator=gen) < 0.5)] = -0.0
     return x
+
+
+def test_the_compiled_kernel_runs(monkeypatch):
+    module = importlib.import_module("mixprec.emulate.matmul")  # the package's `matmul` shadows the module
+    calls = []
+    real = module._native_accumulate
+    monkeypatch.setattr(module, "_native_accumulate", lambda *args: calls.append(1) or real(*args))
+    a = torch.randn(4, 20)
+    matmul(a, torch.randn(20, 3), mode="fp16/16")
+    assert calls == [1]
+    with native.disabled():
+        matmul(a, torch.randn(20, 3), mode="fp16/16")
+    matmul(a, torch.randn(20, 3), mode="fp16/32-h100")  # the alignment model stays on the torch path
+    assert calls == [1]
 
 
 SHAPES = [(1, 1, 1), (3, 17, 5), (17, 33, 3), (33, 1, 17), (5, 37, 33), (13, 50, 31)]
