@@ -102,7 +102,8 @@ def test_thread_count_does_not_change_bits():
         MatmulModel(inputs="fp16", accumulator="fp16", k_group=3, promote_every=6),
         MatmulModel(inputs="fp16", accumulator="fp32", k_group=32, promote_every=64, output="bf16"),
         MatmulModel(inputs="fp16", accumulator="fp16", k_group=100),  # K blocks of 200
-        MatmulModel(inputs="bf16", accumulator="fp16", k_group=300),  # one group longer than a K block target
+        MatmulModel(inputs="bf16", accumulator="fp16", k_group=300),  # groups span K blocks of 256
+        MatmulModel(inputs="fp16", accumulator="fp16", k_group=160, promote_every=320),  # K 333 padded to 480
         MatmulModel(inputs="bf16", accumulator="bf16", k_group=4),
         MatmulModel(inputs="fp32", accumulator="bf16", k_group=2),
         MatmulModel(inputs="fp8_e4m3", accumulator="fp16", k_group=16, promote_every=32),

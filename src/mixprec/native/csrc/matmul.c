@@ -46,25 +46,28 @@ static inline double round_scalar(double x, const rfmt *f) {
 
 /* ------------------------------------------------------------------------------------------ micro-kernels */
 /* acc (MR x NR, row stride NCP) and prom (same layout, or NULL) hold the state of one output tile; ap is a
- * packed A panel (k-major, MR per k), bp a packed B panel (k-major, NR per k), ng groups of kg products.
- * g0 is the global index of the first group, groups the total, pg the groups per promotion (0: none). */
+ * packed A panel (k-major, MR per k), bp a packed B panel (k-major, NR per k) of the products k0 .. k0+kk-1
+ * (zero-padded K). A block may start or end inside a group: the unrounded fp64 partial sum then waits in acc,
+ * exactly as in a register. groups is the total, pg the groups per promotion (0: none). */
 #define NCP NC
 
-static void tile_scalar(const double *ap, const double *bp, int ng, int kg, double *acc, float *prom, int g0,
-                        int groups, int pg, const rfmt *f) {
+static void tile_scalar(const double *ap, const double *bp, int64_t k0, int64_t kk, int kg, double *acc,
+                        float *prom, int64_t groups, int pg, const rfmt *f) {
     double t[MR][NR];
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NR; j++) t[i][j] = acc[i * NCP + j];
-    for (int g = 0; g < ng; g++) {
-        for (int k = 0; k < kg; k++) {
-            const double *a = ap + (size_t)(g * kg + k) * MR, *b = bp + (size_t)(g * kg + k) * NR;
+    for (int64_t k = k0, kend = k0 + kk; k < kend;) {
+        const int64_t gend = (k / kg + 1) * kg < kend ? (k / kg + 1) * kg : kend;
+        for (; k < gend; k++) {
+            const double *a = ap + (k - k0) * MR, *b = bp + (k - k0) * NR;
             for (int i = 0; i < MR; i++)
                 for (int j = 0; j < NR; j++) t[i][j] += a[i] * b[j]; /* exact product, one rounding: = fma */
         }
+        if (k % kg) continue; /* the group goes on in the next K block */
         for (int i = 0; i < MR; i++)
             for (int j = 0; j < NR; j++) t[i][j] = round_scalar(t[i][j], f);
-        int gg = g0 + g;
-        if (pg && ((gg + 1) % pg == 0 || gg == groups - 1)) {
+        const int64_t g = k / kg - 1;
+        if (pg && ((g + 1) % pg == 0 || g == groups - 1)) {
             for (int i = 0; i < MR; i++)
                 for (int j = 0; j < NR; j++) {
                     prom[i * NCP + j] += (float)t[i][j]; /* exact widening; one fp32 rounding */
@@ -102,17 +105,18 @@ static inline __attribute__((always_inline)) __m512d round_vec(__m512d x, int mo
     return x;
 }
 
-static inline __attribute__((always_inline)) void tile_avx512(const double *ap, const double *bp, int ng, int kg,
-                                                              double *acc, float *prom, int g0, int groups, int pg,
-                                                              const rfmt *f, int mode) {
+static inline __attribute__((always_inline)) void tile_avx512(const double *ap, const double *bp, int64_t k0,
+                                                              int64_t kk, int kg, double *acc, float *prom,
+                                                              int64_t groups, int pg, const rfmt *f, int mode) {
     __m512d c[MR][2];
     for (int i = 0; i < MR; i++) {
         c[i][0] = _mm512_loadu_pd(acc + i * NCP);
         c[i][1] = _mm512_loadu_pd(acc + i * NCP + 8);
     }
-    for (int g = 0; g < ng; g++) {
-        const double *a = ap + (size_t)g * kg * MR, *b = bp + (size_t)g * kg * NR;
-        for (int k = 0; k < kg; k++, a += MR, b += NR) {
+    const double *a = ap, *b = bp;
+    for (int64_t k = k0, kend = k0 + kk; k < kend;) {
+        const int64_t gend = (k / kg + 1) * kg < kend ? (k / kg + 1) * kg : kend;
+        for (; k < gend; k++, a += MR, b += NR) {
             __m512d b0 = _mm512_load_pd(b), b1 = _mm512_load_pd(b + 8);
             for (int i = 0; i < MR; i++) {
                 __m512d ai = _mm512_set1_pd(a[i]);
@@ -120,12 +124,13 @@ static inline __attribute__((always_inline)) void tile_avx512(const double *ap, 
                 c[i][1] = _mm512_fmadd_pd(ai, b1, c[i][1]);
             }
         }
+        if (k % kg) continue; /* the group goes on in the next K block */
         for (int i = 0; i < MR; i++) {
             c[i][0] = round_vec(c[i][0], mode, f);
             c[i][1] = round_vec(c[i][1], mode, f);
         }
-        int gg = g0 + g;
-        if (pg && ((gg + 1) % pg == 0 || gg == groups - 1)) {
+        const int64_t g = k / kg - 1;
+        if (pg && ((g + 1) % pg == 0 || g == groups - 1)) {
             for (int i = 0; i < MR; i++)
                 for (int h = 0; h < 2; h++) {
                     float *p = prom + i * NCP + 8 * h;
@@ -140,21 +145,18 @@ static inline __attribute__((always_inline)) void tile_avx512(const double *ap, 
     }
 }
 
-static void tile_fp32(const double *ap, const double *bp, int ng, int kg, double *acc, float *prom, int g0,
-                      int groups, int pg, const rfmt *f) {
-    tile_avx512(ap, bp, ng, kg, acc, prom, g0, groups, pg, f, ROUND_FP32);
-}
-static void tile_fp16(const double *ap, const double *bp, int ng, int kg, double *acc, float *prom, int g0,
-                      int groups, int pg, const rfmt *f) {
-    tile_avx512(ap, bp, ng, kg, acc, prom, g0, groups, pg, f, ROUND_FP16);
-}
-static void tile_generic(const double *ap, const double *bp, int ng, int kg, double *acc, float *prom, int g0,
-                         int groups, int pg, const rfmt *f) {
-    tile_avx512(ap, bp, ng, kg, acc, prom, g0, groups, pg, f, ROUND_GENERIC);
-}
+#define TILE_VARIANT(NAME, MODE)                                                                                     \
+    static void NAME(const double *ap, const double *bp, int64_t k0, int64_t kk, int kg, double *acc, float *prom,  \
+                     int64_t groups, int pg, const rfmt *f) {                                                        \
+        tile_avx512(ap, bp, k0, kk, kg, acc, prom, groups, pg, f, MODE);                                             \
+    }
+TILE_VARIANT(tile_fp32, ROUND_FP32)
+TILE_VARIANT(tile_fp16, ROUND_FP16)
+TILE_VARIANT(tile_generic, ROUND_GENERIC)
 #endif
 
-typedef void (*tile_fn)(const double *, const double *, int, int, double *, float *, int, int, int, const rfmt *);
+typedef void (*tile_fn)(const double *, const double *, int64_t, int64_t, int, double *, float *, int64_t, int,
+                        const rfmt *);
 
 /* ------------------------------------------------------------------------------------------------ packing */
 enum { DT_FP32 = 0, DT_FP16 = 1, DT_BF16 = 2 };
@@ -261,8 +263,8 @@ int mixprec_matmul_model(const void *a, int64_t sab, int64_t sam, int64_t sak, c
 #endif
     if (mode == ROUND_FP16) f.mode = ROUND_GENERIC; /* the scalar tiles round fp16 with the magic constant */
     const int64_t groups = (k + kg - 1) / kg;
-    const int64_t gpb = kg >= KC_TARGET ? 1 : KC_TARGET / kg; /* groups per K block */
-    const int64_t kc = gpb * kg;
+    /* K blocks of whole groups near KC_TARGET, or of KC_TARGET when one group is longer (bounded buffers) */
+    const int64_t kc = kg >= KC_TARGET ? KC_TARGET : KC_TARGET / kg * kg, kpad = groups * kg;
     const int64_t nblocks = (n + NC - 1) / NC;
     /* rows per block: MC, or fewer (a multiple of MR) so that small products still give every thread work */
     int64_t mcb = MC;
@@ -297,15 +299,15 @@ int mixprec_matmul_model(const void *a, int64_t sab, int64_t sam, int64_t sak, c
             const void *bb = (const char *)b + (bi * sbb + j0 * sbn) * esz;
             memset(acc, 0, sizeof(double) * MC * NC);
             if (prom) memset(prom, 0, sizeof(float) * MC * NC);
-            for (int64_t g0 = 0; g0 < groups; g0 += gpb) {
-                const int64_t ng = groups - g0 < gpb ? groups - g0 : gpb, kk = ng * kg, k0 = g0 * kg;
+            for (int64_t k0 = 0; k0 < kpad; k0 += kc) {
+                const int64_t kk = kpad - k0 < kc ? kpad - k0 : kc;
                 pack(ap, ab, sam, sak, mc, k0, kk, k, kc, MR, dt);
                 pack(bp, bb, sbn, sbk, nc, k0, kk, k, kc, NR, dt);
                 for (int64_t tj = 0; tj < nt; tj++)
                     for (int64_t ti = 0; ti < mt; ti++) {
                         const int64_t off = ti * MR * NC + tj * NR;
-                        tile(ap + ti * MR * kc, bp + tj * NR * kc, (int)ng, kg, acc + off, prom ? prom + off : NULL,
-                             (int)g0, (int)groups, pg, &f);
+                        tile(ap + ti * MR * kc, bp + tj * NR * kc, k0, kk, kg, acc + off, prom ? prom + off : NULL,
+                             groups, pg, &f);
                     }
             }
             /* The torch path's rounding gives +0 for every zero; here the fp16 conversion keeps -0 for negative
