@@ -239,6 +239,8 @@ static void pack(double *dst, const void *src, int64_t sl, int64_t sk, int64_t l
 }
 
 /* ------------------------------------------------------------------------------------------------ driver */
+static void *alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
 /* out[b, i, j] (fp32, contiguous B x M x N) = the model's result for a[b] (M x K) @ b[b] (K x N). Operands hold
  * values of the input format as fp32, fp16 or bf16 (dt), addressed by element strides (batch stride 0
  * broadcasts). Returns 0, or -1 when a buffer could not be allocated (the caller then runs the torch path). */
@@ -264,7 +266,8 @@ int mixprec_matmul_model(const void *a, int64_t sab, int64_t sam, int64_t sak, c
     if (mode == ROUND_FP16) f.mode = ROUND_GENERIC; /* the scalar tiles round fp16 with the magic constant */
     const int64_t groups = (k + kg - 1) / kg;
     /* K blocks of whole groups near KC_TARGET, or of KC_TARGET when one group is longer (bounded buffers) */
-    const int64_t kc = kg >= KC_TARGET ? KC_TARGET : KC_TARGET / kg * kg, kpad = groups * kg;
+    const int64_t kpad = groups * kg, kc0 = kg >= KC_TARGET ? KC_TARGET : KC_TARGET / kg * kg;
+    const int64_t kc = kc0 < kpad ? kc0 : kpad;
     const int64_t nblocks = (n + NC - 1) / NC;
     /* rows per block: MC, or fewer (a multiple of MR) so that small products still give every thread work */
     int64_t mcb = MC;
@@ -275,13 +278,16 @@ int mixprec_matmul_model(const void *a, int64_t sab, int64_t sam, int64_t sak, c
     }
     const int64_t mblocks = (m + mcb - 1) / mcb;
     const int64_t blocks = nb * mblocks * nblocks;
+    /* buffers sized for the largest block of this product (small products touch little memory) */
+    const int64_t rows = ((m < mcb ? m : mcb) + MR - 1) / MR * MR, cols = ((n < NC ? n : NC) + NR - 1) / NR * NR;
     int failed = 0;
+    /* threads only for at least ~2M multiply-adds (an OpenMP fork/join costs microseconds) */
 #pragma omp parallel num_threads(nthreads) if (nb * m * n * k >= MIXPREC_GRAIN * 64 && blocks > 1)
     {
-        double *ap = aligned_alloc(64, sizeof(double) * MC * kc);
-        double *bp = aligned_alloc(64, sizeof(double) * NC * kc);
-        double *acc = aligned_alloc(64, sizeof(double) * MC * NC);
-        float *prom = pg ? aligned_alloc(64, sizeof(float) * MC * NC) : NULL;
+        double *ap = alloc64(sizeof(double) * rows * kc);
+        double *bp = alloc64(sizeof(double) * cols * kc);
+        double *acc = alloc64(sizeof(double) * rows * NC);
+        float *prom = pg ? alloc64(sizeof(float) * rows * NC) : NULL;
         int ok = ap && bp && acc && (prom || !pg);
         if (!ok) {
 #pragma omp atomic write
@@ -297,8 +303,8 @@ int mixprec_matmul_model(const void *a, int64_t sab, int64_t sam, int64_t sak, c
             const size_t esz = dt == DT_FP32 ? 4 : 2;
             const void *ab = (const char *)a + (bi * sab + i0 * sam) * esz;
             const void *bb = (const char *)b + (bi * sbb + j0 * sbn) * esz;
-            memset(acc, 0, sizeof(double) * MC * NC);
-            if (prom) memset(prom, 0, sizeof(float) * MC * NC);
+            memset(acc, 0, sizeof(double) * mt * MR * NC);
+            if (prom) memset(prom, 0, sizeof(float) * mt * MR * NC);
             for (int64_t k0 = 0; k0 < kpad; k0 += kc) {
                 const int64_t kk = kpad - k0 < kc ? kpad - k0 : kc;
                 pack(ap, ab, sam, sak, mc, k0, kk, k, kc, MR, dt);
