@@ -283,8 +283,9 @@ _BOUND: dict[int, tuple[ctypes.CDLL, Any]] = {}
 
 
 def _native_library(a: torch.Tensor, model: MatmulModel, work: int) -> ctypes.CDLL | None:
-    """The compiled kernel library when it can run this product: CPU, no alignment model, non-empty."""
-    if a.device.type != "cpu" or model.align_bits is not None or work == 0:
+    """The compiled kernel library when it can run this product: CPU, no alignment model, non-empty (and a
+    k_group that fits the kernel's C int)."""
+    if a.device.type != "cpu" or model.align_bits is not None or work == 0 or model.k_group >= 1 << 30:
         return None
     return native.library()
 
@@ -322,8 +323,8 @@ def _native_fn(lib: ctypes.CDLL) -> Any:
 def _native_accumulate(
     lib: ctypes.CDLL, ar: torch.Tensor, br: torch.Tensor, batch: torch.Size, model: MatmulModel
 ) -> torch.Tensor | None:
-    """The model's product on the compiled kernel (fp32 operands holding input-format values); None when the
-    kernel could not allocate its buffers (the torch path then runs)."""
+    """The model's product on the compiled kernel (fp32, fp16 or bf16 operands holding input-format values); None
+    when the kernel could not allocate its buffers (the torch path then runs)."""
     m, k, n = ar.shape[-2], ar.shape[-1], br.shape[-1]
     nbatch = math.prod(batch)
     if math.prod(br.shape[:-2]) == 1:  # b shared by the batch: fold the batch into rows
@@ -342,7 +343,9 @@ def _native_accumulate(
     else:
         mode = _ROUND_GENERIC
     over = acc.max_finite if acc.saturate else (math.inf if acc.has_inf else math.nan)
-    pg = 0 if model.promote_every is None else model.promote_every // model.k_group
+    # promotion every pg groups; pg >= the group count promotes once, after the last group, like pg = groups
+    groups = -(-k // model.k_group)
+    pg = 0 if model.promote_every is None else min(model.promote_every // model.k_group, groups)
     sa, sb = a3.stride(), b3.stride()
     status = _native_fn(lib)(
         a3.data_ptr(), sa[0] if nb > 1 else 0, sa[1], sa[2],
