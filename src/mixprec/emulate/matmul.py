@@ -9,12 +9,14 @@ the result. ``align_bits=F`` adds a tensor-core alignment model (Fasi et al. 202
 
 ``matmul`` is the user entry point; ``matmul_with_model`` is the same product for callers that already hold a
 :class:`MatmulModel` (EmulatedLinear, ``mixprec.kernels``' CPU fallback). ``bounds`` gives Higham's deterministic
-and Higham & Mary's probabilistic error bounds. The exactness argument of the fp64 group sums, the hardware
-comparison and the cost model are in ``docs/emulate.md``.
+and Higham & Mary's probabilistic error bounds. On CPU tensors a compiled kernel (``mixprec.native``) computes
+the model with the same bits as the torch code here, which stays as the fallback. The exactness argument of the
+fp64 group sums, the kernel, the hardware comparison and the cost model are in ``docs/emulate.md``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 
+import mixprec.native as native
 from mixprec.core.formats import FORMAT_PRESETS, FloatFormat, get_format
 from mixprec.core.rounding import (
     apply_overflow_,
@@ -249,10 +252,18 @@ def matmul_with_model(a: torch.Tensor, b: torch.Tensor, model: MatmulModel, *, r
     m, k = a.shape[-2], a.shape[-1]
     n = b.shape[-1]
     with torch.autocast(device_type=a.device.type, enabled=False), torch.no_grad():
+        nbatch = math.prod(batch)
+        lib = _native_library(a, model, nbatch * m * n * k)
+        if lib is not None:
+            ar, br = _native_operands(a, b, model, rounded)
+            y = _native_accumulate(lib, ar, br, batch, model)
+            if y is not None:
+                if model.output is not None:
+                    round_to_(y, model.output)
+                return y
         ar = a.double() if rounded else round_to(a, model.inputs).double()
         br = b.double() if rounded else round_to(b, model.inputs).double()
         # explicit sizes, not -1: with K = 0 a reshape cannot infer the other dimension
-        nbatch = math.prod(batch)
         if math.prod(b.shape[:-2]) == 1:
             # b is shared by the whole batch: fold the batch into rows (one big product, no copies of b)
             a3 = ar.expand(*batch, m, k).reshape(1, nbatch * m, k)
@@ -264,6 +275,88 @@ def matmul_with_model(a: torch.Tensor, b: torch.Tensor, model: MatmulModel, *, r
         if model.output is not None:
             round_to_(y, model.output)
         return y.reshape(*batch, m, n)
+
+
+# ---------------------------------------------------------------------------------------------- compiled path
+_ROUND_FP32, _ROUND_FP16, _ROUND_GENERIC = 0, 1, 2
+_BOUND: dict[int, tuple[ctypes.CDLL, Any]] = {}
+
+
+def _native_library(a: torch.Tensor, model: MatmulModel, work: int) -> ctypes.CDLL | None:
+    """The compiled kernel library when it can run this product: CPU, no alignment model, non-empty (and a
+    k_group that fits the kernel's C int)."""
+    if a.device.type != "cpu" or model.align_bits is not None or work == 0 or model.k_group >= 1 << 30:
+        return None
+    return native.library()
+
+
+_NATIVE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _native_operands(
+    a: torch.Tensor, b: torch.Tensor, model: MatmulModel, rounded: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` rounded to ``model.inputs``, held in fp16/bf16 when that is the format (half the bytes to
+    pack), else in fp32 (which holds every input format). torch's cast to fp16/bf16 from fp32/fp16/bf16 is
+    bit-exact with :func:`round_to` (core/rounding.py's contract) and exact on already-rounded operands; fp64
+    operands are rounded once by :func:`round_to` (torch's fp64 casts round twice)."""
+    dtype = model.inputs.torch_dtype
+    if dtype in (torch.float16, torch.bfloat16) and (rounded or torch.float64 not in (a.dtype, b.dtype)):
+        return a.to(dtype), b.to(dtype)
+    if rounded:
+        return a.float(), b.float()
+    return round_to(a, model.inputs), round_to(b, model.inputs)
+
+
+def _native_fn(lib: ctypes.CDLL) -> Any:
+    bound = _BOUND.get(id(lib))
+    if bound is None or bound[0] is not lib:
+        fn = lib.mixprec_matmul_model
+        i64, i32, f64, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_void_p
+        fn.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, i32, ptr, i64, i64, i64, i64]
+        fn.argtypes += [i32, i32, i32, i32, i32, i32, f64, f64, f64, i32, i32]
+        fn.restype = ctypes.c_int
+        bound = _BOUND[id(lib)] = (lib, fn)
+    return bound[1]
+
+
+def _native_accumulate(
+    lib: ctypes.CDLL, ar: torch.Tensor, br: torch.Tensor, batch: torch.Size, model: MatmulModel
+) -> torch.Tensor | None:
+    """The model's product on the compiled kernel (fp32, fp16 or bf16 operands holding input-format values); None
+    when the kernel could not allocate its buffers (the torch path then runs)."""
+    m, k, n = ar.shape[-2], ar.shape[-1], br.shape[-1]
+    nbatch = math.prod(batch)
+    if math.prod(br.shape[:-2]) == 1:  # b shared by the batch: fold the batch into rows
+        a3 = ar.expand(*batch, m, k).reshape(nbatch * m, k).unsqueeze(0)
+        b3 = br.reshape(k, n).unsqueeze(0)
+    else:
+        a3 = ar.expand(*batch, m, k).reshape(nbatch, m, k)
+        b3 = br.expand(*batch, k, n).reshape(nbatch, k, n)
+    nb, rows = a3.shape[0], a3.shape[1]
+    out = torch.empty(nb, rows, n, dtype=torch.float32)
+    acc = model.accumulator
+    if acc.is_fp32:
+        mode = _ROUND_FP32
+    elif acc == FORMAT_PRESETS["fp16"]:
+        mode = _ROUND_FP16
+    else:
+        mode = _ROUND_GENERIC
+    over = acc.max_finite if acc.saturate else (math.inf if acc.has_inf else math.nan)
+    # promotion every pg groups; pg >= the group count promotes once, after the last group, like pg = groups
+    groups = -(-k // model.k_group)
+    pg = 0 if model.promote_every is None else min(model.promote_every // model.k_group, groups)
+    sa, sb = a3.stride(), b3.stride()
+    status = _native_fn(lib)(
+        a3.data_ptr(), sa[0] if nb > 1 else 0, sa[1], sa[2],
+        b3.data_ptr(), sb[0] if b3.shape[0] > 1 else 0, sb[1], sb[2], _NATIVE_DTYPES[a3.dtype],
+        out.data_ptr(), nb, rows, n, k, model.k_group, pg, mode,
+        acc.man_bits, acc.emin, acc.emax, acc.max_finite, over, acc.min_normal, int(acc.subnormals),
+        native.num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        return None
+    return out.reshape(*batch, m, n)
 
 
 # Elementwise ops on fewer elements than this run inline in the calling thread (ATen's intra-op grain size).
