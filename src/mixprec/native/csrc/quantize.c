@@ -1,0 +1,303 @@
+/* MinMaxUInt8's encode and decode (mixprec.compress.quantize), fused and cache-blocked.
+ *
+ * Encode: one task per (row, chunk). The chunk is read once from memory for its min/max (and NaN check),
+ * stays in L1/L2 while the fp64 per-chunk scalars are computed, and is read again from cache for the codes,
+ * so DRAM sees 4 bytes in and 1 byte out per element. Decode: one task per (row, chunk), or per chunk over
+ * all rows when summing (row order, fp32). The arithmetic is the torch path's, operation by operation, in
+ * the same precision (-ffp-contract=off: no fused multiply-add): docs/compress.md says why each step rounds
+ * where it does. Stochastic rounding takes its uniforms from Philox4x32-10 (philox.h) at the element's
+ * stream position, so the result does not depend on the thread count or the blocking. */
+#include <float.h>
+#include <math.h>
+
+#include "common.h"
+#include "philox.h"
+
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+#define SB 1024 /* elements per sub-block: 4 KiB of fp32 scratch per thread */
+#define MAGIC 8388608.0f /* 2**23: bits(fl32(q + 2**23)) & 0xFF = rne(q) for 0 <= q < 256 */
+
+typedef struct {
+    double rng; /* max - min in fp64 */
+    float sub, scale, zero, step, mn;
+    int wide; /* the chunk takes the float64 path */
+} grid_t;
+
+/* MinMaxUInt8.grid for one chunk, on the same fp64 operations (NaN header: wide 0, step NaN, scale 0). */
+static inline grid_t grid_of(float mn, float mx) {
+    grid_t g;
+    double lo = (double)mn, rng = (double)mx - lo;
+    int wide = (rng > (double)FLT_MAX) | ((rng > 0) & (rng < 255.0 * (double)FLT_MIN));
+    int aligned = (lo < 0) & (mx >= 0) & !wide;
+    float step = (float)(aligned ? rng / 254.0 : rng / 255.0);
+    double s64 = (double)step;
+    g.scale = (float)(aligned ? 1.0 / s64 : (rng > 0 ? 255.0 / rng : 0.0));
+    double neg = aligned ? -lo : 0.0, safe = aligned ? s64 : 1.0;
+    double zero = ceil(neg / safe);
+    zero = zero - (double)((zero - 1) * safe >= neg);
+    zero = zero + (double)(zero * safe < neg);
+    g.zero = (float)zero;
+    g.step = step;
+    g.sub = aligned ? 0.0f : mn;
+    g.mn = mn;
+    g.rng = rng;
+    g.wide = wide;
+    return g;
+}
+
+static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+/* Round to nearest even, as torch's fp32 -> bf16 cast; NaN -> a quiet NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u = f32_bits(f);
+    if (f != f) return (uint16_t)0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Elements [i, i + n) of row `x` as fp32: the row itself (fp32) or `buf` (exact widening of fp16/bf16). */
+static inline const float *as_f32(const void *x, int dt, int64_t i, int64_t n, float *buf) {
+    if (dt == DT_F32) return (const float *)x + i;
+    if (dt == DT_F16) {
+        const _Float16 *h = (const _Float16 *)x + i;
+        for (int64_t k = 0; k < n; k++) buf[k] = (float)h[k];
+    } else {
+        const uint16_t *h = (const uint16_t *)x + i;
+        for (int64_t k = 0; k < n; k++) buf[k] = bf16_to_f32(h[k]);
+    }
+    return buf;
+}
+
+/* min, max over the chunk; returns 1 when it holds NaN or +-Inf. Lane-wise (vminps/vmaxps semantics): the
+ * sign of a zero bound is unspecified, as it is for torch.amin/amax. */
+static int chunk_minmax(const void *x, int dt, int64_t a, int64_t n, float *pmn, float *pmx, float *buf) {
+    float mn[16], mx[16];
+    uint32_t nan[16];
+    float first = as_f32(x, dt, a, 1, buf)[0];
+    for (int l = 0; l < 16; l++) {
+        mn[l] = first;
+        mx[l] = first;
+        nan[l] = 0;
+    }
+    for (int64_t s = 0; s < n; s += SB) {
+        int64_t m = n - s < SB ? n - s : SB;
+        const float *p = as_f32(x, dt, a + s, m, buf);
+        int64_t k = 0;
+#if defined(__AVX512F__)
+        { /* the same lane-wise operations as the loop below, spelled out: gcc does not vectorize that one */
+            __m512 vmn = _mm512_loadu_ps(mn), vmx = _mm512_loadu_ps(mx);
+            __mmask16 vnan = 0;
+            for (; k + 16 <= m; k += 16) {
+                __m512 v = _mm512_loadu_ps(p + k);
+                vmn = _mm512_min_ps(v, vmn); /* v < mn ? v : mn */
+                vmx = _mm512_max_ps(v, vmx); /* v > mx ? v : mx */
+                vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            }
+            _mm512_storeu_ps(mn, vmn);
+            _mm512_storeu_ps(mx, vmx);
+            nan[0] |= vnan != 0;
+        }
+#endif
+        for (; k + 16 <= m; k += 16) {
+            for (int l = 0; l < 16; l++) {
+                float v = p[k + l];
+                mn[l] = v < mn[l] ? v : mn[l];
+                mx[l] = v > mx[l] ? v : mx[l];
+                nan[l] |= (uint32_t)(v != v);
+            }
+        }
+        for (; k < m; k++) {
+            float v = p[k];
+            mn[0] = v < mn[0] ? v : mn[0];
+            mx[0] = v > mx[0] ? v : mx[0];
+            nan[0] |= (uint32_t)(v != v);
+        }
+    }
+    float lo = mn[0], hi = mx[0];
+    uint32_t bad = nan[0];
+    for (int l = 1; l < 16; l++) {
+        lo = mn[l] < lo ? mn[l] : lo;
+        hi = mx[l] > hi ? mx[l] : hi;
+        bad |= nan[l];
+    }
+    *pmn = lo;
+    *pmx = hi;
+    return bad || !isfinite(lo) || !isfinite(hi);
+}
+
+/* Uniforms of stream positions [p, p + n) (n <= SB) into u (UBUF floats); returns where they start. */
+#define UBUF (SB + 320) /* SB elements span at most SB / 64 + 2 groups, computed 4 at a time */
+static inline const float *stream_uniforms(uint64_t key, uint64_t p, int64_t n, float *u) {
+    uint64_t g0 = p >> 6, g1 = (p + (uint64_t)n - 1) >> 6;
+    for (uint64_t g = g0; g <= g1; g += 4) mixprec_philox_uniform256(key, g, u + 64 * (g - g0));
+    return u + (p - (g0 << 6));
+}
+
+static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *codes, grid_t g, int stochastic,
+                         uint64_t key, uint64_t pos, float *buf, float *ubuf) {
+    for (int64_t s = 0; s < n; s += SB) {
+        int64_t m = n - s < SB ? n - s : SB;
+        const float *p = as_f32(x, dt, a + s, m, buf);
+        uint8_t *c = codes + s;
+        if (g.wide) { /* float64 path: |x - min| may exceed fp32, or 255 / R overflow */
+            const float *u = stochastic ? stream_uniforms(key, pos + (uint64_t)s, m, ubuf) : 0;
+            double mul = 255.0 / g.rng, lo = (double)g.mn;
+            for (int64_t k = 0; k < m; k++) {
+                double q = ((double)p[k] - lo) * mul;
+                if (stochastic) {
+                    double fl = floor(q);
+                    q = fl + (double)((double)u[k] < q - fl);
+                } else {
+                    q = rint(q);
+                }
+                q = q < 0.0 ? 0.0 : q;
+                q = q > 255.0 ? 255.0 : q;
+                c[k] = (uint8_t)q;
+            }
+        } else if (stochastic) {
+            const float *u = stream_uniforms(key, pos + (uint64_t)s, m, ubuf);
+            const float sub = g.sub, scale = g.scale, zero = g.zero;
+            for (int64_t k = 0; k < m; k++) {
+                float q = (p[k] - sub) * scale;
+                q = q + zero;
+                /* floor(q) for |q| < 2**24, by truncation: floorf does not vectorize without -fno-trapping-math
+                 * (only the sign of a zero q differs, and that washes out in the 2**23 addition) */
+                float t = (float)(int32_t)q;
+                float f = t > q ? t - 1.0f : t;
+                float up = u[k] < q - f ? 1.0f : 0.0f;
+                q = up + f;
+                q = q < 0.0f ? 0.0f : q;
+                q = q > 255.0f ? 255.0f : q;
+                c[k] = (uint8_t)f32_bits(q + MAGIC);
+            }
+        } else {
+            const float sub = g.sub, scale = g.scale, zero = g.zero;
+            for (int64_t k = 0; k < m; k++) {
+                float q = (p[k] - sub) * scale;
+                q = q + zero;
+                c[k] = (uint8_t)f32_bits(q + MAGIC);
+            }
+        }
+    }
+}
+
+/* Encode `rows` rows of `length` elements (row r at x + r * x_stride elements) into out (row r at
+ * out + r * out_stride bytes: C mins, C maxs, then the codes). Stochastic: element j of row r is stream
+ * position offset + r * pos_stride + j of the Philox stream `key`. Returns the number of flagged chunks. */
+int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t length, int64_t x_stride, uint8_t *out,
+                                int64_t out_stride, int64_t chunk, int stochastic, uint64_t key, int64_t offset,
+                                int64_t pos_stride, int nthreads) {
+    int64_t chunks = (length + chunk - 1) / chunk, tasks = rows * chunks, bad = 0;
+    size_t esize = dt == DT_F32 ? 4 : 2;
+#pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN) reduction(+ : bad)
+    {
+        float buf[SB], ubuf[UBUF];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            int64_t r = t / chunks, c = t % chunks, a = c * chunk;
+            int64_t n = length - a < chunk ? length - a : chunk;
+            const void *xr = (const char *)x + (size_t)(r * x_stride) * esize;
+            uint8_t *o = out + r * out_stride;
+            float mn, mx;
+            if (chunk_minmax(xr, dt, a, n, &mn, &mx, buf)) {
+                float q = bits_f32(0x7FC00000u);
+                memcpy(o + 4 * c, &q, 4);
+                memcpy(o + 4 * (chunks + c), &q, 4);
+                memset(o + 8 * chunks + a, 0, (size_t)n);
+                bad++;
+                continue;
+            }
+            memcpy(o + 4 * c, &mn, 4);
+            memcpy(o + 4 * (chunks + c), &mx, 4);
+            grid_t g = grid_of(mn, mx);
+            uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
+            encode_chunk(xr, dt, a, n, o + 8 * chunks + a, g, stochastic, key, pos, buf, ubuf);
+        }
+    }
+    return bad;
+}
+
+/* The fp32 values of codes [a, a + n) of one row (y = fl32(fl32((c - zero) * step) + sub), or float64). */
+static inline void decode_block(const uint8_t *c, int64_t n, grid_t g, float *y) {
+    if (g.wide) {
+        double mul = g.rng / 255.0, lo = (double)g.mn;
+        for (int64_t k = 0; k < n; k++) y[k] = (float)(lo + (double)c[k] * mul);
+        return;
+    }
+    const float zero = g.zero, step = g.step, sub = g.sub;
+    for (int64_t k = 0; k < n; k++) {
+        float v = ((float)c[k] - zero) * step;
+        y[k] = v + sub;
+    }
+}
+
+static inline void store(void *out, int dt, int64_t i, const float *y, int64_t n) {
+    if (dt == DT_F32) {
+        memcpy((float *)out + i, y, (size_t)n * 4);
+    } else if (dt == DT_F16) {
+        _Float16 *h = (_Float16 *)out + i;
+        for (int64_t k = 0; k < n; k++) h[k] = (_Float16)y[k];
+    } else {
+        uint16_t *h = (uint16_t *)out + i;
+        for (int64_t k = 0; k < n; k++) h[k] = f32_to_bf16(y[k]);
+    }
+}
+
+static inline grid_t header_grid(const uint8_t *row, int64_t chunks, int64_t c) {
+    float mn, mx;
+    memcpy(&mn, row + 4 * c, 4);
+    memcpy(&mx, row + 4 * (chunks + c), 4);
+    return grid_of(mn, mx);
+}
+
+/* Decode `rows` buffers (row r at buf + r * buf_stride bytes) of `length` elements each into out (row r at
+ * out + r * out_stride elements of dtype dt), or, with reduce, their fp32 sum in row order into out (fp32).
+ * Returns the number of flagged (NaN) chunks over all rows. */
+int64_t mixprec_quant_decode_u8(const uint8_t *buf, int64_t rows, int64_t length, int64_t buf_stride, void *out, int dt,
+                                int64_t out_stride, int64_t chunk, int reduce, int nthreads) {
+    int64_t chunks = (length + chunk - 1) / chunk, bad = 0;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < chunks; c++) {
+            float mn;
+            memcpy(&mn, buf + r * buf_stride + 4 * c, 4);
+            bad += mn != mn;
+        }
+    int64_t tasks = reduce ? chunks : rows * chunks;
+    size_t esize = dt == DT_F32 ? 4 : 2;
+#pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN)
+    {
+        float y[SB], acc[SB];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            int64_t r = reduce ? 0 : t / chunks, c = reduce ? t : t % chunks, a = c * chunk;
+            int64_t n = length - a < chunk ? length - a : chunk;
+            if (!reduce) {
+                const uint8_t *row = buf + r * buf_stride;
+                grid_t g = header_grid(row, chunks, c);
+                void *o = (char *)out + (size_t)(r * out_stride) * esize;
+                for (int64_t s = 0; s < n; s += SB) {
+                    int64_t m = n - s < SB ? n - s : SB;
+                    if (dt == DT_F32) {
+                        decode_block(row + 8 * chunks + a + s, m, g, (float *)o + a + s);
+                    } else {
+                        decode_block(row + 8 * chunks + a + s, m, g, y);
+                        store(o, dt, a + s, y, m);
+                    }
+                }
+                continue;
+            }
+            float *o = (float *)out;
+            for (int64_t s = 0; s < n; s += SB) {
+                int64_t m = n - s < SB ? n - s : SB;
+                float *dst = rows == 1 ? o + a + s : acc;
+                decode_block(buf + 8 * chunks + a + s, m, header_grid(buf, chunks, c), dst);
+                for (int64_t q = 1; q < rows; q++) {
+                    const uint8_t *row = buf + q * buf_stride;
+                    decode_block(row + 8 * chunks + a + s, m, header_grid(row, chunks, c), y);
+                    float *d = q == rows - 1 ? o + a + s : acc;
+                    for (int64_t k = 0; k < m; k++) d[k] = acc[k] + y[k];
+                }
+            }
+        }
+    }
+    return bad;
+}
