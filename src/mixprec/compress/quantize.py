@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from mixprec import native
+import mixprec.native as native
 from mixprec.compress._scratch import Scratch
 from mixprec.core import philox
 from mixprec.core.dtypes import LOW_PRECISION_DTYPES, ROUNDINGS, Rounding
@@ -65,6 +65,13 @@ class _Kernels:
         self.decode = lib.mixprec_quant_decode_u8
         self.decode.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, i64, i32, i32]
         self.decode.restype = i64
+        # The Philox generator on its own (tests): one block, and the uniforms of a range of stream positions.
+        self.philox_block = lib.mixprec_quant_philox_block
+        self.philox_block.argtypes = [ptr, ptr, ptr]
+        self.philox_block.restype = None
+        self.philox_uniforms = lib.mixprec_quant_philox_uniforms
+        self.philox_uniforms.argtypes = [u64, i64, i64, ptr]
+        self.philox_uniforms.restype = None
 
 
 _bound: dict[int, _Kernels] = {}
@@ -428,7 +435,10 @@ class MinMaxUInt8(ChunkedCompressor):
         aligned = (lo < 0) & (maxs >= 0) & ~wide  # NaN: False
         step = torch.where(aligned, rng / 254.0, rng / 255.0).float()
         s64 = step.double()
-        scale = torch.where(aligned, 1.0 / s64, torch.where(rng > 0, 255.0 / rng, torch.zeros_like(rng))).float()
+        # torch.div, not ``255.0 / rng``: a scalar over a tensor is reciprocal-then-multiply in torch, two
+        # roundings; the documented (and compiled) arithmetic is one correctly rounded fp64 division.
+        over = torch.div(torch.full_like(rng, 255.0), rng)
+        scale = torch.where(aligned, 1.0 / s64, torch.where(rng > 0, over, torch.zeros_like(rng))).float()
         neg = torch.where(aligned, -lo, torch.zeros_like(lo))
         safe = torch.where(aligned, s64, torch.ones_like(s64))
         zero = torch.ceil(neg / safe)
@@ -534,7 +544,7 @@ class MinMaxUInt8(ChunkedCompressor):
         codes = out[:, HEADER_BYTES_PER_CHUNK * chunks :]
         for r, chunk in (wide & finite).nonzero().tolist():
             a, b = self._chunk_bounds(chunk, length)
-            q = (x[r, a:b].double() - mins[r, chunk].double()) * (255.0 / rng[r, chunk])
+            q = (x[r, a:b].double() - mins[r, chunk].double()) * (255.0 / float(rng[r, chunk]))  # one division
             if stochastic and uniforms is not None:
                 fl = q.floor()
                 q = fl + (uniforms[r, a:b].double() < q - fl).double()

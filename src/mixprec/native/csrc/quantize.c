@@ -301,3 +301,17 @@ int64_t mixprec_quant_decode_u8(const uint8_t *buf, int64_t rows, int64_t length
     }
     return bad;
 }
+
+/* The Philox pieces on their own, for the tests: one block (Random123's known answers), and the uniforms
+ * of stream positions [first, first + count). */
+void mixprec_quant_philox_block(const uint32_t *ctr, const uint32_t *key, uint32_t *out) {
+    mixprec_philox4x32_10(ctr, key, out);
+}
+
+void mixprec_quant_philox_uniforms(uint64_t key, int64_t first, int64_t count, float *out) {
+    float u[UBUF];
+    for (int64_t s = 0; s < count; s += SB) {
+        int64_t m = count - s < SB ? count - s : SB;
+        memcpy(out + s, stream_uniforms(key, (uint64_t)(first + s), m, u), (size_t)m * 4);
+    }
+}
