@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mixprec import native
-from mixprec.compress import MinMaxUInt8
+from mixprec.compress import MinMaxUInt8, ScaledFP8
 from mixprec.compress.quantize import _kernels
 
 pytestmark = pytest.mark.skipif(_kernels() is None, reason="no compiled kernels on this machine")
@@ -124,3 +124,16 @@ def test_empty_and_single_element() -> None:
         with native.disabled():
             ref, _ = _encode(q, x, key=1)
         assert torch.equal(fast, ref)
+
+
+def test_fp8_stochastic_uniforms_are_the_same_on_both_paths() -> None:
+    # ScaledFP8 has no compiled encoder, but its stochastic uniforms come from the compiled Philox when there is
+    # one: the bytes must not depend on that.
+    x = torch.randn(3, 5000, generator=torch.Generator().manual_seed(6))
+    q = ScaledFP8("e5m2", chunk_size=256, rounding="stochastic")
+    out = torch.empty(3, q.encoded_nbytes(5000), dtype=torch.uint8)
+    ref = torch.empty_like(out)
+    q.encode_rows(x, out, key=77, offset=9, row_stride=6000)
+    with native.disabled():
+        q.encode_rows(x, ref, key=77, offset=9, row_stride=6000)
+    assert torch.equal(out, ref)

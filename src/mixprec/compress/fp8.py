@@ -23,7 +23,6 @@ import torch
 
 from mixprec.compress._scratch import Scratch
 from mixprec.compress.quantize import FLOAT_DTYPES, CheckFinite, ChunkedCompressor, MinMaxUInt8, NonFiniteError
-from mixprec.core import philox
 from mixprec.core.dtypes import Rounding
 from mixprec.core.formats import get_format
 from mixprec.core.rounding import round_to
@@ -188,7 +187,7 @@ class ScaledFP8(ChunkedCompressor):
             torch.mul(xv, up[:, first : first + n, None], out=yv)  # exact: a power of two, |y| <= max
             yv.masked_fill_(~finite[:, first : first + n, None], 0.0)
         if stochastic:
-            self._round_stochastic_(y, philox.uniform_rows(key, offset, row_stride, rows, length, device))
+            self._round_stochastic_(y, self._uniform_rows(key, offset, row_stride, rows, length, device))
         else:
             round_to(y, self.format, "nearest", out=y)
         codes.copy_(y.to(self.dtype).view(torch.uint8))  # exact: y is on the format's grid

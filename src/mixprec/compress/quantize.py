@@ -189,6 +189,20 @@ class ChunkedCompressor(abc.ABC):
         encode one tensor in several :meth:`encode_rows` calls."""
         return philox.draw_key(self.generator)
 
+    @staticmethod
+    def _uniform_rows(
+        key: int, offset: int, row_stride: int, rows: int, length: int, device: torch.device
+    ) -> torch.Tensor:
+        """[rows, length] fp32 uniforms of the stream ``key`` (row r at ``offset + r * row_stride``): the
+        compiled generator when there is one, else :func:`mixprec.core.philox.uniform_rows` (the same bits)."""
+        kernels = _kernels() if device.type == "cpu" else None
+        if kernels is None:
+            return philox.uniform_rows(key, offset, row_stride, rows, length, device)
+        out = torch.empty(rows, length, dtype=torch.float32)
+        for r in range(rows):
+            kernels.philox_uniforms(key, offset + r * row_stride, length, out[r].data_ptr())
+        return out
+
     def _fresh_key(self) -> int:
         """A key for one stochastic encode (0, drawing nothing, for nearest rounding)."""
         return philox.draw_key(self.generator) if self.rounding == "stochastic" else 0

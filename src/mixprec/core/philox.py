@@ -27,22 +27,29 @@ MAX_POSITION = 1 << 62
 def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(high, low) 32-bit words of the 64-bit product ``a * b`` (``a`` a 32-bit constant, ``b`` in [0, 2**32))."""
     t1 = b * (a >> 16)  # < 2**48
-    t0 = b * (a & 0xFFFF)  # < 2**48
-    s = t0 + ((t1 & 0xFFFF) << 16)  # < 2**49: a * b = (t1 >> 16) * 2**32 + s
-    return (t1 >> 16) + (s >> 32), s & _MASK32
+    s = b * (a & 0xFFFF)  # < 2**48
+    s += (t1 & 0xFFFF) << 16  # < 2**49: a * b = (t1 >> 16) * 2**32 + s
+    hi = (t1 >> 16).add_(s >> 32)
+    return hi, s.bitwise_and_(_MASK32)
+
+
+def _rounds(x: list[torch.Tensor], key: int) -> list[torch.Tensor]:
+    """The 10 rounds on the four counter words (contiguous int64 tensors of 32-bit values)."""
+    x0, x1, x2, x3 = x
+    k0, k1 = key & _MASK32, (key >> 32) & _MASK32
+    for _ in range(10):
+        hi0, lo0 = _mulhilo(_M0, x0)
+        hi1, lo1 = _mulhilo(_M1, x2)
+        x0, x1, x2, x3 = hi1.bitwise_xor_(x1).bitwise_xor_(k0), lo1, hi0.bitwise_xor_(x3).bitwise_xor_(k1), lo0
+        k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+    return [x0, x1, x2, x3]
 
 
 def philox4x32_10(counter: torch.Tensor, key: int) -> torch.Tensor:
     """Philox4x32-10 of int64 ``counter`` [..., 4] (32-bit words in [0, 2**32)) under the 64-bit ``key``
     (its low word is key word 0): int64 [..., 4], each word in [0, 2**32)."""
-    x0, x1, x2, x3 = (counter[..., i] for i in range(4))
-    k0, k1 = key & _MASK32, (key >> 32) & _MASK32
-    for _ in range(10):
-        hi0, lo0 = _mulhilo(_M0, x0)
-        hi1, lo1 = _mulhilo(_M1, x2)
-        x0, x1, x2, x3 = hi1 ^ x1 ^ k0, lo1, hi0 ^ x3 ^ k1, lo0
-        k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
-    return torch.stack([x0, x1, x2, x3], dim=-1)
+    words = _rounds([counter[..., i].contiguous() for i in range(4)], key)
+    return torch.stack(words, dim=-1)
 
 
 def uniforms(key: int, first: int, count: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -50,15 +57,13 @@ def uniforms(key: int, first: int, count: int, device: torch.device | str | None
     if count <= 0:
         return torch.empty(0, dtype=torch.float32, device=device)
     g0, g1 = first >> 6, (first + count - 1) >> 6  # groups of 64 elements = 16 counters
-    blocks = (torch.arange(g0, g1 + 1, dtype=torch.int64, device=device) << 4).unsqueeze(1) + torch.arange(
-        16, dtype=torch.int64, device=device
-    )
-    ctr = torch.stack([blocks & _MASK32, blocks >> 32, torch.zeros_like(blocks), torch.zeros_like(blocks)], dim=-1)
-    words = philox4x32_10(ctr, key)  # [groups, 16 counters, 4 words]
+    blocks = torch.arange(g0 << 4, (g1 + 1) << 4, dtype=torch.int64, device=device)
+    zero = torch.zeros_like(blocks)
+    words = _rounds([blocks & _MASK32, blocks >> 32, zero, zero], key)
     # Element 64 g + 16 w + l is word w of counter 16 g + l.
-    flat = words.transpose(1, 2).reshape(-1)
+    flat = torch.stack([w.view(-1, 16) for w in words], dim=1).view(-1)
     start = first - (g0 << 6)
-    return (flat[start : start + count] >> 8).to(torch.float32) * 2.0**-24
+    return (flat[start : start + count] >> 8).to(torch.float32).mul_(2.0**-24)
 
 
 def uniform_rows(
