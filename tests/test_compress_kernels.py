@@ -87,6 +87,8 @@ def test_compiled_encode_and_decode_equal_torch(dtype: torch.dtype, chunk: int, 
             ref, bad_ref = _encode(q, strided, **kw)
         assert bad_fast == bad_ref, name
         _assert_same_encoding(q, fast, ref, length)
+        if rounding == "stochastic":
+            continue  # decoding does not depend on how the codes were rounded
         for out_dtype in DTYPES:
             out_fast = torch.empty(3, length + 2, dtype=out_dtype)[:, 1 : 1 + length]  # strided rows again
             out_ref = torch.empty(3, length, dtype=out_dtype)

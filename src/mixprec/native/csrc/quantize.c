@@ -59,7 +59,12 @@ static inline const float *as_f32(const void *x, int dt, int64_t i, int64_t n, f
     if (dt == DT_F32) return (const float *)x + i;
     if (dt == DT_F16) {
         const _Float16 *h = (const _Float16 *)x + i;
-        for (int64_t k = 0; k < n; k++) buf[k] = (float)h[k];
+        int64_t k = 0;
+#if defined(__AVX512F__)
+        for (; k + 16 <= n; k += 16) /* exact widening, as (float)h[k]: gcc 12 does not vectorize that loop */
+            _mm512_storeu_ps(buf + k, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + k))));
+#endif
+        for (; k < n; k++) buf[k] = (float)h[k];
     } else {
         const uint16_t *h = (const uint16_t *)x + i;
         for (int64_t k = 0; k < n; k++) buf[k] = bf16_to_f32(h[k]);
@@ -235,7 +240,13 @@ static inline void store(void *out, int dt, int64_t i, const float *y, int64_t n
         memcpy((float *)out + i, y, (size_t)n * 4);
     } else if (dt == DT_F16) {
         _Float16 *h = (_Float16 *)out + i;
-        for (int64_t k = 0; k < n; k++) h[k] = (_Float16)y[k];
+        int64_t k = 0;
+#if defined(__AVX512F__)
+        for (; k + 16 <= n; k += 16) /* round to nearest even, as (_Float16)y[k] */
+            _mm256_storeu_si256((__m256i *)(h + k),
+                                _mm512_cvtps_ph(_mm512_loadu_ps(y + k), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+        for (; k < n; k++) h[k] = (_Float16)y[k];
     } else {
         uint16_t *h = (uint16_t *)out + i;
         for (int64_t k = 0; k < n; k++) h[k] = f32_to_bf16(y[k]);
