@@ -128,6 +128,42 @@ def test_empty_and_single_element() -> None:
         assert torch.equal(fast, ref)
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_compiled_fp8_equals_torch(fmt: str, dtype: torch.dtype, rounding: str) -> None:
+    chunk, length = 7, 100
+    q = ScaledFP8(fmt, chunk_size=chunk, rounding=rounding)
+    cases = _cases(length, dtype)
+    cases["fp8_ties"] = (torch.arange(3 * length, dtype=torch.float32).view(3, length) * 0.0625 + 0.03125).to(dtype)
+    for name, x in cases.items():
+        base = torch.zeros(3, length + 9, dtype=dtype)
+        base[:, 4 : 4 + length] = x
+        strided = base[:, 4 : 4 + length]
+        kw = {"key": 0x0123456789ABCDEF, "offset": 3, "row_stride": length + 50}
+        fast, bad_fast = _encode(q, strided, **kw)
+        with native.disabled():
+            ref, bad_ref = _encode(q, strided, **kw)
+        assert bad_fast == bad_ref, name
+        assert torch.equal(fast, ref), name
+        if rounding == "stochastic":
+            continue
+        for out_dtype in DTYPES:
+            out_fast = torch.empty(3, length + 2, dtype=out_dtype)[:, 1 : 1 + length]
+            out_ref = torch.empty(3, length, dtype=out_dtype)
+            assert q.decode_rows(ref, length, out_fast) == bad_ref
+            with native.disabled():
+                q.decode_rows(ref, length, out_ref)
+            _assert_same_values(out_fast, out_ref)
+        for rows in ([0], [2, 0, 1]):
+            s_fast, s_ref = torch.empty(length), torch.empty(length)
+            n_fast = q.decode_rows(ref[rows], length, s_fast, reduce=True)
+            with native.disabled():
+                n_ref = q.decode_rows(ref[rows], length, s_ref, reduce=True)
+            assert n_fast == n_ref
+            _assert_same_values(s_fast, s_ref)
+
+
 def test_fp8_stochastic_uniforms_are_the_same_on_both_paths() -> None:
     # ScaledFP8 has no compiled encoder, but its stochastic uniforms come from the compiled Philox when there is
     # one: the bytes must not depend on that.

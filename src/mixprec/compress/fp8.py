@@ -21,8 +21,17 @@ import math
 
 import torch
 
+import mixprec.native as native
 from mixprec.compress._scratch import Scratch
-from mixprec.compress.quantize import FLOAT_DTYPES, CheckFinite, ChunkedCompressor, MinMaxUInt8, NonFiniteError
+from mixprec.compress.quantize import (
+    _DTYPE_CODES,
+    FLOAT_DTYPES,
+    CheckFinite,
+    ChunkedCompressor,
+    MinMaxUInt8,
+    NonFiniteError,
+    kernels,
+)
 from mixprec.core.dtypes import Rounding
 from mixprec.core.formats import get_format
 from mixprec.core.rounding import round_to
@@ -35,6 +44,7 @@ SCALE_BYTES_PER_CHUNK = 4  # one fp32 scale (a power of two, or NaN for a flagge
 FP8_FORMATS: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # The scale exponent k stays where 2**k and 2**-k are both fp32 numbers (normal or subnormal, exact).
 _K_MIN, _K_MAX = -126, 126
+_FORMAT_CODES = {"e4m3": 0, "e5m2": 1}  # the kernels' format codes (native/csrc/quantize.c)
 
 
 class ScaledFP8(ChunkedCompressor):
@@ -166,6 +176,29 @@ class ScaledFP8(ChunkedCompressor):
         return torch.where(torch.isfinite(a), k, torch.full_like(k, math.nan))
 
     def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, key: int, offset: int, row_stride: int) -> int:
+        lib = kernels() if x.device.type == "cpu" else None
+        if lib is None:
+            return self._encode_rows_torch(x, out, key, offset, row_stride)
+        rows, length = x.shape
+        return lib.encode_fp8(
+            x.data_ptr(),
+            _DTYPE_CODES[x.dtype],
+            rows,
+            length,
+            x.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            self.chunk_size,
+            _FORMAT_CODES[self.fmt],
+            int(self.rounding == "stochastic"),
+            key,
+            offset,
+            row_stride,
+            native.num_threads(),
+        )
+
+    def _encode_rows_torch(self, x: torch.Tensor, out: torch.Tensor, key: int, offset: int, row_stride: int) -> int:
+        """The torch implementation (the fallback, and the oracle of the compiled kernel)."""
         rows, length = x.shape
         chunks = self.num_chunks(length)
         device = x.device
@@ -212,6 +245,28 @@ class ScaledFP8(ChunkedCompressor):
         return torch.arange(256, dtype=torch.uint8, device=device).view(self.dtype).float()
 
     def _decode_rows(self, buf: torch.Tensor, length: int, out: torch.Tensor, reduce: bool) -> int:
+        lib = kernels() if buf.device.type == "cpu" else None
+        if lib is None:
+            return self._decode_rows_torch(buf, length, out, reduce)
+        table = self._tables.get(buf.device)
+        if table is None:
+            table = self._tables[buf.device] = self._code_values(buf.device)
+        return lib.decode_fp8(
+            buf.data_ptr(),
+            buf.shape[0],
+            length,
+            buf.stride(0),
+            out.data_ptr(),
+            _DTYPE_CODES[out.dtype],
+            out.stride(0),
+            self.chunk_size,
+            table.data_ptr(),
+            int(reduce),
+            native.num_threads(),
+        )
+
+    def _decode_rows_torch(self, buf: torch.Tensor, length: int, out: torch.Tensor, reduce: bool) -> int:
+        """The torch implementation of :meth:`_decode_rows`."""
         rows = buf.shape[0]
         chunks = self.num_chunks(length)
         hb = SCALE_BYTES_PER_CHUNK * chunks

@@ -65,6 +65,12 @@ class _Kernels:
         self.decode = lib.mixprec_quant_decode_u8
         self.decode.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, i64, i32, i32]
         self.decode.restype = i64
+        self.encode_fp8 = lib.mixprec_quant_encode_fp8
+        self.encode_fp8.argtypes = [ptr, i32, i64, i64, i64, ptr, i64, i64, i32, i32, u64, i64, i64, i32]
+        self.encode_fp8.restype = i64
+        self.decode_fp8 = lib.mixprec_quant_decode_fp8
+        self.decode_fp8.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, i64, ptr, i32, i32]
+        self.decode_fp8.restype = i64
         # The Philox generator on its own (tests): one block, and the uniforms of a range of stream positions.
         self.philox_block = lib.mixprec_quant_philox_block
         self.philox_block.argtypes = [ptr, ptr, ptr]
@@ -75,6 +81,12 @@ class _Kernels:
 
 
 _bound: dict[int, _Kernels] = {}
+
+
+def kernels() -> _Kernels | None:
+    """The compiled quantizer kernels (bound), or None when the torch path must run; for this package's
+    quantizers."""
+    return _kernels()
 
 
 def _kernels() -> _Kernels | None:

@@ -326,3 +326,164 @@ void mixprec_quant_philox_uniforms(uint64_t key, int64_t first, int64_t count, f
         memcpy(out + s, stream_uniforms(key, (uint64_t)(first + s), m, u), (size_t)m * 4);
     }
 }
+
+/* ------------------------------------------------------------------ ScaledFP8 (mixprec.compress.fp8)
+ * Per chunk: amax (NaN/Inf flag the chunk), k = the largest integer with amax 2**k <= the format's max
+ * (clamped to [-126, 126], 0 for an all-zero chunk), header 2**-k, codes = the fp8 bytes of x 2**k rounded
+ * to the format's grid (nearest even, or stochastic as ScaledFP8._round_stochastic_). Formats: 0 = e4m3fn
+ * (bias 7, 3 fraction bits, max 448), 1 = e5m2 (bias 15, 2 fraction bits, max 57344). */
+typedef struct {
+    int man, emin, bias;
+    double top;
+} fp8fmt_t;
+
+static inline fp8fmt_t fp8_format(int fmt) {
+    fp8fmt_t f;
+    f.man = fmt == 0 ? 3 : 2;
+    f.emin = fmt == 0 ? -6 : -14;
+    f.bias = fmt == 0 ? 7 : 15;
+    f.top = fmt == 0 ? 448.0 : 57344.0;
+    return f;
+}
+
+/* ScaledFP8.chunk_scales for one finite amax: frexp's estimate of floor(log2(top / a)), then corrected with
+ * the exact products a 2**k (the estimate is off by at most one, whatever the rounding of the quotient). */
+static inline int fp8_exponent(double a, double top) {
+    if (!(a > 0)) return 0;
+    int e;
+    frexp(top / a, &e);
+    double k = (double)(e - 1);
+    k = k - (double)(a * exp2(k) > top);
+    k = k + (double)(a * exp2(k + 1) <= top);
+    return k < -126 ? -126 : (k > 126 ? 126 : (int)k);
+}
+
+/* The format's spacing at a magnitude with fp32 exponent bits e (a power of two, at least the subnormal
+ * spacing), and its reciprocal (exact). */
+static inline float fp8_spacing(uint32_t e, fp8fmt_t f) {
+    e = e < (uint32_t)(f.emin + 127) ? (uint32_t)(f.emin + 127) : e;
+    return bits_f32((e - (uint32_t)f.man) << 23);
+}
+
+/* The fp8 byte of magnitude w (on the format's grid, w <= max) with sign bit `sign` (0 or 1): branch-free,
+ * so that the loop vectorizes. */
+static inline uint8_t fp8_code(float w, uint32_t sign, fp8fmt_t f, float inv_smin) {
+    uint32_t b = f32_bits(w);
+    int32_t e = (int32_t)(b >> 23) - 127;
+    uint32_t normal = ((uint32_t)(e + f.bias) << f.man) | ((b >> (23 - f.man)) & ((1u << f.man) - 1));
+    uint32_t sub = (uint32_t)(int32_t)(w * inv_smin); /* a multiple of the smallest spacing below 2**emin */
+    return (uint8_t)((sign << 7) | (e >= f.emin ? normal : sub));
+}
+
+/* Codes of m elements: p times `up` (exact), rounded to the format's grid (stochastically with uniforms u,
+ * else to nearest even). A function of its own, with restrict pointers: inside the OpenMP region gcc does
+ * not vectorize these loops. */
+static void fp8_codes(const float *restrict p, uint8_t *restrict cd, int64_t m, float up, fp8fmt_t f, float inv_smin,
+                      const float *restrict u) {
+    if (u) {
+        for (int64_t k = 0; k < m; k++) {
+            uint32_t b = f32_bits(p[k] * up); /* exact: a power of two, |v| <= max */
+            float mag = bits_f32(b & 0x7FFFFFFFu), sp = fp8_spacing((b >> 23) & 0xFF, f);
+            float q = mag / sp; /* exact */
+            float lo = (float)(int32_t)q; /* floor: 0 <= q < 2**24 */
+            float w = (lo + (u[k] < q - lo ? 1.0f : 0.0f)) * sp;
+            cd[k] = fp8_code(w, b >> 31, f, inv_smin);
+        }
+        return;
+    }
+    for (int64_t k = 0; k < m; k++) {
+        uint32_t b = f32_bits(p[k] * up);
+        float mag = bits_f32(b & 0x7FFFFFFFu), sp = fp8_spacing((b >> 23) & 0xFF, f);
+        float q = mag / sp;
+        float w = ((q + MAGIC) - MAGIC) * sp; /* round half to even: q < 2**22 */
+        cd[k] = fp8_code(w, b >> 31, f, inv_smin);
+    }
+}
+
+int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t length, int64_t x_stride, uint8_t *out,
+                                 int64_t out_stride, int64_t chunk, int fmt, int stochastic, uint64_t key,
+                                 int64_t offset, int64_t pos_stride, int nthreads) {
+    int64_t chunks = (length + chunk - 1) / chunk, tasks = rows * chunks, bad = 0;
+    size_t esize = dt == DT_F32 ? 4 : 2;
+    const fp8fmt_t f = fp8_format(fmt);
+    const float inv_smin = bits_f32((uint32_t)(127 - f.emin + f.man) << 23); /* 1 / 2**(emin - man) */
+#pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN) reduction(+ : bad)
+    {
+        float buf[SB], ubuf[UBUF];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            int64_t r = t / chunks, c = t % chunks, a = c * chunk;
+            int64_t n = length - a < chunk ? length - a : chunk;
+            const void *xr = (const char *)x + (size_t)(r * x_stride) * esize;
+            uint8_t *o = out + r * out_stride, *codes = o + 4 * chunks + a;
+            float mn, mx; /* amax = max(-min, max), exactly; NaN/Inf flag the chunk */
+            int nonfinite = chunk_minmax(xr, dt, a, n, &mn, &mx, buf);
+            float amax = -mn > mx ? -mn : mx;
+            if (nonfinite) {
+                float q = bits_f32(0x7FC00000u);
+                memcpy(o + 4 * c, &q, 4);
+                memset(codes, 0, (size_t)n);
+                bad++;
+                continue;
+            }
+            int k = fp8_exponent((double)amax, f.top);
+            float scale = (float)exp2(-(double)k), up = (float)exp2((double)k);
+            memcpy(o + 4 * c, &scale, 4);
+            uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
+            for (int64_t s = 0; s < n; s += SB) {
+                int64_t m = n - s < SB ? n - s : SB;
+                const float *p = as_f32(xr, dt, a + s, m, buf);
+                const float *u = stochastic ? stream_uniforms(key, pos + (uint64_t)s, m, ubuf) : 0;
+                fp8_codes(p, codes + s, m, up, f, inv_smin, u);
+            }
+        }
+    }
+    return bad;
+}
+
+/* table[code] * scale for m codes (exact: the scale is a power of two, no underflow). */
+static void fp8_values(const uint8_t *restrict cd, int64_t m, const float *restrict table, float sc,
+                       float *restrict y) {
+    for (int64_t k = 0; k < m; k++) y[k] = table[cd[k]] * sc;
+}
+
+/* Decode fp8 rows: table[code] * scale (exact), into out's dtype, or summed over rows in fp32 (row order). */
+int64_t mixprec_quant_decode_fp8(const uint8_t *buf, int64_t rows, int64_t length, int64_t buf_stride, void *out,
+                                 int dt, int64_t out_stride, int64_t chunk, const float *table, int reduce,
+                                 int nthreads) {
+    int64_t chunks = (length + chunk - 1) / chunk, bad = 0;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < chunks; c++) {
+            float sc;
+            memcpy(&sc, buf + r * buf_stride + 4 * c, 4);
+            bad += sc != sc;
+        }
+    int64_t tasks = reduce ? chunks : rows * chunks;
+    size_t esize = dt == DT_F32 ? 4 : 2;
+#pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN)
+    {
+        float y[SB], acc[SB];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            int64_t r0 = reduce ? 0 : t / chunks, c = reduce ? t : t % chunks, a = c * chunk;
+            int64_t n = length - a < chunk ? length - a : chunk;
+            int64_t r1 = reduce ? rows : r0 + 1;
+            for (int64_t s = 0; s < n; s += SB) {
+                int64_t m = n - s < SB ? n - s : SB;
+                for (int64_t r = r0; r < r1; r++) {
+                    const uint8_t *row = buf + r * buf_stride;
+                    float sc;
+                    memcpy(&sc, row + 4 * c, 4);
+                    fp8_values(row + 4 * chunks + a + s, m, table, sc, r > r0 ? y : acc);
+                    if (r > r0)
+                        for (int64_t k = 0; k < m; k++) acc[k] = acc[k] + y[k];
+                }
+                if (reduce)
+                    memcpy((float *)out + a + s, acc, (size_t)m * 4);
+                else
+                    store((char *)out + (size_t)(r0 * out_stride) * esize, dt, a + s, acc, m);
+            }
+        }
+    }
+    return bad;
+}
