@@ -30,7 +30,7 @@ from mixprec.compress.quantize import (
     ChunkedCompressor,
     MinMaxUInt8,
     NonFiniteError,
-    kernels,
+    _kernels,
 )
 from mixprec.core.dtypes import Rounding
 from mixprec.core.formats import get_format
@@ -176,7 +176,7 @@ class ScaledFP8(ChunkedCompressor):
         return torch.where(torch.isfinite(a), k, torch.full_like(k, math.nan))
 
     def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, key: int, offset: int, row_stride: int) -> int:
-        lib = kernels() if x.device.type == "cpu" else None
+        lib = _kernels() if x.device.type == "cpu" else None
         if lib is None:
             return self._encode_rows_torch(x, out, key, offset, row_stride)
         rows, length = x.shape
@@ -245,7 +245,7 @@ class ScaledFP8(ChunkedCompressor):
         return torch.arange(256, dtype=torch.uint8, device=device).view(self.dtype).float()
 
     def _decode_rows(self, buf: torch.Tensor, length: int, out: torch.Tensor, reduce: bool) -> int:
-        lib = kernels() if buf.device.type == "cpu" else None
+        lib = _kernels() if buf.device.type == "cpu" else None
         if lib is None:
             return self._decode_rows_torch(buf, length, out, reduce)
         table = self._tables.get(buf.device)

@@ -83,12 +83,6 @@ class _Kernels:
 _bound: dict[int, _Kernels] = {}
 
 
-def kernels() -> _Kernels | None:
-    """The compiled quantizer kernels (bound), or None when the torch path must run; for this package's
-    quantizers."""
-    return _kernels()
-
-
 def _kernels() -> _Kernels | None:
     """The bound kernels, or None when the torch path must run (no compiler, or ``native.disabled()``)."""
     lib = native.library()
