@@ -22,6 +22,7 @@ _W0, _W1 = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
 _MASK32 = 0xFFFFFFFF
 # Element positions stay below 2**62, so that counters ((e >> 6) << 4) fit in 64 bits with room.
 MAX_POSITION = 1 << 62
+_GROUPS = 1 << 11  # groups of 64 elements per block of work: 32768 counters, 256 KiB per int64 word
 
 
 def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,18 +53,30 @@ def philox4x32_10(counter: torch.Tensor, key: int) -> torch.Tensor:
     return torch.stack(words, dim=-1)
 
 
-def uniforms(key: int, first: int, count: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """fp32 uniforms in [0, 1) of elements ``[first, first + count)`` of the stream ``key`` (24-bit grid)."""
-    if count <= 0:
-        return torch.empty(0, dtype=torch.float32, device=device)
-    g0, g1 = first >> 6, (first + count - 1) >> 6  # groups of 64 elements = 16 counters
-    blocks = torch.arange(g0 << 4, (g1 + 1) << 4, dtype=torch.int64, device=device)
-    zero = torch.zeros_like(blocks)
-    words = _rounds([blocks & _MASK32, blocks >> 32, zero, zero], key)
-    # Element 64 g + 16 w + l is word w of counter 16 g + l.
-    flat = torch.stack([w.view(-1, 16) for w in words], dim=1).view(-1)
-    start = first - (g0 << 6)
-    return (flat[start : start + count] >> 8).to(torch.float32).mul_(2.0**-24)
+def uniforms(
+    key: int,
+    first: int,
+    count: int,
+    device: torch.device | str | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp32 uniforms in [0, 1) of elements ``[first, first + count)`` of the stream ``key`` (24-bit grid),
+    into ``out`` (a contiguous fp32 tensor of ``count`` elements) if given."""
+    if out is None:
+        out = torch.empty(max(count, 0), dtype=torch.float32, device=device)
+    # Blocks of _GROUPS groups (64 elements each): the int64 temporaries stay in the L2 cache.
+    for lo in range(first, first + count, 64 * _GROUPS):
+        hi = min(first + count, lo + 64 * _GROUPS)
+        g0, g1 = lo >> 6, (hi - 1) >> 6  # groups of 64 elements = 16 counters
+        blocks = torch.arange(g0 << 4, (g1 + 1) << 4, dtype=torch.int64, device=out.device)
+        zero = torch.zeros_like(blocks)
+        words = _rounds([blocks & _MASK32, blocks >> 32, zero, zero], key)
+        # Element 64 g + 16 w + l is word w of counter 16 g + l.
+        flat = torch.stack([w.view(-1, 16) for w in words], dim=1).view(-1)
+        start = lo - (g0 << 6)
+        torch.mul((flat[start : start + hi - lo] >> 8).to(torch.float32), 2.0**-24, out=out[lo - first : hi - first])
+    return out
 
 
 def uniform_rows(
@@ -72,7 +85,7 @@ def uniform_rows(
     """[rows, length] fp32 uniforms: element (r, j) is stream position ``offset + r * row_stride + j``."""
     out = torch.empty(rows, length, dtype=torch.float32, device=device)
     for r in range(rows):
-        out[r] = uniforms(key, offset + r * row_stride, length, device)
+        uniforms(key, offset + r * row_stride, length, out=out[r])
     return out
 
 
