@@ -304,6 +304,12 @@ def test_row_api_matches_encode_and_decode_row_by_row() -> None:
     assert torch.equal(codes, expected[:, 8 * q.num_chunks(n) :])
 
 
+def test_row_api_with_no_rows_does_nothing() -> None:
+    q = MinMaxUInt8(chunk_size=CHUNK, rounding="stochastic")
+    assert q.encode_rows(torch.empty(0, 300), torch.empty(0, q.encoded_nbytes(300), dtype=torch.uint8)) == 0
+    assert q.decode_rows(torch.empty(0, q.encoded_nbytes(300), dtype=torch.uint8), 300, torch.empty(0, 300)) == 0
+
+
 def test_row_api_refuses_bad_shapes_and_dtypes() -> None:
     q = MinMaxUInt8(chunk_size=CHUNK)
     x = torch.randn(2, 300)
@@ -322,6 +328,7 @@ def test_row_api_refuses_bad_shapes_and_dtypes() -> None:
         (lambda: q.decode_rows(out, 300, torch.empty(2, 300), reduce=True), ValueError, "out must be 1-D"),
         (lambda: q.decode_rows(out, 300, torch.empty(300), reduce=1), TypeError, "reduce must be a bool"),
         (lambda: q.decode_rows(out, -1, torch.empty(2, 0)), ValueError, "length must be an int >= 0"),
+        (lambda: q.decode_rows(out[:0], 300, torch.empty(300), reduce=True), ValueError, "at least one row to sum"),
     ]:
         with pytest.raises(exc, match=match):
             call()

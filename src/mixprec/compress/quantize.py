@@ -188,6 +188,8 @@ class ChunkedCompressor(abc.ABC):
             key = philox.draw_key(self.generator) if key is None else self._check_key(key)
         else:
             key = 0
+        if rows == 0:
+            return 0
         return self._encode_rows(x, out, key, offset, row_stride)
 
     def draw_key(self) -> int:
@@ -246,6 +248,10 @@ class ChunkedCompressor(abc.ABC):
                 raise ValueError(f"out must be 1-D with {length} elements when reduce=True; got {tuple(out.shape)}")
         else:
             self._check_rows("out", out, FLOAT_DTYPES, (buffers.shape[0], length), buffers.device)
+        if buffers.shape[0] == 0:
+            if check_bool("reduce", reduce):
+                raise ValueError("buffers must hold at least one row to sum (reduce=True); got 0 rows")
+            return 0
         return self._decode_rows(buffers, length, out, check_bool("reduce", reduce))
 
     @abc.abstractmethod
