@@ -47,6 +47,26 @@ static inline grid_t grid_of(float mn, float mx) {
 
 static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
 
+/* IEEE half <-> fp32 on the bits (no _Float16: older compilers lack it, and one failed build would cost
+ * every kernel of the library). Widening is exact; narrowing rounds to nearest even, overflow to +-inf. */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    if (e == 0x1F) return bits_f32(sign | 0x7F800000u | (man << 13)); /* inf, NaN */
+    if (e == 0) return bits_f32(sign | f32_bits((float)man * 0x1p-24f)); /* zero, subnormal: exact */
+    return bits_f32(sign | ((e + 112u) << 23) | (man << 13));
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t u = f32_bits(f), sign = (u >> 16) & 0x8000u, b = u & 0x7FFFFFFFu;
+    float a = bits_f32(b);
+    if (a != a) return (uint16_t)(sign | 0x7E00u | ((b >> 13) & 0x1FFu)); /* NaN stays NaN (quiet) */
+    if (a >= 65520.0f) return (uint16_t)(sign | 0x7C00u); /* at or beyond the midpoint above 65504 */
+    if (a < 0x1p-14f) /* subnormal half: a multiple of 2**-24, rounded half to even (1024 = smallest normal) */
+        return (uint16_t)(sign | (uint32_t)((a * 0x1p24f + MAGIC) - MAGIC));
+    b = b + 0xFFFu + ((b >> 13) & 1u); /* round the 23-bit fraction to 10 bits, half to even */
+    return (uint16_t)(sign | ((b >> 13) - (112u << 10)));
+}
+
 /* Round to nearest even, as torch's fp32 -> bf16 cast; NaN -> a quiet NaN. */
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u = f32_bits(f);
@@ -58,13 +78,13 @@ static inline uint16_t f32_to_bf16(float f) {
 static inline const float *as_f32(const void *x, int dt, int64_t i, int64_t n, float *buf) {
     if (dt == DT_F32) return (const float *)x + i;
     if (dt == DT_F16) {
-        const _Float16 *h = (const _Float16 *)x + i;
+        const uint16_t *h = (const uint16_t *)x + i;
         int64_t k = 0;
 #if defined(__AVX512F__)
-        for (; k + 16 <= n; k += 16) /* exact widening, as (float)h[k]: gcc 12 does not vectorize that loop */
+        for (; k + 16 <= n; k += 16) /* exact widening */
             _mm512_storeu_ps(buf + k, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + k))));
 #endif
-        for (; k < n; k++) buf[k] = (float)h[k];
+        for (; k < n; k++) buf[k] = f16_to_f32(h[k]);
     } else {
         const uint16_t *h = (const uint16_t *)x + i;
         for (int64_t k = 0; k < n; k++) buf[k] = bf16_to_f32(h[k]);
@@ -239,14 +259,14 @@ static inline void store(void *out, int dt, int64_t i, const float *y, int64_t n
     if (dt == DT_F32) {
         memcpy((float *)out + i, y, (size_t)n * 4);
     } else if (dt == DT_F16) {
-        _Float16 *h = (_Float16 *)out + i;
+        uint16_t *h = (uint16_t *)out + i;
         int64_t k = 0;
 #if defined(__AVX512F__)
-        for (; k + 16 <= n; k += 16) /* round to nearest even, as (_Float16)y[k] */
+        for (; k + 16 <= n; k += 16) /* round to nearest even, as f32_to_f16 */
             _mm256_storeu_si256((__m256i *)(h + k),
                                 _mm512_cvtps_ph(_mm512_loadu_ps(y + k), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #endif
-        for (; k < n; k++) h[k] = (_Float16)y[k];
+        for (; k < n; k++) h[k] = f32_to_f16(y[k]);
     } else {
         uint16_t *h = (uint16_t *)out + i;
         for (int64_t k = 0; k < n; k++) h[k] = f32_to_bf16(y[k]);
