@@ -514,6 +514,9 @@ def main() -> None:
     print(machine_header("All-reduce across network namespaces with a tc rate limit (gloo)"))
     print(f"- network: {args.nodes} node namespaces on a bridge, tbf on both ends of each link, MTU 1500")
     print(f"- sizes: {args.sizes} x 2**20 fp32 elements; {args.reps} timed calls per point after a warm-up")
+    from mixprec import native  # builds the kernels once here; the ranks load them from the cache
+
+    print(f"- quantizer path (uint8 encode/decode): {native.describe()}")
     results = {}
     with Network(args.nodes, tag, free_third_octet()) as net, tempfile.TemporaryDirectory() as tmp:
         for per_node in per_node_list:

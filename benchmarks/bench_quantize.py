@@ -1,12 +1,14 @@
-"""Throughput of MinMaxUInt8 and ScaledFP8 encode + decode as a fraction of a plain ``copy_`` of the same
-fp32 tensor.
+"""MinMaxUInt8 encode + decode against a plain ``copy_`` of the same fp32 tensor, compiled kernels against the
+torch path, stochastic against nearest rounding; and the same for ScaledFP8.
 
-``copy_`` (read 4N bytes, write 4N) is the memory-bandwidth limit of any pass over the data. Also timed in
-the same run: the straightforward torch version a user would write (fresh tensors, whole-tensor passes,
-torch's float->uint8 cast) and torch's own fp32 -> bf16 cast (the cost of the bf16 wire format). The fp8
-rows (e4m3, e5m2 with a power-of-two scale per chunk) put torch's fp32 -> float8 cast beside them.
+``copy_`` (read 4N bytes, write 4N) is the memory-bandwidth limit of any pass over the data. For each size and
+thread count, one run times: ``copy_``, the compiled kernels' encode, decode and encode + decode (nearest),
+the same on the torch path (``mixprec.native.disabled()``, what runs without a compiler), and the compiled
+stochastic encode (Philox4x32-10 uniforms) against the nearest one. Pairs that form a ratio are timed in
+turns (``time_alternating``), so a change of machine load falls on both. Goals (printed as verdicts):
+encode + decode at most 2.5x ``copy_``, stochastic encode at most 1.5x nearest.
 
-    python benchmarks/bench_quantize.py [--quick] [--threads N]
+    python benchmarks/bench_quantize.py [--quick] [--threads 1,2]
 """
 
 from __future__ import annotations
@@ -15,86 +17,133 @@ import argparse
 
 import torch
 
-from _common import machine_header, markdown_table, time_it
+from _common import machine_header, markdown_table, time_alternating, time_it
+from mixprec import native
 from mixprec.compress import MinMaxUInt8, ScaledFP8
 
-
-def naive_encode(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What one would write first: fresh tensors, whole-tensor passes (offset first, for a fair comparison)."""
-    x2 = x.view(-1, chunk)
-    lo, hi = torch.aminmax(x2, dim=1, keepdim=True)
-    scale = 255.0 / (hi - lo).clamp_min(1e-30)
-    codes = ((x2 - lo) * scale).round().to(torch.uint8)
-    return codes, lo, hi
+CHUNK = 2048
+GOAL_VS_COPY = 2.5  # encode + decode, in copy_s of the fp32 tensor
+GOAL_STOCHASTIC = 1.5  # stochastic encode, in nearest encodes
 
 
-def naive_decode(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    return (codes.float() * ((hi - lo) / 255.0) + lo).view(-1)
+def verdict(ratio: float, goal: float) -> str:
+    return f"{ratio:.2f}x ({'met' if ratio <= goal else 'NOT met'}: <= {goal}x)"
 
 
-def measure(n: int, chunk: int, repeat: int) -> list[list[object]]:
-    """One table row per rounding mode for an n-element fp32 tensor (all baselines timed in this call)."""
-    x = torch.randn(n) * 3 + 1
+def measure_uint8(n: int, threads: int, repeat: int) -> list[object]:
+    """One row: the uint8 quantizer on an n-element fp32 tensor with ``threads`` intra-op threads."""
+    torch.set_num_threads(threads)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 3 + 1
     dst = torch.empty_like(x)
-    bf16 = torch.empty(n, dtype=torch.bfloat16)
+    q = MinMaxUInt8(chunk_size=CHUNK)
+    qs = MinMaxUInt8(chunk_size=CHUNK, rounding="stochastic", generator=torch.Generator().manual_seed(0))
+    buf = q.encode(x)
+
+    def enc() -> None:
+        q.encode(x, out=buf)
+
+    def dec() -> None:
+        q.decode(buf, n, out=dst)
+
+    def both() -> None:
+        enc()
+        dec()
+
+    t_copy, t_both = time_alternating(lambda: dst.copy_(x), both, repeat=repeat)
+    t_enc = time_it(enc, repeat=repeat)
+    t_dec = time_it(dec, repeat=repeat)
+    t_near, t_stoch = time_alternating(enc, lambda: qs.encode(x, out=buf), repeat=repeat)
+    with native.disabled():
+        t_torch = time_it(both, repeat=max(3, repeat // 2))
+    return [
+        f"{n / 2**20:g}M",
+        threads,
+        t_copy * 1e3,
+        t_enc * 1e3,
+        t_dec * 1e3,
+        t_both * 1e3,
+        verdict(t_both / t_copy, GOAL_VS_COPY),
+        t_torch * 1e3,
+        f"{t_torch / t_both:.1f}x",
+        t_stoch * 1e3,
+        verdict(t_stoch / t_near, GOAL_STOCHASTIC),
+    ]
+
+
+def measure_fp8(n: int, repeat: int) -> list[list[object]]:
+    """ScaledFP8 encode + decode beside copy_, its torch path and torch's fp32 -> fp8 cast, one thread."""
+    torch.set_num_threads(1)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    dst = torch.empty_like(x)
     t_copy = time_it(lambda: dst.copy_(x), repeat=repeat)
-    t_cast = time_it(lambda: bf16.copy_(x), repeat=repeat)
-    t_naive = time_it(lambda: naive_decode(*naive_encode(x, chunk)), repeat=repeat)
     rows: list[list[object]] = []
-    for rounding in ("nearest", "stochastic"):
-        q = MinMaxUInt8(chunk_size=chunk, rounding=rounding, generator=torch.Generator().manual_seed(0))
-        buf = q.encode(x)
-        t_enc = time_it(lambda: q.encode(x, out=buf), repeat=repeat)  # noqa: B023 - called right here
-        t_dec = time_it(lambda: q.decode(buf, n, out=dst), repeat=repeat)  # noqa: B023
-        t_both = t_enc + t_dec
-        row: list[object] = [f"{n / 2**20:.0f}M", rounding, t_copy * 1e3, t_enc * 1e3, t_dec * 1e3]
-        row += [t_copy / t_both, 4 * n / t_both / 1e9]
-        row += [t_naive * 1e3, t_naive / t_both, t_cast * 1e3] if rounding == "nearest" else ["", "", ""]
-        rows.append(row)
     for fmt, dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
         fp8 = torch.empty(n, dtype=dtype)
-        t_cast8 = time_it(lambda: fp8.copy_(x), repeat=repeat)  # noqa: B023
+        t_cast = time_it(lambda: fp8.copy_(x), repeat=repeat)  # noqa: B023 - called right here
         for rounding in ("nearest", "stochastic"):
-            f = ScaledFP8(fmt, chunk_size=chunk, rounding=rounding, generator=torch.Generator().manual_seed(0))
+            f = ScaledFP8(fmt, chunk_size=CHUNK, rounding=rounding, generator=torch.Generator().manual_seed(0))
             buf = f.encode(x)
             t_enc = time_it(lambda: f.encode(x, out=buf), repeat=repeat)  # noqa: B023
             t_dec = time_it(lambda: f.decode(buf, n, out=dst), repeat=repeat)  # noqa: B023
-            t_both = t_enc + t_dec
-            row = [f"{n / 2**20:.0f}M", f"fp8 {fmt} {rounding}", t_copy * 1e3, t_enc * 1e3, t_dec * 1e3]
-            row += [t_copy / t_both, 4 * n / t_both / 1e9, "", "", f"fp32->{fmt} cast {t_cast8 * 1e3:.3g}"]
-            rows.append(row)
+            with native.disabled():
+                t_torch = time_it(lambda: (f.encode(x, out=buf), f.decode(buf, n, out=dst)), repeat=3)  # noqa: B023
+            ratio = f"{(t_enc + t_dec) / t_copy:.2f}x"
+            row = [f"{n / 2**20:g}M", f"{fmt} {rounding}", t_copy * 1e3, t_enc * 1e3, t_dec * 1e3, ratio]
+            rows.append([*row, t_torch * 1e3, f"{t_torch / (t_enc + t_dec):.1f}x", t_cast * 1e3])
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="small sizes, few repetitions (seconds)")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 = what each rank uses)")
+    ap.add_argument("--quick", action="store_true", help="small sizes, few repetitions (seconds): a smoke run")
+    ap.add_argument("--threads", default="1,2", help="comma-separated torch intra-op thread counts")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    sizes = [1 << 20, 1 << 22] if args.quick else [1 << 20, 1 << 24, 1 << 26]
-    repeat = 3 if args.quick else 7
-    chunk = 2048
+    threads = [int(t) for t in args.threads.split(",")]
+    sizes = [1 << 16, 1 << 18] if args.quick else [1 << 20, 1 << 24]
+    repeat = 3 if args.quick else 11
 
-    print(machine_header("MinMaxUInt8 and ScaledFP8 encode + decode throughput vs copy_ (fp32 input)"))
-    rows = []
-    for n in sizes:
-        rows += measure(n, chunk, repeat)
+    print(machine_header("MinMaxUInt8 encode + decode vs copy_ (fp32 input), compiled vs torch path"))
+    print(f"- path: {native.describe()}")
+    print(f"- chunk_size: {CHUNK}; ms are medians; ratio = time / copy_ time (goal {GOAL_VS_COPY}x), stochastic")
+    print(f"  encode / nearest encode (goal {GOAL_STOCHASTIC}x); torch path = mixprec.native.disabled()")
+    print()
+    rows = [measure_uint8(n, t, repeat) for n in sizes for t in threads]
     print(
         markdown_table(
             [
                 "elements",
-                "wire, rounding",
+                "threads",
                 "copy_ ms",
                 "encode ms",
                 "decode ms",
-                "enc+dec as fraction of copy_",
-                "enc+dec GB/s of fp32",
-                "naive torch enc+dec ms",
-                "speedup vs naive",
-                "fp32->bf16 cast ms (fp8 rows: fp32->fp8 cast ms)",
+                "enc+dec ms",
+                "enc+dec / copy_",
+                "torch path enc+dec ms",
+                "compiled speedup",
+                "stochastic encode ms",
+                "stochastic / nearest encode",
             ],
             rows,
+        )
+    )
+    print()
+    print("ScaledFP8 (same path as above), one thread:")
+    print()
+    fp8_rows = [row for n in sizes for row in measure_fp8(n, repeat)]
+    print(
+        markdown_table(
+            [
+                "elements",
+                "format, rounding",
+                "copy_ ms",
+                "encode ms",
+                "decode ms",
+                "enc+dec / copy_",
+                "torch path enc+dec ms",
+                "compiled speedup",
+                "fp32->fp8 cast ms",
+            ],
+            fp8_rows,
         )
     )
 

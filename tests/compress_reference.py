@@ -3,6 +3,8 @@
 Written from the documented format and algorithm, not from the library code: numpy float32 arithmetic
 (IEEE, one correct rounding per operation), ``np.rint`` (round half to even) for nearest rounding, plain
 Python loops over chunks and ranks. The collectives are simulated on the list of every rank's input.
+Stochastic rounding's uniforms come from :mod:`mixprec.core.philox` (checked against Random123's
+known answers in tests/test_philox.py), by the documented stream layout: :func:`call_uniforms`.
 """
 
 from __future__ import annotations
@@ -13,9 +15,24 @@ from fractions import Fraction
 import numpy as np
 import torch
 
+from mixprec.core import philox
+
 FP32_MAX = float(np.finfo(np.float32).max)
 WIDE_BELOW = 255.0 * float(np.finfo(np.float32).tiny)
 U32 = 2.0**-24
+
+
+def call_uniforms(generator: torch.Generator, *sizes: int) -> list[np.ndarray]:
+    """The uniforms of one stochastic call: one 64-bit key drawn from ``generator`` (two 32-bit randint draws,
+    low word first), and each encode's elements at the next stream positions, back to back (an encode: just
+    its elements from 0; a collective: the worker encode of its N elements, then the server re-encode of
+    the owned part at positions N, N + 1, ...)."""
+    lo, hi = torch.randint(0, 1 << 32, (2,), dtype=torch.int64, generator=generator).tolist()
+    key, pos, out = lo | (hi << 32), 0, []
+    for size in sizes:
+        out.append(philox.uniforms(key, pos, size).numpy())
+        pos += size
+    return out
 
 
 def as_f32(t: torch.Tensor) -> np.ndarray:

@@ -13,6 +13,7 @@ import torch
 import mixprec.hooks
 from compress_reference import (
     as_f32,
+    call_uniforms,
     ref_flat_all_reduce,
     ref_flat_reduce,
     ref_fp8_bound,
@@ -63,7 +64,7 @@ def test_fp8_bit_exact_against_reference_and_within_bound(fmt: str, rounding: st
     x = CASES[name]
     q = ScaledFP8(fmt, chunk_size=CHUNK, rounding=rounding, generator=torch.Generator().manual_seed(5))
     buf = q.encode(x)
-    uniforms = torch.rand(x.numel(), generator=torch.Generator().manual_seed(5)).numpy()
+    (uniforms,) = call_uniforms(torch.Generator().manual_seed(5), x.numel())
     expected = ref_fp8_encode(as_f32(x), CHUNK, fmt, rounding, uniforms)
     assert buf.numpy().tobytes() == expected
     y = q.decode(buf, x.numel())
@@ -186,7 +187,7 @@ def test_fp8_collectives_bit_for_bit_against_reference(dist_run, world: int, hie
         ref = ref_hierarchical_all_reduce(_inputs(4), CHUNK, 2, 2, wire=fmt)[0]
         shards = ref_hierarchical_reduce_scatter(_inputs(4), CHUNK, 2, 2, wire=fmt)
         gens = [torch.Generator().manual_seed(500 + r) for r in range(4)]
-        uniforms = [[torch.rand(N // 2, generator=g).numpy(), torch.rand(N // 4, generator=g).numpy()] for g in gens]
+        uniforms = [call_uniforms(g, N // 2, N // 4) for g in gens]
         ref_st = ref_hierarchical_all_reduce(
             _inputs(4, seed=2), CHUNK, 2, 2, rounding="stochastic", uniforms=uniforms, wire=fmt
         )[0]
@@ -202,7 +203,7 @@ def test_fp8_collectives_bit_for_bit_against_reference(dist_run, world: int, hie
         ref = ref_flat_all_reduce(_inputs(world), CHUNK, wire=fmt)[0][0]
         shards = ref_flat_reduce(_inputs(world), CHUNK, divisor=world, wire=fmt)
         gens = [torch.Generator().manual_seed(500 + r) for r in range(world)]
-        uniforms = [[torch.rand(N, generator=g).numpy(), torch.rand(part, generator=g).numpy()] for g in gens]
+        uniforms = [call_uniforms(g, N, part) for g in gens]
         ref_st = ref_flat_all_reduce(_inputs(world, seed=2), CHUNK, rounding="stochastic", uniforms=uniforms, wire=fmt)[
             0
         ][0]

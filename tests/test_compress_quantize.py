@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
 
-from compress_reference import U32, as_f32, ref_decode, ref_encode, roundtrip_bound
+from compress_reference import U32, as_f32, call_uniforms, ref_decode, ref_encode, roundtrip_bound
+from mixprec import native
 from mixprec.compress import MinMaxUInt8, NonFiniteError
 
 CHUNK = 256
@@ -41,17 +44,30 @@ def _cases() -> dict[str, torch.Tensor]:
 CASES = _cases()
 
 
+@contextlib.contextmanager
+def _on(path: str) -> Iterator[None]:
+    """Run the block on the compiled kernels (when this machine has them) or on the torch path."""
+    if path == "torch":
+        with native.disabled():
+            yield
+    else:
+        yield
+
+
+@pytest.mark.parametrize("path", ["compiled", "torch"])
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_encode_decode_bit_exact_against_reference(name: str, rounding: str) -> None:
+def test_encode_decode_bit_exact_against_reference(name: str, rounding: str, path: str) -> None:
     x = CASES[name]
     seed = 7
     q = MinMaxUInt8(chunk_size=CHUNK, rounding=rounding, generator=torch.Generator().manual_seed(seed))
-    buf = q.encode(x)
-    uniforms = torch.rand(x.numel(), generator=torch.Generator().manual_seed(seed)).numpy()
+    with _on(path):
+        buf = q.encode(x)
+        decoded = q.decode(buf, x.numel())
+    (uniforms,) = call_uniforms(torch.Generator().manual_seed(seed), x.numel())
     expected = ref_encode(as_f32(x), CHUNK, rounding, uniforms)
     assert buf.numpy().tobytes() == expected
-    np.testing.assert_array_equal(q.decode(buf, x.numel()).numpy(), ref_decode(expected, x.numel(), CHUNK))
+    np.testing.assert_array_equal(decoded.numpy(), ref_decode(expected, x.numel(), CHUNK))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -145,7 +161,8 @@ def test_stochastic_rounding_is_unbiased() -> None:
     assert (draws - x.double()).abs().max().item() <= step + 6.1 * U32 * rng + 1.1 * U32 * big
 
 
-def test_stochastic_draws_one_uniform_per_element_in_order() -> None:
+def test_stochastic_draws_one_key_per_encode() -> None:
+    # Each encode draws one 64-bit Philox key (two 32-bit randint draws), whatever its size.
     x = torch.randn(1000)
     g = torch.Generator().manual_seed(0)
     q = MinMaxUInt8(chunk_size=100, rounding="stochastic", generator=g)
@@ -153,8 +170,13 @@ def test_stochastic_draws_one_uniform_per_element_in_order() -> None:
     q.encode(x[:10])
     after = torch.rand(1, generator=g)
     replay = torch.Generator().manual_seed(0)
-    torch.rand(1010, generator=replay)
+    call_uniforms(replay, 1000)
+    call_uniforms(replay, 10)
     assert torch.equal(after, torch.rand(1, generator=replay))
+    # Nearest rounding draws nothing.
+    g2 = torch.Generator().manual_seed(0)
+    MinMaxUInt8(chunk_size=100, generator=g2).encode(x)
+    assert torch.equal(torch.rand(1, generator=g2), torch.rand(1, generator=torch.Generator().manual_seed(0)))
 
 
 def test_header_round_trip_and_layout() -> None:
@@ -261,12 +283,31 @@ def test_row_api_matches_encode_and_decode_row_by_row() -> None:
     summed = torch.empty(length)
     assert q.decode_rows(keep, length, summed, reduce=True) == 0
     assert torch.equal(summed, q.decode(keep[0], length) + q.decode(keep[1], length))
-    # stochastic rounding with given uniforms: the same codes as encode drawing those uniforms itself
+    # stochastic rounding with a given key: the same codes as encode drawing that key itself
     sq = MinMaxUInt8(chunk_size=CHUNK, rounding="stochastic", generator=torch.Generator().manual_seed(5))
-    uniforms = torch.rand(1, length, generator=torch.Generator().manual_seed(5))
+    key = MinMaxUInt8(rounding="stochastic", generator=torch.Generator().manual_seed(5)).draw_key()
     one = torch.empty(1, q.encoded_nbytes(length), dtype=torch.uint8)
-    sq.encode_rows(x[:1], one, uniforms=uniforms)
+    sq.encode_rows(x[:1], one, key=key)
     assert torch.equal(one[0], sq.encode(x[0]))
+    # Rows cut into segments of whole chunks, each encoded at its stream positions (offset + r * row_stride):
+    # the same bytes as one encode_rows of the whole rows (what the pipelined collectives rely on).
+    whole = torch.randn(rows, 4 * CHUNK + 11, generator=g)
+    n = whole.shape[1]
+    key = sq.draw_key()
+    expected = torch.empty(rows, q.encoded_nbytes(n), dtype=torch.uint8)
+    sq.encode_rows(whole, expected, key=key, offset=5, row_stride=n + 3)
+    codes = torch.empty(rows, n, dtype=torch.uint8)
+    for a, b in [(0, CHUNK), (CHUNK, 3 * CHUNK), (3 * CHUNK, n)]:
+        seg = torch.empty(rows, q.encoded_nbytes(b - a), dtype=torch.uint8)
+        sq.encode_rows(whole[:, a:b], seg, key=key, offset=5 + a, row_stride=n + 3)
+        codes[:, a:b] = seg[:, 8 * q.num_chunks(b - a) :]
+    assert torch.equal(codes, expected[:, 8 * q.num_chunks(n) :])
+
+
+def test_row_api_with_no_rows_does_nothing() -> None:
+    q = MinMaxUInt8(chunk_size=CHUNK, rounding="stochastic")
+    assert q.encode_rows(torch.empty(0, 300), torch.empty(0, q.encoded_nbytes(300), dtype=torch.uint8)) == 0
+    assert q.decode_rows(torch.empty(0, q.encoded_nbytes(300), dtype=torch.uint8), 300, torch.empty(0, 300)) == 0
 
 
 def test_row_api_refuses_bad_shapes_and_dtypes() -> None:
@@ -278,13 +319,16 @@ def test_row_api_refuses_bad_shapes_and_dtypes() -> None:
         (lambda: q.encode_rows(x.double(), out), TypeError, "x must have dtype"),
         (lambda: q.encode_rows(x, out[:1]), ValueError, r"out must be of shape \[2, 316\]"),
         (lambda: q.encode_rows(x.t().contiguous().t(), out), ValueError, "each row of x must be contiguous"),
-        (lambda: q.encode_rows(x, out, uniforms=torch.rand(2, 299)), ValueError, r"uniforms must be of shape"),
+        (lambda: q.encode_rows(x, out, offset=-1), ValueError, "offset must be an int >= 0"),
+        (lambda: q.encode_rows(x, out, row_stride=1.5), TypeError, "row_stride"),
+        (lambda: q.encode_rows(x, out, offset=2**62), ValueError, "at most 2\\*\\*62"),
         (lambda: q.decode_rows(out, 301, torch.empty(2, 301)), ValueError, r"buffers must be of shape \[R, 317\]"),
         (lambda: q.decode_rows(out, 300, torch.empty(3, 300)), ValueError, r"out must be of shape \[2, 300\]"),
         (lambda: q.decode_rows(out, 300, torch.empty(300).half(), reduce=True), TypeError, "torch.float32"),
         (lambda: q.decode_rows(out, 300, torch.empty(2, 300), reduce=True), ValueError, "out must be 1-D"),
         (lambda: q.decode_rows(out, 300, torch.empty(300), reduce=1), TypeError, "reduce must be a bool"),
         (lambda: q.decode_rows(out, -1, torch.empty(2, 0)), ValueError, "length must be an int >= 0"),
+        (lambda: q.decode_rows(out[:0], 300, torch.empty(300), reduce=True), ValueError, "at least one row to sum"),
     ]:
         with pytest.raises(exc, match=match):
             call()

@@ -79,16 +79,18 @@ class FlatPhase:
         if ef is not None:
             worker = ef.residual("worker", numel, device).view(world, part)
             staged = shared.get(tag + "v", numel, torch.float32, device).view(world, part)
-        # All draws up front, in element order: the same as one unsegmented encode of the whole input.
-        uniforms = self._uniforms("uniform", numel, device)
+        # Stochastic rounding: one Philox key per call; the worker encode takes stream positions [0, numel) (the
+        # element's index in the input), the server re-encode [numel, numel + part): every bit is the same
+        # whatever the segments.
+        self.key = comp.draw_key() if comp.rounding == "stochastic" else 0
+        self.numel = numel
         self.local_bad = 0
         self._works: list[Any] = []
         for s, ((a, b), send, recv) in enumerate(zip(self.segments, self.send, self.recv)):
             v = first if s == 0 else source(s, a, b)
             if worker is not None and staged is not None:
                 v = torch.add(v, worker[:, a:b], out=staged[:, a:b])
-            u = None if uniforms is None else uniforms.view(world, part)[:, a:b]
-            bad = comp.encode_rows(v, send, uniforms=u)
+            bad = comp.encode_rows(v, send, key=self.key, offset=a, row_stride=part)
             self.local_bad += bad
             if worker is not None and not bad:
                 res = worker[:, a:b]
@@ -120,13 +122,6 @@ class FlatPhase:
             views.append(flat[offset : offset + rows * nb].view(rows, nb))
             offset += rows * nb
         return views
-
-    def _uniforms(self, name: str, numel: int, device: torch.device) -> torch.Tensor | None:
-        if self.comp.rounding != "stochastic":
-            return None
-        u = self.shared.get(self.tag + name, numel, torch.float32, device)
-        torch.rand(numel, generator=self.comp.generator, out=u)
-        return u
 
     def bytes_per_phase(self) -> tuple[int, int]:
         """(bytes, header bytes) this rank sends in one of the two phases: W-1 buffers per segment."""
@@ -160,7 +155,6 @@ class FlatPhase:
             self.shared.get(self.tag + "gather", self.world * self.nbytes, torch.uint8, device)
         )
         server = self.ef.residual("server", self.part, device) if self.ef is not None else None
-        uniforms = self._uniforms("server_uniform", self.part, device)
         works = []
         for s, (a, b) in enumerate(self.segments):
             acc_s = acc[a:b]
@@ -168,9 +162,7 @@ class FlatPhase:
             own = gathered[s][self.rank : self.rank + 1]
             if server is not None:
                 acc_s.add_(server[a:b])
-            bad = self.comp.encode_rows(
-                acc_s.view(1, -1), own, uniforms=None if uniforms is None else uniforms[a:b].view(1, -1)
-            )
+            bad = self.comp.encode_rows(acc_s.view(1, -1), own, key=self.key, offset=self.numel + a)
             if server is not None and not bad:
                 self.comp.decode_rows(own, b - a, server[a:b].view(1, -1))
                 torch.sub(acc_s, server[a:b], out=server[a:b])

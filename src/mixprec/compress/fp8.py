@@ -21,8 +21,17 @@ import math
 
 import torch
 
+import mixprec.native as native
 from mixprec.compress._scratch import Scratch
-from mixprec.compress.quantize import FLOAT_DTYPES, CheckFinite, ChunkedCompressor, MinMaxUInt8, NonFiniteError
+from mixprec.compress.quantize import (
+    _DTYPE_CODES,
+    FLOAT_DTYPES,
+    CheckFinite,
+    ChunkedCompressor,
+    MinMaxUInt8,
+    NonFiniteError,
+    _kernels,
+)
 from mixprec.core.dtypes import Rounding
 from mixprec.core.formats import get_format
 from mixprec.core.rounding import round_to
@@ -35,6 +44,7 @@ SCALE_BYTES_PER_CHUNK = 4  # one fp32 scale (a power of two, or NaN for a flagge
 FP8_FORMATS: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # The scale exponent k stays where 2**k and 2**-k are both fp32 numbers (normal or subnormal, exact).
 _K_MIN, _K_MAX = -126, 126
+_FORMAT_CODES = {"e4m3": 0, "e5m2": 1}  # the kernels' format codes (native/csrc/quantize.c)
 
 
 class ScaledFP8(ChunkedCompressor):
@@ -44,8 +54,8 @@ class ScaledFP8(ChunkedCompressor):
         fmt: ``"e4m3"`` (3 mantissa bits, max 448: finer) or ``"e5m2"`` (2 mantissa bits, max 57344: wider
             range inside a chunk).
         chunk_size: elements per scale, int >= 1 (4 header bytes per chunk).
-        rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased; draws ``numel`` uniforms from
-            ``generator`` per encode, in element order, with one ``torch.rand`` call).
+        rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased; one 64-bit Philox key drawn
+            from ``generator`` per encode, element i's uniform at stream position i: :mod:`mixprec.core.philox`).
         generator: torch.Generator for stochastic rounding, on the tensors' device; None = torch's default.
         check_finite: ``"raise"`` a :class:`NonFiniteError` on NaN/Inf, or ``"flag"`` the chunk (scale NaN).
     """
@@ -89,7 +99,7 @@ class ScaledFP8(ChunkedCompressor):
         self.check_generator_device(x.device)
         numel = x.shape[1]
         out = self._check_buffer("out", out, numel, x.device, allocate=True)
-        bad = self._encode_rows(x, out.view(1, -1), None)
+        bad = self._encode_rows(x, out.view(1, -1), self._fresh_key(), 0, numel)
         if bad and self.check_finite == "raise":
             raise NonFiniteError(
                 f"tensor holds NaN or Inf in {bad} of its {self.num_chunks(numel)} chunks of {self.chunk_size} "
@@ -165,7 +175,30 @@ class ScaledFP8(ChunkedCompressor):
         k = torch.where(a > 0, k.clamp(_K_MIN, _K_MAX), torch.zeros_like(k))
         return torch.where(torch.isfinite(a), k, torch.full_like(k, math.nan))
 
-    def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, uniforms: torch.Tensor | None) -> int:
+    def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, key: int, offset: int, row_stride: int) -> int:
+        lib = _kernels() if x.device.type == "cpu" else None
+        if lib is None:
+            return self._encode_rows_torch(x, out, key, offset, row_stride)
+        rows, length = x.shape
+        return lib.encode_fp8(
+            x.data_ptr(),
+            _DTYPE_CODES[x.dtype],
+            rows,
+            length,
+            x.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            self.chunk_size,
+            _FORMAT_CODES[self.fmt],
+            int(self.rounding == "stochastic"),
+            key,
+            offset,
+            row_stride,
+            native.num_threads(),
+        )
+
+    def _encode_rows_torch(self, x: torch.Tensor, out: torch.Tensor, key: int, offset: int, row_stride: int) -> int:
+        """The torch implementation (the fallback, and the oracle of the compiled kernel)."""
         rows, length = x.shape
         chunks = self.num_chunks(length)
         device = x.device
@@ -180,9 +213,6 @@ class ScaledFP8(ChunkedCompressor):
         scale = torch.where(finite, torch.exp2(-k0), torch.full_like(k0, math.nan)).float()
         out[:, :hb].copy_(scale.view(torch.uint8))
         stochastic = self.rounding == "stochastic"
-        if stochastic and uniforms is None:
-            uniforms = self._scratch.get("uniform", rows * length, torch.float32, device).view(rows, length)
-            torch.rand(rows * length, generator=self.generator, out=uniforms.view(-1))
         codes = out[:, hb:]
         y = self._scratch.get("y", rows * length, torch.float32, device).view(rows, length)
         for (first, xv), (_, yv) in zip(self._views(x), self._views(y)):
@@ -190,8 +220,7 @@ class ScaledFP8(ChunkedCompressor):
             torch.mul(xv, up[:, first : first + n, None], out=yv)  # exact: a power of two, |y| <= max
             yv.masked_fill_(~finite[:, first : first + n, None], 0.0)
         if stochastic:
-            assert uniforms is not None
-            self._round_stochastic_(y, uniforms)
+            self._round_stochastic_(y, self._uniform_rows(key, offset, row_stride, rows, length, device))
         else:
             round_to(y, self.format, "nearest", out=y)
         codes.copy_(y.to(self.dtype).view(torch.uint8))  # exact: y is on the format's grid
@@ -216,6 +245,28 @@ class ScaledFP8(ChunkedCompressor):
         return torch.arange(256, dtype=torch.uint8, device=device).view(self.dtype).float()
 
     def _decode_rows(self, buf: torch.Tensor, length: int, out: torch.Tensor, reduce: bool) -> int:
+        lib = _kernels() if buf.device.type == "cpu" else None
+        if lib is None:
+            return self._decode_rows_torch(buf, length, out, reduce)
+        table = self._tables.get(buf.device)
+        if table is None:
+            table = self._tables[buf.device] = self._code_values(buf.device)
+        return lib.decode_fp8(
+            buf.data_ptr(),
+            buf.shape[0],
+            length,
+            buf.stride(0),
+            out.data_ptr(),
+            _DTYPE_CODES[out.dtype],
+            out.stride(0),
+            self.chunk_size,
+            table.data_ptr(),
+            int(reduce),
+            native.num_threads(),
+        )
+
+    def _decode_rows_torch(self, buf: torch.Tensor, length: int, out: torch.Tensor, reduce: bool) -> int:
+        """The torch implementation of :meth:`_decode_rows`."""
         rows = buf.shape[0]
         chunks = self.num_chunks(length)
         hb = SCALE_BYTES_PER_CHUNK * chunks

@@ -31,9 +31,9 @@ class Uint8Options:
 
     Attributes:
         chunk_size: elements per chunk (one header entry), int >= 1.
-        rounding: ``"nearest"`` or ``"stochastic"`` (unbiased; the stream is
+        rounding: ``"nearest"`` or ``"stochastic"`` (unbiased; the generator is
             ``mixprec.comm.rank_generator(seed, device)``: seeded with ``seed + global rank``, on the
-            gradients' device, created at the first reduction).
+            gradients' device, created at the first reduction; one 64-bit Philox key drawn per reduction).
         error_feedback: keep per-bucket residuals (worker and server side) and add them back next step.
         check_finite: ``"flag"`` (non-finite chunks reduce to NaN on every rank, for the loss scaler's agreed
             overflow check) or ``"raise"`` (every rank raises :class:`mixprec.compress.NonFiniteError`).

@@ -9,19 +9,24 @@ range, ``step = R / 255``, ``M`` its largest magnitude, ``u = 2**-24``, ``k = 1/
 
 ``encode``/``decode`` work on one tensor; the row API (:meth:`MinMaxUInt8.encode_rows`,
 :meth:`MinMaxUInt8.decode_rows`, :meth:`MinMaxUInt8.check_generator_device`) on the rows of a 2-D view, which
-is what the compressed collectives are built from. The wire format, the arithmetic (offset first; a float64
-path near the fp32 limits), the derivation of the bound and the speed tricks: ``docs/compress.md``.
+is what the compressed collectives are built from. Both run the compiled kernel of
+``mixprec/native/csrc/quantize.c`` when :func:`mixprec.native.library` has one (CPU tensors), else the torch
+code here, with the same bits. The wire format, the arithmetic (offset first; a float64 path near the fp32
+limits), the Philox streams of stochastic rounding, the bound and the speed tricks: ``docs/compress.md``.
 """
 
 from __future__ import annotations
 
 import abc
+import ctypes
 import math
 from typing import Literal
 
 import torch
 
+import mixprec.native as native
 from mixprec.compress._scratch import Scratch
+from mixprec.core import philox
 from mixprec.core.dtypes import LOW_PRECISION_DTYPES, ROUNDINGS, Rounding
 from mixprec.core.validate import check_bool, check_choice, check_dtype, check_positive_int, check_tensor
 
@@ -43,6 +48,50 @@ _BLOCK = 1 << 17
 # cache for the code pass (instead of reading it twice from DRAM), and the fp64 per-chunk scalars are
 # computed once per super-block (a handful of small ops).
 _SUPER = 1 << 20
+
+
+# The kernels' dtype codes (native/csrc/quantize.c).
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+class _Kernels:
+    """The quantizer's functions of one loaded kernel library, with their C signatures bound."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr, i32, u64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64
+        self.encode = lib.mixprec_quant_encode_u8
+        self.encode.argtypes = [ptr, i32, i64, i64, i64, ptr, i64, i64, i32, u64, i64, i64, i32]
+        self.encode.restype = i64
+        self.decode = lib.mixprec_quant_decode_u8
+        self.decode.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, i64, i32, i32]
+        self.decode.restype = i64
+        self.encode_fp8 = lib.mixprec_quant_encode_fp8
+        self.encode_fp8.argtypes = [ptr, i32, i64, i64, i64, ptr, i64, i64, i32, i32, u64, i64, i64, i32]
+        self.encode_fp8.restype = i64
+        self.decode_fp8 = lib.mixprec_quant_decode_fp8
+        self.decode_fp8.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, i64, ptr, i32, i32]
+        self.decode_fp8.restype = i64
+        # The Philox generator on its own (tests): one block, and the uniforms of a range of stream positions.
+        self.philox_block = lib.mixprec_quant_philox_block
+        self.philox_block.argtypes = [ptr, ptr, ptr]
+        self.philox_block.restype = None
+        self.philox_uniforms = lib.mixprec_quant_philox_uniforms
+        self.philox_uniforms.argtypes = [u64, i64, i64, ptr]
+        self.philox_uniforms.restype = None
+
+
+_bound: dict[int, _Kernels] = {}
+
+
+def _kernels() -> _Kernels | None:
+    """The bound kernels, or None when the torch path must run (no compiler, or ``native.disabled()``)."""
+    lib = native.library()
+    if lib is None:
+        return None
+    kernels = _bound.get(id(lib))
+    if kernels is None:
+        kernels = _bound[id(lib)] = _Kernels(lib)
+    return kernels
 
 
 class NonFiniteError(ValueError):
@@ -100,16 +149,29 @@ class ChunkedCompressor(abc.ABC):
                 "tensor's device; pass a generator created there (e.g. mixprec.comm.rank_generator(seed, device))"
             )
 
-    def encode_rows(self, x: torch.Tensor, out: torch.Tensor, *, uniforms: torch.Tensor | None = None) -> int:
+    def encode_rows(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        key: int | None = None,
+        offset: int = 0,
+        row_stride: int | None = None,
+    ) -> int:
         """Encode each row of ``x`` into the matching row of ``out``, each row as :meth:`encode` would.
 
         Never raises for NaN/Inf: flagged chunks are counted (``check_finite`` is the caller's business).
+        Stochastic rounding takes element ``(r, j)``'s uniform from position ``offset + r * row_stride + j``
+        of the Philox stream ``key`` (:mod:`mixprec.core.philox`), so a caller that encodes a tensor in
+        pieces gets the bits of one encode of the whole tensor by passing each piece's positions.
 
         Args:
             x: [R, L] fp32/fp16/bf16; rows may be strided, each row's elements contiguous. Not modified.
             out: [R, encoded_nbytes(L)] uint8 on ``x``'s device, each row's bytes contiguous.
-            uniforms: for stochastic rounding, [R, L] fp32 draws in [0, 1) on ``x``'s device to use instead
-                of drawing ``R * L`` from ``generator`` (in row-major order); ignored for nearest rounding.
+            key: stochastic rounding's 64-bit stream key, an int in [0, 2**64); None = one fresh key from
+                ``generator`` (:func:`mixprec.core.philox.draw_key`). Ignored for nearest rounding.
+            offset: stream position of ``x[0, 0]``, int >= 0.
+            row_stride: stream positions from one row to the next, int >= 0; None = ``L`` (rows back to back).
 
         Returns:
             The number of chunks flagged non-finite (over all rows).
@@ -117,10 +179,49 @@ class ChunkedCompressor(abc.ABC):
         self._check_rows("x", x, FLOAT_DTYPES, None)
         rows, length = x.shape
         self._check_rows("out", out, (torch.uint8,), (rows, self.encoded_nbytes(length)), x.device)
-        if uniforms is not None:
-            self._check_rows("uniforms", uniforms, (torch.float32,), (rows, length), x.device)
         self.check_generator_device(x.device)
-        return self._encode_rows(x, out, uniforms)
+        offset = check_positive_int("offset", offset, minimum=0)
+        row_stride = length if row_stride is None else check_positive_int("row_stride", row_stride, minimum=0)
+        if offset + max(rows - 1, 0) * row_stride + length > philox.MAX_POSITION:
+            raise ValueError(f"offset + (rows - 1) * row_stride + length must be at most 2**62; got offset {offset}")
+        if self.rounding == "stochastic":
+            key = philox.draw_key(self.generator) if key is None else self._check_key(key)
+        else:
+            key = 0
+        if rows == 0:
+            return 0
+        return self._encode_rows(x, out, key, offset, row_stride)
+
+    def draw_key(self) -> int:
+        """One 64-bit stream key from ``generator`` (one ``torch.randint`` of two 32-bit words), for callers that
+        encode one tensor in several :meth:`encode_rows` calls."""
+        return philox.draw_key(self.generator)
+
+    @staticmethod
+    def _uniform_rows(
+        key: int, offset: int, row_stride: int, rows: int, length: int, device: torch.device
+    ) -> torch.Tensor:
+        """[rows, length] fp32 uniforms of the stream ``key`` (row r at ``offset + r * row_stride``): the
+        compiled generator when there is one, else :func:`mixprec.core.philox.uniform_rows` (the same bits)."""
+        kernels = _kernels() if device.type == "cpu" else None
+        if kernels is None:
+            return philox.uniform_rows(key, offset, row_stride, rows, length, device)
+        out = torch.empty(rows, length, dtype=torch.float32)
+        for r in range(rows):
+            kernels.philox_uniforms(key, offset + r * row_stride, length, out[r].data_ptr())
+        return out
+
+    def _fresh_key(self) -> int:
+        """A key for one stochastic encode (0, drawing nothing, for nearest rounding)."""
+        return philox.draw_key(self.generator) if self.rounding == "stochastic" else 0
+
+    @staticmethod
+    def _check_key(key: object) -> int:
+        if isinstance(key, bool) or not isinstance(key, int):
+            raise TypeError(f"key must be an int in [0, 2**64); got {type(key).__name__}")
+        if not 0 <= key < 1 << 64:
+            raise ValueError(f"key must be an int in [0, 2**64); got {key}")
+        return key
 
     def decode_rows(self, buffers: torch.Tensor, length: int, out: torch.Tensor, *, reduce: bool = False) -> int:
         """Decode each row of ``buffers`` into the matching row of ``out``, or sum the decoded rows.
@@ -147,11 +248,15 @@ class ChunkedCompressor(abc.ABC):
                 raise ValueError(f"out must be 1-D with {length} elements when reduce=True; got {tuple(out.shape)}")
         else:
             self._check_rows("out", out, FLOAT_DTYPES, (buffers.shape[0], length), buffers.device)
+        if buffers.shape[0] == 0:
+            if check_bool("reduce", reduce):
+                raise ValueError("buffers must hold at least one row to sum (reduce=True); got 0 rows")
+            return 0
         return self._decode_rows(buffers, length, out, check_bool("reduce", reduce))
 
     @abc.abstractmethod
-    def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, uniforms: torch.Tensor | None) -> int:
-        """:meth:`encode_rows` on checked arguments."""
+    def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, key: int, offset: int, row_stride: int) -> int:
+        """:meth:`encode_rows` on checked arguments (``key`` resolved; 0 for nearest rounding)."""
 
     @abc.abstractmethod
     def _decode_rows(self, buf: torch.Tensor, length: int, out: torch.Tensor, reduce: bool) -> int:
@@ -186,8 +291,9 @@ class MinMaxUInt8(ChunkedCompressor):
         chunk_size: elements per (min, max) pair, int >= 1. Smaller chunks track the local range more
             closely (smaller step) at ``8 / chunk_size`` bytes of header per element (0.4% at 2048).
         rounding: ``"nearest"`` (round half to even; biased for a fixed input, error <= step / 2) or
-            ``"stochastic"`` (unbiased, error < 1 step; draws ``numel`` uniforms from ``generator`` per
-            encode, in element order, with one ``torch.rand`` call).
+            ``"stochastic"`` (unbiased, error < 1 step; one 64-bit Philox key drawn from ``generator`` per
+            encode, element i's uniform at stream position i: :mod:`mixprec.core.philox`, so the codes do not
+            depend on the thread count or on how the collectives cut the tensor into segments).
         generator: torch.Generator for stochastic rounding, on the device of the tensors it will encode
             (``encode`` raises ValueError otherwise); None = torch's default generator. In a multi-process
             run, seed each rank differently: :func:`mixprec.comm.rank_generator` (the reducers use it).
@@ -196,9 +302,10 @@ class MinMaxUInt8(ChunkedCompressor):
             to NaN, so the overflow reaches the loss scaler) and let the caller ask
             :meth:`found_nonfinite`. Never spread as a finite value.
 
-    Scratch memory: one fp32 block of ``_BLOCK`` elements (plus one more for stochastic rounding), fp32/
-    fp64 per-chunk scalars, and for stochastic rounding an fp32 buffer of ``numel`` uniforms; kept and
-    reused across calls, so an instance is not thread-safe.
+    Speed: with the compiled kernels (:mod:`mixprec.native`) one fused pass per chunk; the torch path (the
+    fallback, same bits) keeps scratch buffers: one fp32 block of ``_BLOCK`` elements (plus one more for
+    stochastic rounding), fp32/fp64 per-chunk scalars, and for stochastic rounding ``numel`` fp32
+    uniforms; kept and reused across calls, so an instance is not thread-safe.
     """
 
     HEADER_BYTES = HEADER_BYTES_PER_CHUNK
@@ -240,7 +347,7 @@ class MinMaxUInt8(ChunkedCompressor):
         self.check_generator_device(x.device)
         numel = x.shape[1]
         out = self._check_buffer("out", out, numel, x.device, allocate=True)
-        bad = self._encode_rows(x, out.view(1, -1), None)
+        bad = self._encode_rows(x, out.view(1, -1), self._fresh_key(), 0, numel)
         if bad and self.check_finite == "raise":
             raise NonFiniteError(
                 f"tensor holds NaN or Inf in {bad} of its {self.num_chunks(numel)} chunks of {self.chunk_size} "
@@ -354,7 +461,10 @@ class MinMaxUInt8(ChunkedCompressor):
         aligned = (lo < 0) & (maxs >= 0) & ~wide  # NaN: False
         step = torch.where(aligned, rng / 254.0, rng / 255.0).float()
         s64 = step.double()
-        scale = torch.where(aligned, 1.0 / s64, torch.where(rng > 0, 255.0 / rng, torch.zeros_like(rng))).float()
+        # torch.div, not ``255.0 / rng``: a scalar over a tensor is reciprocal-then-multiply in torch, two
+        # roundings; the documented (and compiled) arithmetic is one correctly rounded fp64 division.
+        over = torch.div(torch.full_like(rng, 255.0), rng)
+        scale = torch.where(aligned, 1.0 / s64, torch.where(rng > 0, over, torch.zeros_like(rng))).float()
         neg = torch.where(aligned, -lo, torch.zeros_like(lo))
         safe = torch.where(aligned, s64, torch.ones_like(s64))
         zero = torch.ceil(neg / safe)
@@ -365,8 +475,34 @@ class MinMaxUInt8(ChunkedCompressor):
         sub = torch.where(aligned, torch.zeros_like(mins), mins)
         return rng, wide, sub, scale, zero.float(), step
 
-    def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, uniforms: torch.Tensor | None) -> int:
-        """:meth:`encode_rows` on checked arguments.
+    def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, key: int, offset: int, row_stride: int) -> int:
+        """:meth:`encode_rows` on checked arguments: the compiled kernel when there is one, else torch."""
+        stochastic = self.rounding == "stochastic"
+        kernels = _kernels() if x.device.type == "cpu" else None
+        if kernels is not None:
+            rows, length = x.shape
+            return kernels.encode(
+                x.data_ptr(),
+                _DTYPE_CODES[x.dtype],
+                rows,
+                length,
+                x.stride(0),
+                out.data_ptr(),
+                out.stride(0),
+                self.chunk_size,
+                int(stochastic),
+                key,
+                offset,
+                row_stride,
+                native.num_threads(),
+            )
+        uniforms = None
+        if stochastic:
+            uniforms = philox.uniform_rows(key, offset, row_stride, *x.shape, device=x.device)
+        return self._encode_rows_torch(x, out, uniforms)
+
+    def _encode_rows_torch(self, x: torch.Tensor, out: torch.Tensor, uniforms: torch.Tensor | None) -> int:
+        """The torch implementation (the fallback, and the oracle of the compiled kernel).
 
         Works on super-blocks of about ``_SUPER`` elements (all rows at once): a min/max pass that pulls them
         into the last-level cache, the fp64 chunk scalars, then the code pass block by block in L2.
@@ -380,15 +516,11 @@ class MinMaxUInt8(ChunkedCompressor):
         scale = self._buf("scale", rows * chunks, torch.float32, device).view(rows, chunks)
         sub = self._buf("sub", rows * chunks, torch.float32, device).view(rows, chunks)
         zero = self._buf("zero", rows * chunks, torch.float32, device).view(rows, chunks)
-        stochastic = self.rounding == "stochastic"
-        if stochastic and uniforms is None:
-            # One draw per element, in element order, whatever the blocking (so a reference can replay it).
-            uniforms = self._buf("uniform", rows * length, torch.float32, device).view(rows, length)
-            torch.rand(rows * length, generator=self.generator, out=uniforms.view(-1))
+        stochastic = uniforms is not None
         per_block = max(1, _BLOCK // (rows * c))
         x_blocks = self._blocks(x, per_block)
         code_blocks = self._blocks(out[:, HEADER_BYTES_PER_CHUNK * chunks :], per_block)
-        u_blocks = self._blocks(uniforms, per_block) if uniforms is not None and stochastic else None
+        u_blocks = self._blocks(uniforms, per_block) if uniforms is not None else None
         block_elems = rows * per_block * c
         work = self._buf("work", block_elems, torch.float32, device)
         floor = self._buf("floor", block_elems if stochastic else 0, torch.float32, device)
@@ -438,7 +570,7 @@ class MinMaxUInt8(ChunkedCompressor):
         codes = out[:, HEADER_BYTES_PER_CHUNK * chunks :]
         for r, chunk in (wide & finite).nonzero().tolist():
             a, b = self._chunk_bounds(chunk, length)
-            q = (x[r, a:b].double() - mins[r, chunk].double()) * (255.0 / rng[r, chunk])
+            q = (x[r, a:b].double() - mins[r, chunk].double()) * (255.0 / float(rng[r, chunk]))  # one division
             if stochastic and uniforms is not None:
                 fl = q.floor()
                 q = fl + (uniforms[r, a:b].double() < q - fl).double()
@@ -452,7 +584,25 @@ class MinMaxUInt8(ChunkedCompressor):
         return n_bad
 
     def _decode_rows(self, buf: torch.Tensor, length: int, out: torch.Tensor, reduce: bool) -> int:
-        """:meth:`decode_rows` on checked arguments."""
+        """:meth:`decode_rows` on checked arguments: the compiled kernel when there is one, else torch."""
+        kernels = _kernels() if buf.device.type == "cpu" else None
+        if kernels is None:
+            return self._decode_rows_torch(buf, length, out, reduce)
+        return kernels.decode(
+            buf.data_ptr(),
+            buf.shape[0],
+            length,
+            buf.stride(0),
+            out.data_ptr(),
+            _DTYPE_CODES[out.dtype],
+            out.stride(0),
+            self.chunk_size,
+            int(reduce),
+            native.num_threads(),
+        )
+
+    def _decode_rows_torch(self, buf: torch.Tensor, length: int, out: torch.Tensor, reduce: bool) -> int:
+        """The torch implementation of :meth:`_decode_rows`."""
         rows = buf.shape[0]
         chunks = self.num_chunks(length)
         device = buf.device

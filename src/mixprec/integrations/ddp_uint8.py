@@ -44,8 +44,9 @@ class Uint8HookState:
             (``check_finite="flag"`` by default: NaN/Inf reach the gradients, never a finite value).
         error_feedback: keep per-bucket residuals. DDP rebuilds its buckets after the first iteration;
             a bucket index whose size changed starts again from zero residuals.
-        seed: stochastic rounding's stream is ``mixprec.comm.rank_generator(seed, bucket device)``: seeded
-            with ``seed + global rank``, on the gradients' device, created at the first hook call.
+        seed: stochastic rounding's generator is ``mixprec.comm.rank_generator(seed, bucket device)``: seeded
+            with ``seed + global rank``, on the gradients' device, created at the first hook call; each
+            reduction draws one 64-bit Philox key from it (``docs/compress.md``).
         wire, link_gbps: ``"uint8"``, ``"e4m3"``, ``"e5m2"`` or ``"auto"`` (see
             :class:`mixprec.compress.Uint8Options`); with ``"auto"`` the choice of each bucket index is
             made at its first call and kept (:attr:`choices`).

@@ -1,0 +1,94 @@
+/* Philox4x32-10, the counter-based generator of Salmon, Moraes, Dror and Shaw, "Parallel random numbers:
+ * as easy as 1, 2, 3" (SC'11), as in Random123 and torch's CUDA generator: a 128-bit counter and a 64-bit
+ * key give four 32-bit words, 10 rounds. mixprec.core.philox computes the same bits with torch int64 ops.
+ *
+ * Element layout of a stream (docs/compress.md): element e takes word (e >> 4) & 3 of the block whose
+ * counter is ((e >> 6) << 4) | (e & 15), counter words (lo, hi, 0, 0). So 64 consecutive elements come
+ * from 16 consecutive counters and each output word feeds 16 consecutive elements: vector-friendly. */
+#ifndef MIXPREC_PHILOX_H
+#define MIXPREC_PHILOX_H
+#include <stdint.h>
+
+#define MIXPREC_PHILOX_M0 0xD2511F53u
+#define MIXPREC_PHILOX_M1 0xCD9E8D57u
+#define MIXPREC_PHILOX_W0 0x9E3779B9u
+#define MIXPREC_PHILOX_W1 0xBB67AE85u
+
+/* One Philox4x32-10 block: ctr[4], key[2] -> out[4] (the Random123 known-answer tests check this). */
+static inline void mixprec_philox4x32_10(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]) {
+    uint32_t x0 = ctr[0], x1 = ctr[1], x2 = ctr[2], x3 = ctr[3], k0 = key[0], k1 = key[1];
+    for (int r = 0; r < 10; r++) {
+        uint64_t p0 = (uint64_t)MIXPREC_PHILOX_M0 * x0, p1 = (uint64_t)MIXPREC_PHILOX_M1 * x2;
+        uint32_t y0 = (uint32_t)(p1 >> 32) ^ x1 ^ k0, y2 = (uint32_t)(p0 >> 32) ^ x3 ^ k1;
+        x0 = y0; x1 = (uint32_t)p1; x2 = y2; x3 = (uint32_t)p0;
+        k0 += MIXPREC_PHILOX_W0; k1 += MIXPREC_PHILOX_W1;
+    }
+    out[0] = x0; out[1] = x1; out[2] = x2; out[3] = x3;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* The 24-bit uniforms in [0, 1) of the 256 elements of groups g .. g + 3 (elements 64 g .. 64 g + 255) of
+ * the stream with key `key`: u[64 i + 16 w + l] = (word w of counter 16 (g + i) + l) >> 8, times 2**-24
+ * (torch.rand's fp32 grid). Four groups at once: their rounds are independent, which hides the latency of
+ * the multiplies. */
+static inline void mixprec_philox_uniform256(uint64_t key, uint64_t g, float u[256]) {
+    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
+#if defined(__AVX512F__)
+    /* One counter per 64-bit lane, its words in the low halves: vpmuludq reads only those, so the high
+     * halves may hold garbage until the words are packed at the end. 8 chains of 8 counters. */
+    __m512i x0[8], x1[8], x2[8], x3[8];
+    const __m512i iota = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int i = 0; i < 8; i++) {
+        uint64_t c = ((g + (uint64_t)(i >> 1)) << 4) + (uint64_t)(8 * (i & 1)); /* + lane: no carry */
+        x0[i] = _mm512_add_epi64(_mm512_set1_epi64((long long)(uint32_t)c), iota);
+        x1[i] = _mm512_set1_epi64((long long)(c >> 32));
+        x2[i] = x3[i] = _mm512_setzero_si512();
+    }
+    const __m512i m0 = _mm512_set1_epi64(MIXPREC_PHILOX_M0), m1 = _mm512_set1_epi64(MIXPREC_PHILOX_M1);
+    for (int r = 0; r < 10; r++) {
+        const __m512i ka = _mm512_set1_epi64(k0), kb = _mm512_set1_epi64(k1);
+        for (int i = 0; i < 8; i++) {
+            __m512i p0 = _mm512_mul_epu32(x0[i], m0), p1 = _mm512_mul_epu32(x2[i], m1);
+            x0[i] = _mm512_ternarylogic_epi64(_mm512_srli_epi64(p1, 32), x1[i], ka, 0x96); /* three-way xor */
+            x2[i] = _mm512_ternarylogic_epi64(_mm512_srli_epi64(p0, 32), x3[i], kb, 0x96);
+            x1[i] = p1; /* low word: the product's low half */
+            x3[i] = p0;
+        }
+        k0 += MIXPREC_PHILOX_W0;
+        k1 += MIXPREC_PHILOX_W1;
+    }
+    const __m512 s = _mm512_set1_ps(0x1p-24f);
+    for (int i = 0; i < 8; i += 2) {
+        __m512i *w[4] = {x0, x1, x2, x3};
+        for (int j = 0; j < 4; j++) {
+            __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(w[j][i])),
+                                               _mm512_cvtepi64_epi32(w[j][i + 1]), 1);
+            _mm512_storeu_ps(u + 32 * i + 16 * j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(words, 8)), s));
+        }
+    }
+#else
+    for (int l = 0; l < 64; l++) { /* lanes are independent: the vectorizer runs them side by side */
+        uint64_t c = ((g + (uint64_t)(l >> 4)) << 4) + (uint64_t)(l & 15);
+        uint32_t x0 = (uint32_t)c, x1 = (uint32_t)(c >> 32), x2 = 0, x3 = 0, a = k0, b = k1;
+        for (int r = 0; r < 10; r++) {
+            uint64_t p0 = (uint64_t)MIXPREC_PHILOX_M0 * x0, p1 = (uint64_t)MIXPREC_PHILOX_M1 * x2;
+            uint32_t y0 = (uint32_t)(p1 >> 32) ^ x1 ^ a, y2 = (uint32_t)(p0 >> 32) ^ x3 ^ b;
+            x0 = y0;
+            x1 = (uint32_t)p1;
+            x2 = y2;
+            x3 = (uint32_t)p0;
+            a += MIXPREC_PHILOX_W0;
+            b += MIXPREC_PHILOX_W1;
+        }
+        float *v = u + 64 * (l >> 4) + (l & 15);
+        v[0] = (float)(x0 >> 8) * 0x1p-24f;
+        v[16] = (float)(x1 >> 8) * 0x1p-24f;
+        v[32] = (float)(x2 >> 8) * 0x1p-24f;
+        v[48] = (float)(x3 >> 8) * 0x1p-24f;
+    }
+#endif
+}
+#endif

@@ -1,0 +1,509 @@
+/* MinMaxUInt8's encode and decode (mixprec.compress.quantize), fused and cache-blocked.
+ *
+ * Encode: one task per (row, chunk). The chunk is read once from memory for its min/max (and NaN check),
+ * stays in L1/L2 while the fp64 per-chunk scalars are computed, and is read again from cache for the codes,
+ * so DRAM sees 4 bytes in and 1 byte out per element. Decode: one task per (row, chunk), or per chunk over
+ * all rows when summing (row order, fp32). The arithmetic is the torch path's, operation by operation, in
+ * the same precision (-ffp-contract=off: no fused multiply-add): docs/compress.md says why each step rounds
+ * where it does. Stochastic rounding takes its uniforms from Philox4x32-10 (philox.h) at the element's
+ * stream position, so the result does not depend on the thread count or the blocking. */
+#include <float.h>
+#include <math.h>
+
+#include "common.h"
+#include "philox.h"
+
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+#define SB 1024 /* elements per sub-block: 4 KiB of fp32 scratch per thread */
+#define MAGIC 8388608.0f /* 2**23: bits(fl32(q + 2**23)) & 0xFF = rne(q) for 0 <= q < 256 */
+
+typedef struct {
+    double rng; /* max - min in fp64 */
+    float sub, scale, zero, step, mn;
+    int wide; /* the chunk takes the float64 path */
+} grid_t;
+
+/* MinMaxUInt8.grid for one chunk, on the same fp64 operations (NaN header: wide 0, step NaN, scale 0). */
+static inline grid_t grid_of(float mn, float mx) {
+    grid_t g;
+    double lo = (double)mn, rng = (double)mx - lo;
+    int wide = (rng > (double)FLT_MAX) | ((rng > 0) & (rng < 255.0 * (double)FLT_MIN));
+    int aligned = (lo < 0) & (mx >= 0) & !wide;
+    float step = (float)(aligned ? rng / 254.0 : rng / 255.0);
+    double s64 = (double)step;
+    g.scale = (float)(aligned ? 1.0 / s64 : (rng > 0 ? 255.0 / rng : 0.0));
+    double neg = aligned ? -lo : 0.0, safe = aligned ? s64 : 1.0;
+    double zero = ceil(neg / safe);
+    zero = zero - (double)((zero - 1) * safe >= neg);
+    zero = zero + (double)(zero * safe < neg);
+    g.zero = (float)zero;
+    g.step = step;
+    g.sub = aligned ? 0.0f : mn;
+    g.mn = mn;
+    g.rng = rng;
+    g.wide = wide;
+    return g;
+}
+
+static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+/* IEEE half <-> fp32 on the bits (no _Float16: older compilers lack it, and one failed build would cost
+ * every kernel of the library). Widening is exact; narrowing rounds to nearest even, overflow to +-inf. */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    if (e == 0x1F) return bits_f32(sign | 0x7F800000u | (man << 13)); /* inf, NaN */
+    if (e == 0) return bits_f32(sign | f32_bits((float)man * 0x1p-24f)); /* zero, subnormal: exact */
+    return bits_f32(sign | ((e + 112u) << 23) | (man << 13));
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t u = f32_bits(f), sign = (u >> 16) & 0x8000u, b = u & 0x7FFFFFFFu;
+    float a = bits_f32(b);
+    if (a != a) return (uint16_t)(sign | 0x7E00u | ((b >> 13) & 0x1FFu)); /* NaN stays NaN (quiet) */
+    if (a >= 65520.0f) return (uint16_t)(sign | 0x7C00u); /* at or beyond the midpoint above 65504 */
+    if (a < 0x1p-14f) /* subnormal half: a multiple of 2**-24, rounded half to even (1024 = smallest normal) */
+        return (uint16_t)(sign | (uint32_t)((a * 0x1p24f + MAGIC) - MAGIC));
+    b = b + 0xFFFu + ((b >> 13) & 1u); /* round the 23-bit fraction to 10 bits, half to even */
+    return (uint16_t)(sign | ((b >> 13) - (112u << 10)));
+}
+
+/* Round to nearest even, as torch's fp32 -> bf16 cast; NaN -> a quiet NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u = f32_bits(f);
+    if (f != f) return (uint16_t)0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Elements [i, i + n) of row `x` as fp32: the row itself (fp32) or `buf` (exact widening of fp16/bf16). */
+static inline const float *as_f32(const void *x, int dt, int64_t i, int64_t n, float *buf) {
+    if (dt == DT_F32) return (const float *)x + i;
+    if (dt == DT_F16) {
+        const uint16_t *h = (const uint16_t *)x + i;
+        int64_t k = 0;
+#if defined(__AVX512F__)
+        for (; k + 16 <= n; k += 16) /* exact widening */
+            _mm512_storeu_ps(buf + k, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + k))));
+#endif
+        for (; k < n; k++) buf[k] = f16_to_f32(h[k]);
+    } else {
+        const uint16_t *h = (const uint16_t *)x + i;
+        for (int64_t k = 0; k < n; k++) buf[k] = bf16_to_f32(h[k]);
+    }
+    return buf;
+}
+
+/* min, max over the chunk; returns 1 when it holds NaN or +-Inf. Lane-wise (vminps/vmaxps semantics): the
+ * sign of a zero bound is unspecified, as it is for torch.amin/amax. */
+static int chunk_minmax(const void *x, int dt, int64_t a, int64_t n, float *pmn, float *pmx, float *buf) {
+    float mn[16], mx[16];
+    uint32_t nan[16];
+    float first = as_f32(x, dt, a, 1, buf)[0];
+    for (int l = 0; l < 16; l++) {
+        mn[l] = first;
+        mx[l] = first;
+        nan[l] = 0;
+    }
+    for (int64_t s = 0; s < n; s += SB) {
+        int64_t m = n - s < SB ? n - s : SB;
+        const float *p = as_f32(x, dt, a + s, m, buf);
+        int64_t k = 0;
+#if defined(__AVX512F__)
+        { /* the same lane-wise operations as the loop below, spelled out: gcc does not vectorize that one */
+            __m512 vmn = _mm512_loadu_ps(mn), vmx = _mm512_loadu_ps(mx);
+            __mmask16 vnan = 0;
+            for (; k + 16 <= m; k += 16) {
+                __m512 v = _mm512_loadu_ps(p + k);
+                vmn = _mm512_min_ps(v, vmn); /* v < mn ? v : mn */
+                vmx = _mm512_max_ps(v, vmx); /* v > mx ? v : mx */
+                vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            }
+            _mm512_storeu_ps(mn, vmn);
+            _mm512_storeu_ps(mx, vmx);
+            nan[0] |= vnan != 0;
+        }
+#endif
+        for (; k + 16 <= m; k += 16) {
+            for (int l = 0; l < 16; l++) {
+                float v = p[k + l];
+                mn[l] = v < mn[l] ? v : mn[l];
+                mx[l] = v > mx[l] ? v : mx[l];
+                nan[l] |= (uint32_t)(v != v);
+            }
+        }
+        for (; k < m; k++) {
+            float v = p[k];
+            mn[0] = v < mn[0] ? v : mn[0];
+            mx[0] = v > mx[0] ? v : mx[0];
+            nan[0] |= (uint32_t)(v != v);
+        }
+    }
+    float lo = mn[0], hi = mx[0];
+    uint32_t bad = nan[0];
+    for (int l = 1; l < 16; l++) {
+        lo = mn[l] < lo ? mn[l] : lo;
+        hi = mx[l] > hi ? mx[l] : hi;
+        bad |= nan[l];
+    }
+    *pmn = lo;
+    *pmx = hi;
+    return bad || !isfinite(lo) || !isfinite(hi);
+}
+
+/* Uniforms of stream positions [p, p + n) (n <= SB) into u (UBUF floats); returns where they start. */
+#define UBUF (SB + 320) /* SB elements span at most SB / 64 + 2 groups, computed 4 at a time */
+static inline const float *stream_uniforms(uint64_t key, uint64_t p, int64_t n, float *u) {
+    uint64_t g0 = p >> 6, g1 = (p + (uint64_t)n - 1) >> 6;
+    for (uint64_t g = g0; g <= g1; g += 4) mixprec_philox_uniform256(key, g, u + 64 * (g - g0));
+    return u + (p - (g0 << 6));
+}
+
+static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *codes, grid_t g, int stochastic,
+                         uint64_t key, uint64_t pos, float *buf, float *ubuf) {
+    for (int64_t s = 0; s < n; s += SB) {
+        int64_t m = n - s < SB ? n - s : SB;
+        const float *p = as_f32(x, dt, a + s, m, buf);
+        uint8_t *c = codes + s;
+        if (g.wide) { /* float64 path: |x - min| may exceed fp32, or 255 / R overflow */
+            const float *u = stochastic ? stream_uniforms(key, pos + (uint64_t)s, m, ubuf) : 0;
+            double mul = 255.0 / g.rng, lo = (double)g.mn;
+            for (int64_t k = 0; k < m; k++) {
+                double q = ((double)p[k] - lo) * mul;
+                if (stochastic) {
+                    double fl = floor(q);
+                    q = fl + (double)((double)u[k] < q - fl);
+                } else {
+                    q = rint(q);
+                }
+                q = q < 0.0 ? 0.0 : q;
+                q = q > 255.0 ? 255.0 : q;
+                c[k] = (uint8_t)q;
+            }
+        } else if (stochastic) {
+            const float *u = stream_uniforms(key, pos + (uint64_t)s, m, ubuf);
+            const float sub = g.sub, scale = g.scale, zero = g.zero;
+            for (int64_t k = 0; k < m; k++) {
+                float q = (p[k] - sub) * scale;
+                q = q + zero;
+                /* floor(q) for |q| < 2**24, by truncation: floorf does not vectorize without -fno-trapping-math
+                 * (only the sign of a zero q differs, and that washes out in the 2**23 addition) */
+                float t = (float)(int32_t)q;
+                float f = t > q ? t - 1.0f : t;
+                float up = u[k] < q - f ? 1.0f : 0.0f;
+                q = up + f;
+                q = q < 0.0f ? 0.0f : q;
+                q = q > 255.0f ? 255.0f : q;
+                c[k] = (uint8_t)f32_bits(q + MAGIC);
+            }
+        } else {
+            const float sub = g.sub, scale = g.scale, zero = g.zero;
+            for (int64_t k = 0; k < m; k++) {
+                float q = (p[k] - sub) * scale;
+                q = q + zero;
+                c[k] = (uint8_t)f32_bits(q + MAGIC);
+            }
+        }
+    }
+}
+
+/* Encode `rows` rows of `length` elements (row r at x + r * x_stride elements) into out (row r at
+ * out + r * out_stride bytes: C mins, C maxs, then the codes). Stochastic: element j of row r is stream
+ * position offset + r * pos_stride + j of the Philox stream `key`. Returns the number of flagged chunks. */
+int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t length, int64_t x_stride, uint8_t *out,
+                                int64_t out_stride, int64_t chunk, int stochastic, uint64_t key, int64_t offset,
+                                int64_t pos_stride, int nthreads) {
+    int64_t chunks = (length + chunk - 1) / chunk, tasks = rows * chunks, bad = 0;
+    size_t esize = dt == DT_F32 ? 4 : 2;
+#pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN) reduction(+ : bad)
+    {
+        float buf[SB], ubuf[UBUF];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            int64_t r = t / chunks, c = t % chunks, a = c * chunk;
+            int64_t n = length - a < chunk ? length - a : chunk;
+            const void *xr = (const char *)x + (size_t)(r * x_stride) * esize;
+            uint8_t *o = out + r * out_stride;
+            float mn, mx;
+            if (chunk_minmax(xr, dt, a, n, &mn, &mx, buf)) {
+                float q = bits_f32(0x7FC00000u);
+                memcpy(o + 4 * c, &q, 4);
+                memcpy(o + 4 * (chunks + c), &q, 4);
+                memset(o + 8 * chunks + a, 0, (size_t)n);
+                bad++;
+                continue;
+            }
+            memcpy(o + 4 * c, &mn, 4);
+            memcpy(o + 4 * (chunks + c), &mx, 4);
+            grid_t g = grid_of(mn, mx);
+            uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
+            encode_chunk(xr, dt, a, n, o + 8 * chunks + a, g, stochastic, key, pos, buf, ubuf);
+        }
+    }
+    return bad;
+}
+
+/* The fp32 values of codes [a, a + n) of one row (y = fl32(fl32((c - zero) * step) + sub), or float64). */
+static inline void decode_block(const uint8_t *c, int64_t n, grid_t g, float *y) {
+    if (g.wide) {
+        double mul = g.rng / 255.0, lo = (double)g.mn;
+        for (int64_t k = 0; k < n; k++) y[k] = (float)(lo + (double)c[k] * mul);
+        return;
+    }
+    const float zero = g.zero, step = g.step, sub = g.sub;
+    for (int64_t k = 0; k < n; k++) {
+        float v = ((float)c[k] - zero) * step;
+        y[k] = v + sub;
+    }
+}
+
+static inline void store(void *out, int dt, int64_t i, const float *y, int64_t n) {
+    if (dt == DT_F32) {
+        memcpy((float *)out + i, y, (size_t)n * 4);
+    } else if (dt == DT_F16) {
+        uint16_t *h = (uint16_t *)out + i;
+        int64_t k = 0;
+#if defined(__AVX512F__)
+        for (; k + 16 <= n; k += 16) /* round to nearest even, as f32_to_f16 */
+            _mm256_storeu_si256((__m256i *)(h + k),
+                                _mm512_cvtps_ph(_mm512_loadu_ps(y + k), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+        for (; k < n; k++) h[k] = f32_to_f16(y[k]);
+    } else {
+        uint16_t *h = (uint16_t *)out + i;
+        for (int64_t k = 0; k < n; k++) h[k] = f32_to_bf16(y[k]);
+    }
+}
+
+static inline grid_t header_grid(const uint8_t *row, int64_t chunks, int64_t c) {
+    float mn, mx;
+    memcpy(&mn, row + 4 * c, 4);
+    memcpy(&mx, row + 4 * (chunks + c), 4);
+    return grid_of(mn, mx);
+}
+
+/* Decode `rows` buffers (row r at buf + r * buf_stride bytes) of `length` elements each into out (row r at
+ * out + r * out_stride elements of dtype dt), or, with reduce, their fp32 sum in row order into out (fp32).
+ * Returns the number of flagged (NaN) chunks over all rows. */
+int64_t mixprec_quant_decode_u8(const uint8_t *buf, int64_t rows, int64_t length, int64_t buf_stride, void *out, int dt,
+                                int64_t out_stride, int64_t chunk, int reduce, int nthreads) {
+    int64_t chunks = (length + chunk - 1) / chunk, bad = 0;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < chunks; c++) {
+            float mn;
+            memcpy(&mn, buf + r * buf_stride + 4 * c, 4);
+            bad += mn != mn;
+        }
+    int64_t tasks = reduce ? chunks : rows * chunks;
+    size_t esize = dt == DT_F32 ? 4 : 2;
+#pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN)
+    {
+        float y[SB], acc[SB];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            int64_t r = reduce ? 0 : t / chunks, c = reduce ? t : t % chunks, a = c * chunk;
+            int64_t n = length - a < chunk ? length - a : chunk;
+            if (!reduce) {
+                const uint8_t *row = buf + r * buf_stride;
+                grid_t g = header_grid(row, chunks, c);
+                void *o = (char *)out + (size_t)(r * out_stride) * esize;
+                for (int64_t s = 0; s < n; s += SB) {
+                    int64_t m = n - s < SB ? n - s : SB;
+                    if (dt == DT_F32) {
+                        decode_block(row + 8 * chunks + a + s, m, g, (float *)o + a + s);
+                    } else {
+                        decode_block(row + 8 * chunks + a + s, m, g, y);
+                        store(o, dt, a + s, y, m);
+                    }
+                }
+                continue;
+            }
+            float *o = (float *)out;
+            for (int64_t s = 0; s < n; s += SB) {
+                int64_t m = n - s < SB ? n - s : SB;
+                float *dst = rows == 1 ? o + a + s : acc;
+                decode_block(buf + 8 * chunks + a + s, m, header_grid(buf, chunks, c), dst);
+                for (int64_t q = 1; q < rows; q++) {
+                    const uint8_t *row = buf + q * buf_stride;
+                    decode_block(row + 8 * chunks + a + s, m, header_grid(row, chunks, c), y);
+                    float *d = q == rows - 1 ? o + a + s : acc;
+                    for (int64_t k = 0; k < m; k++) d[k] = acc[k] + y[k];
+                }
+            }
+        }
+    }
+    return bad;
+}
+
+/* The Philox pieces on their own, for the tests: one block (Random123's known answers), and the uniforms
+ * of stream positions [first, first + count). */
+void mixprec_quant_philox_block(const uint32_t *ctr, const uint32_t *key, uint32_t *out) {
+    mixprec_philox4x32_10(ctr, key, out);
+}
+
+void mixprec_quant_philox_uniforms(uint64_t key, int64_t first, int64_t count, float *out) {
+    float u[UBUF];
+    for (int64_t s = 0; s < count; s += SB) {
+        int64_t m = count - s < SB ? count - s : SB;
+        memcpy(out + s, stream_uniforms(key, (uint64_t)(first + s), m, u), (size_t)m * 4);
+    }
+}
+
+/* ------------------------------------------------------------------ ScaledFP8 (mixprec.compress.fp8)
+ * Per chunk: amax (NaN/Inf flag the chunk), k = the largest integer with amax 2**k <= the format's max
+ * (clamped to [-126, 126], 0 for an all-zero chunk), header 2**-k, codes = the fp8 bytes of x 2**k rounded
+ * to the format's grid (nearest even, or stochastic as ScaledFP8._round_stochastic_). Formats: 0 = e4m3fn
+ * (bias 7, 3 fraction bits, max 448), 1 = e5m2 (bias 15, 2 fraction bits, max 57344). */
+typedef struct {
+    int man, emin, bias;
+    double top;
+} fp8fmt_t;
+
+static inline fp8fmt_t fp8_format(int fmt) {
+    fp8fmt_t f;
+    f.man = fmt == 0 ? 3 : 2;
+    f.emin = fmt == 0 ? -6 : -14;
+    f.bias = fmt == 0 ? 7 : 15;
+    f.top = fmt == 0 ? 448.0 : 57344.0;
+    return f;
+}
+
+/* ScaledFP8.chunk_scales for one finite amax: frexp's estimate of floor(log2(top / a)), then corrected with
+ * the exact products a 2**k (the estimate is off by at most one, whatever the rounding of the quotient). */
+static inline int fp8_exponent(double a, double top) {
+    if (!(a > 0)) return 0;
+    int e;
+    frexp(top / a, &e);
+    double k = (double)(e - 1);
+    k = k - (double)(a * exp2(k) > top);
+    k = k + (double)(a * exp2(k + 1) <= top);
+    return k < -126 ? -126 : (k > 126 ? 126 : (int)k);
+}
+
+/* The format's spacing at a magnitude with fp32 exponent bits e (a power of two, at least the subnormal
+ * spacing), and its reciprocal (exact). */
+static inline float fp8_spacing(uint32_t e, fp8fmt_t f) {
+    e = e < (uint32_t)(f.emin + 127) ? (uint32_t)(f.emin + 127) : e;
+    return bits_f32((e - (uint32_t)f.man) << 23);
+}
+
+/* The fp8 byte of magnitude w (on the format's grid, w <= max) with sign bit `sign` (0 or 1): branch-free,
+ * so that the loop vectorizes. */
+static inline uint8_t fp8_code(float w, uint32_t sign, fp8fmt_t f, float inv_smin) {
+    uint32_t b = f32_bits(w);
+    int32_t e = (int32_t)(b >> 23) - 127;
+    uint32_t normal = ((uint32_t)(e + f.bias) << f.man) | ((b >> (23 - f.man)) & ((1u << f.man) - 1));
+    uint32_t sub = (uint32_t)(int32_t)(w * inv_smin); /* a multiple of the smallest spacing below 2**emin */
+    return (uint8_t)((sign << 7) | (e >= f.emin ? normal : sub));
+}
+
+/* Codes of m elements: p times `up` (exact), rounded to the format's grid (stochastically with uniforms u,
+ * else to nearest even). A function of its own, with restrict pointers: inside the OpenMP region gcc does
+ * not vectorize these loops. */
+static void fp8_codes(const float *restrict p, uint8_t *restrict cd, int64_t m, float up, fp8fmt_t f, float inv_smin,
+                      const float *restrict u) {
+    if (u) {
+        for (int64_t k = 0; k < m; k++) {
+            uint32_t b = f32_bits(p[k] * up); /* exact: a power of two, |v| <= max */
+            float mag = bits_f32(b & 0x7FFFFFFFu), sp = fp8_spacing((b >> 23) & 0xFF, f);
+            float q = mag / sp; /* exact */
+            float lo = (float)(int32_t)q; /* floor: 0 <= q < 2**24 */
+            float w = (lo + (u[k] < q - lo ? 1.0f : 0.0f)) * sp;
+            cd[k] = fp8_code(w, b >> 31, f, inv_smin);
+        }
+        return;
+    }
+    for (int64_t k = 0; k < m; k++) {
+        uint32_t b = f32_bits(p[k] * up);
+        float mag = bits_f32(b & 0x7FFFFFFFu), sp = fp8_spacing((b >> 23) & 0xFF, f);
+        float q = mag / sp;
+        float w = ((q + MAGIC) - MAGIC) * sp; /* round half to even: q < 2**22 */
+        cd[k] = fp8_code(w, b >> 31, f, inv_smin);
+    }
+}
+
+int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t length, int64_t x_stride, uint8_t *out,
+                                 int64_t out_stride, int64_t chunk, int fmt, int stochastic, uint64_t key,
+                                 int64_t offset, int64_t pos_stride, int nthreads) {
+    int64_t chunks = (length + chunk - 1) / chunk, tasks = rows * chunks, bad = 0;
+    size_t esize = dt == DT_F32 ? 4 : 2;
+    const fp8fmt_t f = fp8_format(fmt);
+    const float inv_smin = bits_f32((uint32_t)(127 - f.emin + f.man) << 23); /* 1 / 2**(emin - man) */
+#pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN) reduction(+ : bad)
+    {
+        float buf[SB], ubuf[UBUF];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            int64_t r = t / chunks, c = t % chunks, a = c * chunk;
+            int64_t n = length - a < chunk ? length - a : chunk;
+            const void *xr = (const char *)x + (size_t)(r * x_stride) * esize;
+            uint8_t *o = out + r * out_stride, *codes = o + 4 * chunks + a;
+            float mn, mx; /* amax = max(-min, max), exactly; NaN/Inf flag the chunk */
+            int nonfinite = chunk_minmax(xr, dt, a, n, &mn, &mx, buf);
+            float amax = -mn > mx ? -mn : mx;
+            if (nonfinite) {
+                float q = bits_f32(0x7FC00000u);
+                memcpy(o + 4 * c, &q, 4);
+                memset(codes, 0, (size_t)n);
+                bad++;
+                continue;
+            }
+            int k = fp8_exponent((double)amax, f.top);
+            float scale = (float)exp2(-(double)k), up = (float)exp2((double)k);
+            memcpy(o + 4 * c, &scale, 4);
+            uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
+            for (int64_t s = 0; s < n; s += SB) {
+                int64_t m = n - s < SB ? n - s : SB;
+                const float *p = as_f32(xr, dt, a + s, m, buf);
+                const float *u = stochastic ? stream_uniforms(key, pos + (uint64_t)s, m, ubuf) : 0;
+                fp8_codes(p, codes + s, m, up, f, inv_smin, u);
+            }
+        }
+    }
+    return bad;
+}
+
+/* table[code] * scale for m codes (exact: the scale is a power of two, no underflow). */
+static void fp8_values(const uint8_t *restrict cd, int64_t m, const float *restrict table, float sc,
+                       float *restrict y) {
+    for (int64_t k = 0; k < m; k++) y[k] = table[cd[k]] * sc;
+}
+
+/* Decode fp8 rows: table[code] * scale (exact), into out's dtype, or summed over rows in fp32 (row order). */
+int64_t mixprec_quant_decode_fp8(const uint8_t *buf, int64_t rows, int64_t length, int64_t buf_stride, void *out,
+                                 int dt, int64_t out_stride, int64_t chunk, const float *table, int reduce,
+                                 int nthreads) {
+    int64_t chunks = (length + chunk - 1) / chunk, bad = 0;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < chunks; c++) {
+            float sc;
+            memcpy(&sc, buf + r * buf_stride + 4 * c, 4);
+            bad += sc != sc;
+        }
+    int64_t tasks = reduce ? chunks : rows * chunks;
+    size_t esize = dt == DT_F32 ? 4 : 2;
+#pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN)
+    {
+        float y[SB], acc[SB];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            int64_t r0 = reduce ? 0 : t / chunks, c = reduce ? t : t % chunks, a = c * chunk;
+            int64_t n = length - a < chunk ? length - a : chunk;
+            int64_t r1 = reduce ? rows : r0 + 1;
+            for (int64_t s = 0; s < n; s += SB) {
+                int64_t m = n - s < SB ? n - s : SB;
+                for (int64_t r = r0; r < r1; r++) {
+                    const uint8_t *row = buf + r * buf_stride;
+                    float sc;
+                    memcpy(&sc, row + 4 * c, 4);
+                    fp8_values(row + 4 * chunks + a + s, m, table, sc, r > r0 ? y : acc);
+                    if (r > r0)
+                        for (int64_t k = 0; k < m; k++) acc[k] = acc[k] + y[k];
+                }
+                if (reduce)
+                    memcpy((float *)out + a + s, acc, (size_t)m * 4);
+                else
+                    store((char *)out + (size_t)(r0 * out_stride) * esize, dt, a + s, acc, m);
+            }
+        }
+    }
+    return bad;
+}
