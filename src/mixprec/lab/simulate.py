@@ -29,6 +29,7 @@ from mixprec.lab.build import Parts, autocast
 from mixprec.lab.config import TrainConfig
 from mixprec.lab.corpus import Corpus
 from mixprec.lab.data import dropout_seed, eval_chunks, train_microbatches
+from mixprec.lab.telemetry import HeadroomProbe
 from mixprec.parallel import DistributedDataParallel
 from mixprec.parallel.buckets import build_layout
 from mixprec.scaling import Updater, UpdateResult
@@ -174,7 +175,9 @@ class SimulatedRanks:
     as the real run logs it; ``evaluate()`` is the real run's validation loss.
     """
 
-    def __init__(self, parts: Parts, cfg: TrainConfig, corpus: Corpus, device: torch.device) -> None:
+    def __init__(
+        self, parts: Parts, cfg: TrainConfig, corpus: Corpus, device: torch.device, *, shadow: str | None = None
+    ) -> None:
         if device.type != "cpu":
             raise ValueError(f"simulate_dp runs on the CPU (the models are bit-exact there); device is {device}")
         self.cfg, self.corpus, self.device, self.module = cfg, corpus, device, parts.module
@@ -195,6 +198,12 @@ class SimulatedRanks:
             clip_grad_norm=base.clip_grad_norm,
         )
         self._reduced: list[torch.Tensor] = []
+        self._probe: HeadroomProbe | None = None
+        # A second reduction of the same per-rank buckets, for studies: the step uses ``reduce``; after it,
+        # ``reduced`` and ``shadow_reduced`` hold both results (mixprec.lab.uint8_study).
+        self.shadow = shadow
+        self.reduced: list[torch.Tensor] = []
+        self.shadow_reduced: list[torch.Tensor] = []
 
     def _microbatches(self, step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         d, t = self.cfg.data, self.cfg.training
@@ -233,32 +242,55 @@ class SimulatedRanks:
                 out[slot.start : slot.start + slot.numel] = grad.reshape(-1)
         return out
 
-    def step(self, step: int) -> UpdateResult:
-        with _one_thread():
-            return self._step(step)
+    def _reductions(self, reduce: str) -> list[_Reduction]:
+        """One reduction of ``reduce`` per bucket, in bucket order."""
+        return [
+            _Reduction(
+                reduce, self.cfg.parallel.simulate_algorithm, self.world, b.numel, self.layout.groups[b.group][1]
+            )
+            for b in self.layout.buckets
+        ]
+
+    def unpack(self, buckets: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per parameter (in ``module.parameters()`` order), its slice of reduced ``buckets``, as a view."""
+        out: list[torch.Tensor | None] = [None] * len(self.params)
+        for b, reduced in zip(self.layout.buckets, buckets, strict=True):
+            for slot in b.slots:
+                out[slot.index] = reduced[slot.start : slot.start + slot.numel].view(slot.shape)
+        if any(t is None for t in out):
+            raise RuntimeError("internal error: a parameter is in no bucket")
+        return out  # type: ignore[return-value]
+
+    def step(self, step: int, headroom: HeadroomProbe | None = None) -> UpdateResult:
+        """One training step of all the simulated ranks; ``headroom`` captures the reduced gradients when due, as
+        a real run's rank 0 does after the wrapper's reduction."""
+        if headroom is not None:
+            headroom.captured = None
+        self._probe = headroom if headroom is not None and headroom.due(step) else None
+        try:
+            with _one_thread():
+                return self._step(step)
+        finally:
+            self._probe = None
 
     def _step(self, step: int) -> UpdateResult:
         cfg = self.cfg
-        buckets = self.layout.buckets
-        reductions = [
-            _Reduction(
-                cfg.parallel.reduce,
-                cfg.parallel.simulate_algorithm,
-                self.world,
-                b.numel,
-                self.layout.groups[b.group][1],
-            )
-            for b in buckets
-        ]
+        reductions = self._reductions(cfg.parallel.reduce)
+        shadows = self._reductions(self.shadow) if self.shadow else []
         losses = torch.empty(self.world, 1, dtype=torch.float64)
         for rank in range(self.world):
             if cfg.model.dropout:
                 torch.manual_seed(dropout_seed(cfg.training.seed, step, rank))
             losses[rank, 0] = self._local_gradient(self._microbatches(step, rank))
             for k, red in enumerate(reductions):
-                red.add(self._bucket(k))
+                bucket = self._bucket(k)
+                red.add(bucket)
+                if shadows:
+                    shadows[k].add(bucket)
         self._reduced = [red.result() for red in reductions]
-        del reductions
+        self.reduced = list(self._reduced) if shadows else []
+        self.shadow_reduced = [red.result() for red in shadows]
+        del reductions, shadows
         # The Updater recomputes rank 0's gradient (1/P of the work) and then takes the reduced one from
         # _publish: its unscale, overflow check, clipping and step are the real ranks' code.
         if cfg.model.dropout:
@@ -279,6 +311,8 @@ class SimulatedRanks:
                     p.grad = value.clone()
                 else:
                     p.grad.copy_(value)
+        if self._probe is not None:
+            self._probe.capture()
 
     def evaluate(self) -> float:
         """The validation loss a real P-rank run logs: each rank's (loss sum, count) in fp64, summed by gloo's

@@ -210,7 +210,7 @@ def train_rank(
             t0 = time.perf_counter()
             lr = current_lr(parts.optimizer) if schedule is not None else None
             if sim is not None:
-                result = sim.step(step)
+                result = sim.step(step, headroom)
             else:
                 result = headroom.step(parts.updater, step, [(x.to(device), y.to(device)) for x, y in microbatches])
             if schedule is not None:
