@@ -19,7 +19,8 @@ from mixprec.cli.args import check_matplotlib, check_output_dir
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
-        help="train one model five ways (fp32, bf16 x 2 reductions, fp16, uint8) and report what differed",
+        help="train one model five ways (fp32, bf16 x 2 reductions, fp16, uint8), report what differed, then measure "
+        "reduction precision, the loss-scale rules and the uint8 offset at simulated DP against noise bands",
         description=__doc__,
     )
     p.add_argument("--out-dir", default="mixprec-demo", help="where runs, plot and report go (default: mixprec-demo)")

@@ -55,7 +55,8 @@ _TINY_MODEL: dict[str, Any] = {
     "eval_sequences": 8,
     "lr": 0.01,
 }
-# shadow_steps: of the mechanism measurement; seeds: (fp32, uint8) pairs; replicas: an fp32 one-ulp band (0: none).
+# shadow_steps: of the mechanism measurement; seeds: (fp32, uint8) pairs; error_feedback: also uint8 with error
+# feedback per seed; replicas: an fp32 one-ulp band (0: none).
 UINT8_DEFAULT: dict[str, Any] = {
     "model": _DEMO_MODEL,
     "dp": 4,
@@ -83,6 +84,7 @@ UINT8_FULL: dict[str, Any] = {
     "shadow_steps": 200,
     "seeds": 8,
     "replicas": 4,
+    "error_feedback": True,
 }
 _WIDEN, _PERSIST = 1.0, 3
 
@@ -217,11 +219,17 @@ def run_uint8_study(
         )
         for s in seeds
     ]
+    with_ef = bool(setting.get("error_feedback"))
+    ef_runs = [
+        _config(setting, s, os.path.join(where, f"seed-{s}", "uint8-ef"), reduce="uint8", error_feedback=True)
+        for s in (seeds if with_ef else [])
+    ]
     band = []
     if setting.get("replicas"):
         band = replica_configs(_config(setting, seed, os.path.join(where, "band-fp32")), setting["replicas"])
     workers = workers if workers is not None else setting.get("workers")
-    failures = train_all([c for pair in pairs for c in pair] + band, workers=workers, label="uint8 offset:")
+    runs = [c for pair in pairs for c in pair] + ef_runs + band
+    failures = train_all(runs, workers=workers, label="uint8 offset:")
     if any(failures):
         raise RuntimeError(f"internal error: a uint8-offset run failed: {failures}")
     m = setting["model"]
@@ -250,7 +258,8 @@ def run_uint8_study(
         + (
             "an effective change of step size"
             if step_change
-            else "no bias and no change of step size (within 1%); what remains is noise, about "
+            else "no bias and no significant change of step size (the ratio within 1% of 1, or within 3 standard "
+            "errors); what remains is noise, about "
             f"{math.sqrt(max(0.0, 2 * (1 - stats.grad_cosine))):.1%} of the gradient's norm per step"
         )
     )
@@ -260,13 +269,18 @@ def run_uint8_study(
         f"**Outcome over {len(seeds)} data seeds** (each seed: its own initial weights and batches; uint8 and fp32 "
         "from the same start): final validation loss.",
         "",
-        "| seed | fp32 | uint8 | uint8 - fp32 |",
-        "|---|---|---|---|",
+        "| seed | fp32 | uint8 | uint8 - fp32 |" + (" uint8 + error feedback - fp32 |" if with_ef else ""),
+        "|---|---|---|---|" + ("---|" if with_ef else ""),
     ]
-    for s, (f, u) in zip(seeds, pairs, strict=True):
+    ef_diffs = []
+    for k, (s, (f, u)) in enumerate(zip(seeds, pairs, strict=True)):
         ef, eu = _final_eval(load_run(f.training.out_dir)), _final_eval(load_run(u.training.out_dir))
         diffs.append(eu - ef)
-        lines.append(f"| {s} | {ef:.4f} | {eu:.4f} | {eu - ef:+.4f} |")
+        row = f"| {s} | {ef:.4f} | {eu:.4f} | {eu - ef:+.4f} |"
+        if with_ef:
+            ef_diffs.append(_final_eval(load_run(ef_runs[k].training.out_dir)) - ef)
+            row += f" {ef_diffs[-1]:+.4f} |"
+        lines.append(row)
     mean = statistics.fmean(diffs)
     se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.inf
     same_sign = all(d < 0 for d in diffs) or all(d > 0 for d in diffs)
@@ -276,6 +290,15 @@ def run_uint8_study(
         f"Mean difference {mean:+.4f}, standard error {se:.4f} over {len(diffs)} seeds; "
         f"{sum(d < 0 for d in diffs)} of {len(diffs)} below fp32.",
     ]
+    if ef_diffs:
+        ef_se = statistics.stdev(ef_diffs) / math.sqrt(len(ef_diffs)) if len(ef_diffs) > 1 else math.inf
+        lines.append(
+            f"With error feedback: mean difference {statistics.fmean(ef_diffs):+.4f}, standard error {ef_se:.4f}."
+        )
+        summary.append(
+            f"uint8 with error feedback - fp32 final validation loss {statistics.fmean(ef_diffs):+.4f} +- "
+            f"{ef_se:.4f} (standard error, {len(ef_diffs)} seeds)"
+        )
     summary.append(
         f"outcome: uint8 - fp32 final validation loss {mean:+.4f} +- {se:.4f} (standard error, {len(diffs)} seeds; "
         f"{sum(d < 0 for d in diffs)} of {len(diffs)} below): "
