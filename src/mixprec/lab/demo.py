@@ -9,7 +9,8 @@ The runs (same GPT, same seed, same batches, ``nproc`` gloo ranks):
 5. ``uint8``: fp32 gradients sent as 8-bit min-max codes.
 
 Runs that need a capability this installation lacks are listed in the report as not run, with the reason. The
-report's sentences are generated from the measured metrics; nothing in them is canned.
+report's sentences are generated from the measured metrics; nothing in them is canned. :func:`run_studies` adds
+the studies at simulated data-parallel sizes (mixprec.lab.dp_band, scale_study, uint8_study).
 """
 
 from __future__ import annotations

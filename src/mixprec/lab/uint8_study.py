@@ -63,7 +63,7 @@ UINT8_DEFAULT: dict[str, Any] = {
     "steps": 100,
     "eval_interval": 25,
     "shadow_steps": 40,
-    "seeds": 3,
+    "seeds": 4,
     "replicas": 0,
 }
 UINT8_QUICK: dict[str, Any] = {
@@ -241,7 +241,8 @@ def run_uint8_study(
         f"{setting['dp']}` runs), {setting['steps']} steps.",
         "",
         f"**Mechanism**, measured along the fp32 run ({stats.steps} steps; every step's per-rank gradients and "
-        "optimizer state reduced both ways): the uint8-reduced gradient u against the exact g has cosine "
+        "optimizer state reduced both ways): the uint8-reduced gradient u against g, the run's own fp32 reduction, has "
+        "cosine "
         f"{stats.grad_cosine:.5f}, norm ratio |u|/|g| = {stats.grad_norm_ratio:.5f}, projection <u,g>/|g|^2 = "
         f"{stats.projection:.5f} (1 = no change of step size along g; a bias would move it), summed magnitudes "
         f"{stats.shrinkage:+.3%} against g's; the AdamW updates they give from the same state have cosine "
