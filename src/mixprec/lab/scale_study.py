@@ -28,6 +28,7 @@ from mixprec.lab.compare import load_run
 from mixprec.lab.config import TrainConfig
 from mixprec.lab.corpus import Corpus, load_corpus
 from mixprec.lab.data import train_microbatches
+from mixprec.lab.metrics import METRICS_NAME, read_rows
 from mixprec.lab.pool import train_all
 
 __all__ = [
@@ -184,7 +185,8 @@ def measure_flush(cfg: TrainConfig, corpus: Corpus, *, step: int, weights: dict[
         nonzero += int((g32 != 0).sum())
         acc16 = g16.float() if acc16 is None else acc16.add_(g16.float())
         acc32 = g32.clone() if acc32 is None else acc32.add_(g32)
-    assert acc16 is not None and acc32 is not None
+    if acc16 is None or acc32 is None:
+        raise RuntimeError("internal error: no simulated rank")
     red16, ref = (acc16 / world).half(), acc32 / world
     lost = (red16 == 0) & (ref != 0)
     return Flush(
@@ -196,10 +198,7 @@ def measure_flush(cfg: TrainConfig, corpus: Corpus, *, step: int, weights: dict[
 
 
 def _skipped(path: str) -> int:
-    import json
-
-    with open(os.path.join(path, "metrics.jsonl")) as fh:
-        return sum(bool(json.loads(line).get("skipped")) for line in fh if line.strip())
+    return sum(bool(row.get("skipped")) for row in read_rows(os.path.join(path, METRICS_NAME)))
 
 
 def run_scale_study(
