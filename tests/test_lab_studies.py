@@ -114,3 +114,13 @@ def test_loss_scale_section_states_a_verdict_per_broken_configuration(tmp_path) 
     assert len(verdicts) == 3
     assert "scale-below-microbatches" in section and "| check-config |" in section
     assert all(("stays inside" in v) or ("leaves it" in v) for v in verdicts)
+
+
+def test_every_study_size_plans_valid_runs(tmp_path) -> None:
+    from mixprec.lab.demo import STUDY_SIZES, plan_studies
+
+    for size in STUDY_SIZES:
+        plan_studies(str(tmp_path), 0, size)  # every configuration checked; nothing written
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="study size"):
+        plan_studies(str(tmp_path), 0, "huge")

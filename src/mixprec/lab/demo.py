@@ -435,7 +435,7 @@ def _study_settings(size: str) -> list[tuple[str, Any, dict[str, Any]]]:
 
 def plan_studies(out_dir: str, seed: int, size: str) -> None:
     """Check every study run's configuration before the first run starts (ValueError when one is invalid)."""
-    from mixprec.lab import dp_band, scale_study
+    from mixprec.lab import dp_band, scale_study, uint8_study
 
     if size not in STUDY_SIZES:
         raise ValueError(f"study size must be one of {', '.join(STUDY_SIZES)}; got {size!r}")
@@ -444,6 +444,8 @@ def plan_studies(out_dir: str, seed: int, size: str) -> None:
             dp_band.plan_dp_band(out_dir, seed, setting)
         elif name == "loss scale":
             scale_study.plan_scale_study(out_dir, seed, setting)
+        else:
+            uint8_study.plan_uint8_study(out_dir, seed, setting)
 
 
 def run_studies(out_dir: str, seed: int, size: str) -> tuple[str, list[str]]:

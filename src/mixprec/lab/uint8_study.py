@@ -33,7 +33,15 @@ from mixprec.lab.corpus import load_corpus
 from mixprec.lab.pool import train_all
 from mixprec.lab.simulate import SimulatedRanks
 
-__all__ = ["UINT8_DEFAULT", "UINT8_FULL", "UINT8_QUICK", "ShadowStats", "measure_shadow", "run_uint8_study"]
+__all__ = [
+    "UINT8_DEFAULT",
+    "UINT8_FULL",
+    "UINT8_QUICK",
+    "ShadowStats",
+    "measure_shadow",
+    "plan_uint8_study",
+    "run_uint8_study",
+]
 
 _DEMO_MODEL: dict[str, Any] = {
     "n_layer": 2,
@@ -202,11 +210,28 @@ def _final_eval(run: RunLog) -> float:
     return run.eval_loss[max(run.eval_loss)]
 
 
+def plan_uint8_study(out_dir: str, seed: int, setting: dict[str, Any]) -> list[TrainConfig]:
+    """Every configuration the study trains (each checked): the shadow run, the seed pairs (with error feedback
+    when the setting asks), the band's replicas."""
+    where = os.path.join(out_dir, "uint8-offset")
+    configs = [_config(setting, seed, os.path.join(where, "shadow"), steps=setting["shadow_steps"])]
+    for s in range(seed, seed + setting["seeds"]):
+        configs.append(_config(setting, s, os.path.join(where, f"seed-{s}", "fp32")))
+        configs.append(_config(setting, s, os.path.join(where, f"seed-{s}", "uint8"), reduce="uint8"))
+        if setting.get("error_feedback"):
+            ef = os.path.join(where, f"seed-{s}", "uint8-ef")
+            configs.append(_config(setting, s, ef, reduce="uint8", error_feedback=True))
+    if setting.get("replicas"):
+        configs += replica_configs(_config(setting, seed, os.path.join(where, "band-fp32")), setting["replicas"])
+    return configs
+
+
 def run_uint8_study(
     out_dir: str, seed: int, setting: dict[str, Any], *, workers: int | None = None
 ) -> tuple[str, Sequence[str]]:
     """The shadow measurement, the seed pairs (and with ``replicas`` the ulp band); returns the report section
     and the verdict lines."""
+    plan_uint8_study(out_dir, seed, setting)
     where = os.path.join(out_dir, "uint8-offset")
     print("mixprec demo: uint8 offset: the uint8 reduction beside the fp32 one, step by step", flush=True)
     shadow_cfg = _config(setting, seed, os.path.join(where, "shadow"), steps=setting["shadow_steps"])
