@@ -38,6 +38,14 @@ def test_quick_demo_writes_a_generated_report(tmp_path, capsys) -> None:
     if "bf16-native" in available and "bf16-fp32acc" in available:
         assert "The two bf16 runs" in report
     assert "Closest to the reference in final validation loss" in report
+    # the study sections, each with its verdicts, and the measured wall time
+    for title in (
+        "## Reduction precision at simulated data-parallel sizes",
+        "## Loss scale against microbatches and data parallelism",
+        "## The uint8 offset: compression or chaos?",
+    ):
+        assert title in report
+    assert report.count("Verdicts:") == 3 and "Wall time:" in report
 
 
 @pytest.mark.parametrize(
@@ -47,6 +55,7 @@ def test_quick_demo_writes_a_generated_report(tmp_path, capsys) -> None:
         (["--threshold", "nan"], "threshold must be a number >= 0"),
         (["--steps", "0"], "steps"),
         (["--nproc", "0"], "nproc"),
+        (["--full"], "--quick and --full exclude each other"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_run(tmp_path, monkeypatch, capsys, argv, message) -> None:

@@ -62,20 +62,27 @@ def test_tree_rounds_pairwise() -> None:
 
 
 @pytest.mark.parametrize(
-    ("world", "reduce", "precision"),
+    ("world", "reduce", "precision", "extra"),
     [
-        (2, "fp32_accumulate", "bf16"),
-        (3, "fp32_accumulate", "bf16"),
-        (4, "fp32_accumulate", "bf16"),
-        (3, "uint8", "bf16"),
-        (4, "uint8", "fp32"),
-        (3, "native", "bf16"),
-        (4, "native", "bf16"),
-        (3, "fp32_accumulate", "fp16"),  # dynamic loss scale from 2**22: overflows, skipped steps, back-offs
+        (2, "fp32_accumulate", "bf16", ()),
+        (3, "fp32_accumulate", "bf16", ()),
+        (4, "fp32_accumulate", "bf16", ()),
+        (3, "uint8", "bf16", ()),
+        (4, "uint8", "fp32", ()),
+        (3, "native", "bf16", ()),
+        (4, "native", "bf16", ()),
+        (3, "fp32_accumulate", "fp16", ()),  # dynamic loss scale from 2**22: overflows, skipped steps, back-offs
+        (2, "uint8", "fp32", ("--error-feedback",)),
+        (3, "uint8", "bf16", ("--error-feedback",)),
+        (2, "uint8_hierarchical", "fp32", ()),  # two nodes of one rank
+        (4, "uint8_hierarchical", "bf16", ()),  # two nodes of two ranks
+        (4, "uint8_hierarchical", "fp32", ("--error-feedback",)),
     ],
 )
-def test_simulated_run_is_the_real_run_bit_for_bit(tmp_path, world: int, reduce: str, precision: str) -> None:
-    common = ("--reduce", reduce, "--precision", precision)
+def test_simulated_run_is_the_real_run_bit_for_bit(
+    tmp_path, world: int, reduce: str, precision: str, extra: tuple[str, ...]
+) -> None:
+    common = ("--reduce", reduce, "--precision", precision, *extra)
     if precision == "fp16":
         common += ("--loss-scaler", "dynamic", "--loss-scale", str(2.0**22), "--steps", "8")
     assert train(tmp_path / "real", "--nproc", str(world), *common) == 0
@@ -85,10 +92,30 @@ def test_simulated_run_is_the_real_run_bit_for_bit(tmp_path, world: int, reduce:
     if precision == "fp16":
         assert any(r[4] for r in real) and not all(r[4] for r in real)  # some steps skipped, some taken
     assert sim == real  # losses, validation losses and gradient norms, every bit
+    if "--error-feedback" in extra:  # the residuals do change the run
+        plain = tuple(a for a in common if a != "--error-feedback")
+        assert train(tmp_path / "plain", "--simulate-dp", str(world), *plain) == 0
+        assert numerics(tmp_path / "plain")[1:] != sim[1:]
 
 
-def test_simulated_run_resumes_bit_for_bit(tmp_path) -> None:
-    common = ("--simulate-dp", "3", "--precision", "bf16", "--reduce", "native")
+def test_simulated_headroom_telemetry_is_the_real_runs(tmp_path) -> None:
+    common = ("--reduce", "fp32_accumulate", "--precision", "fp16", "--training.headroom-interval", "2")
+    assert train(tmp_path / "real", "--nproc", "2", *common) == 0
+    assert train(tmp_path / "sim", "--simulate-dp", "2", *common) == 0
+    real, sim = (read_rows(os.path.join(tmp_path / d, METRICS_NAME)) for d in ("real", "sim"))
+    headroom = [(r["step"], r.get("headroom")) for r in real]
+    assert [h for _, h in headroom if h is not None]  # captured at step 2
+    assert [(r["step"], r.get("headroom")) for r in sim] == headroom
+
+
+@pytest.mark.parametrize(
+    "common",
+    [
+        ("--simulate-dp", "3", "--precision", "bf16", "--reduce", "native"),
+        ("--simulate-dp", "2", "--precision", "fp32", "--reduce", "uint8", "--error-feedback"),  # residuals saved
+    ],
+)
+def test_simulated_run_resumes_bit_for_bit(tmp_path, common: tuple[str, ...]) -> None:
     assert train(tmp_path / "whole", *common) == 0
     assert train(tmp_path / "split", *common, "--training.steps", "2") == 0
     assert main(["train", "--out-dir", str(tmp_path / "split"), "--resume", "--training.steps", "4"]) == 0
@@ -105,8 +132,10 @@ def test_simulated_run_resumes_bit_for_bit(tmp_path) -> None:
         (("--simulate-dp", "5"), "global_batch_size"),  # 24 sequences over 5 ranks
         (("--simulate-dp", "5000"), "4096"),
         (("--simulate-dp", "2", "--nproc", "2"), "nproc"),
-        (("--simulate-dp", "2", "--reduce", "uint8_hierarchical"), "reduce"),
-        (("--simulate-dp", "2", "--reduce", "uint8", "--error-feedback"), "error_feedback"),
+        (("--simulate-dp", "2", "--reduce", "fp8"), "reduce"),
+        (("--simulate-dp", "2", "--reduce", "uint8", "--parallel.rounding", "stochastic"), "stochastic"),
+        (("--simulate-dp", "2", "--sharded-optimizer"), "sharded_optimizer"),
+        (("--simulate-dp", "4", "--reduce", "uint8_hierarchical", "--parallel.ranks-per-node", "3"), "ranks_per_node"),
         (("--simulate-dp", "2", "--simulate-algorithm", "butterfly"), "simulate_algorithm"),
         (("--simulate-dp", "2", "--device", "cuda"), "CPU"),
     ],

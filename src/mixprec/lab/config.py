@@ -73,7 +73,7 @@ LR_SCHEDULES = ("constant", "warmup_cosine")
 LINEAR_MODES = ("off", "fp16/16", "fp16/32", "bf16/32", "two_stage", "fp8/promote128")
 DEVICES = ("auto", "cpu", "cuda")
 REDUCE_ROUNDINGS = ROUNDINGS
-SIMULATED_REDUCTIONS = ("fp32_accumulate", "native", "uint8")  # what lab/simulate.py models bit for bit
+SIMULATED_REDUCTIONS = ("fp32_accumulate", "native", "uint8", "uint8_hierarchical")  # lab/simulate.py, bit for bit
 NATIVE_ALGORITHMS = ("ring", "tree")
 MAX_SIMULATED_RANKS = 4096
 
@@ -348,10 +348,10 @@ class ParallelConfig:
             raise ValueError("rounding='stochastic' needs reduce 'fp32_accumulate' or a compressed reduction")
         if self.error_feedback and self.reduce not in COMPRESSED_REDUCTIONS:
             raise ValueError(f"error_feedback applies to the compressed reductions only; reduce is {self.reduce!r}")
-        if self.sharded_optimizer and self.nproc == 1:
+        if self.sharded_optimizer and self.ranks == 1:
             raise ValueError("sharded_optimizer needs nproc >= 2 (with one rank there is nothing to shard)")
-        if self.reduce.endswith("_hierarchical") and self.ranks_per_node and self.nproc % self.ranks_per_node:
-            raise ValueError(f"ranks_per_node ({self.ranks_per_node}) must divide the number of ranks ({self.nproc})")
+        if self.reduce.endswith("_hierarchical") and self.ranks_per_node and self.ranks % self.ranks_per_node:
+            raise ValueError(f"ranks_per_node ({self.ranks_per_node}) must divide the number of ranks ({self.ranks})")
         self._check_simulation()
 
     def _check_simulation(self) -> None:
@@ -365,8 +365,12 @@ class ParallelConfig:
             raise ValueError(f"simulate_dp runs every rank in one process; nproc must be 1, got {self.nproc}")
         if self.reduce not in SIMULATED_REDUCTIONS:
             raise ValueError(f"simulate_dp models reduce {', '.join(SIMULATED_REDUCTIONS)}; got {self.reduce!r}")
-        if self.rounding != "nearest" or self.error_feedback:
-            raise ValueError("simulate_dp models rounding='nearest' without error_feedback only")
+        if self.rounding != "nearest":
+            raise ValueError(
+                "simulate_dp models rounding='nearest' only (stochastic rounding's random stream is not modelled)"
+            )
+        if self.sharded_optimizer:
+            raise ValueError("simulate_dp does not model sharded_optimizer; set it to false")
 
     @property
     def ranks(self) -> int:

@@ -9,7 +9,8 @@ The runs (same GPT, same seed, same batches, ``nproc`` gloo ranks):
 5. ``uint8``: fp32 gradients sent as 8-bit min-max codes.
 
 Runs that need a capability this installation lacks are listed in the report as not run, with the reason. The
-report's sentences are generated from the measured metrics; nothing in them is canned.
+report's sentences are generated from the measured metrics; nothing in them is canned. :func:`run_studies` adds
+the studies at simulated data-parallel sizes (mixprec.lab.dp_band, scale_study, uint8_study).
 """
 
 from __future__ import annotations
@@ -402,3 +403,60 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+# ------------------------------------------------------------------------------------------------ the studies
+STUDY_SIZES = ("quick", "default", "full")
+
+
+def _study_settings(size: str) -> list[tuple[str, Any, dict[str, Any]]]:
+    """(name, run function, setting) of each study section at ``size``."""
+    from mixprec.lab import dp_band, scale_study, uint8_study
+
+    pick = {"quick": 0, "default": 1, "full": 2}[size]
+    return [
+        (
+            "simulated-DP bands",
+            dp_band.run_dp_band,
+            (dp_band.DP_BAND_QUICK, dp_band.DP_BAND_DEFAULT, dp_band.DP_BAND_FULL)[pick],
+        ),
+        (
+            "loss scale",
+            scale_study.run_scale_study,
+            (scale_study.SCALE_QUICK, scale_study.SCALE_DEFAULT, scale_study.SCALE_FULL)[pick],
+        ),
+        (
+            "uint8 offset",
+            uint8_study.run_uint8_study,
+            (uint8_study.UINT8_QUICK, uint8_study.UINT8_DEFAULT, uint8_study.UINT8_FULL)[pick],
+        ),
+    ]
+
+
+def plan_studies(out_dir: str, seed: int, size: str) -> None:
+    """Check every study run's configuration before the first run starts (ValueError when one is invalid)."""
+    from mixprec.lab import dp_band, scale_study, uint8_study
+
+    if size not in STUDY_SIZES:
+        raise ValueError(f"study size must be one of {', '.join(STUDY_SIZES)}; got {size!r}")
+    for name, _, setting in _study_settings(size):
+        if name == "simulated-DP bands":
+            dp_band.plan_dp_band(out_dir, seed, setting)
+        elif name == "loss scale":
+            scale_study.plan_scale_study(out_dir, seed, setting)
+        else:
+            uint8_study.plan_uint8_study(out_dir, seed, setting)
+
+
+def run_studies(out_dir: str, seed: int, size: str) -> tuple[str, list[str]]:
+    """Run the three study sections (reduction precision at simulated DP, the loss-scale rules, the uint8 offset)
+    at ``size``; returns the report's sections (markdown) and every verdict line."""
+    sections, verdicts = [], []
+    for name, run, setting in _study_settings(size):
+        t0 = time.perf_counter()
+        section, said = run(out_dir, seed, setting)
+        seconds = time.perf_counter() - t0
+        sections.append(section + f"\n({name}: {seconds:.0f} s)\n")
+        verdicts += [f"[{name}] {s}" for s in said]
+        print(f"mixprec demo: {name}: {seconds:.0f} s", flush=True)
+    return "\n".join(sections), verdicts

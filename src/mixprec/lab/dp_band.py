@@ -1,6 +1,6 @@
 """``mixprec demo --dp-band``: reduction precision at simulated data-parallel sizes, judged against a noise band.
 
-At each simulated size P (4 and 1024; 4 and 64 with ``--quick``) the same small GPT and global batch are
+At each simulated size P (4 and 1024; 4 and 16 with ``--quick``) the same small GPT and global batch are
 trained as K fp32 replicas that differ only in the last bit of their initial weights (the band: what chaos
 alone does), and as two bf16 variants: the backend's native reduction (gloo's ring, rounding to bf16 at every
 one of the P-1 hops) and the fp32-accumulate reduction (one rounding). The report section says, per size and
@@ -17,9 +17,9 @@ from typing import Any
 from mixprec.lab.band import band_verdicts, false_alarms, format_band_table, replica_configs
 from mixprec.lab.compare import RunLog, load_run
 from mixprec.lab.config import TrainConfig
-from mixprec.lab.launch import launch
+from mixprec.lab.pool import train_all
 
-__all__ = ["DP_BAND_FULL", "DP_BAND_QUICK", "plan_dp_band", "run_dp_band"]
+__all__ = ["DP_BAND_DEFAULT", "DP_BAND_FULL", "DP_BAND_QUICK", "plan_dp_band", "run_dp_band"]
 
 _BASE: dict[str, Any] = {
     "n_layer": 1,
@@ -32,9 +32,25 @@ _BASE: dict[str, Any] = {
     "lr": 0.01,
     "device": "cpu",
 }
-# Each setting: the simulated sizes, the global batch (divisible by every size), steps, replicas.
-DP_BAND_FULL: dict[str, Any] = {"sizes": (4, 1024), "global_batch_size": 1024, "steps": 40, "replicas": 4}
-DP_BAND_QUICK: dict[str, Any] = {"sizes": (4, 64), "global_batch_size": 64, "steps": 8, "replicas": 3}
+# Each setting: the simulated sizes, the global batch (divisible by every size; "batches" may give one per size),
+# steps, replicas, whether the fp32 band is trained too, and the worker processes (None: one per CPU).
+DP_BAND_FULL: dict[str, Any] = {"sizes": (4, 1024), "global_batch_size": 1024, "steps": 40, "replicas": 8}
+DP_BAND_DEFAULT: dict[str, Any] = {
+    "sizes": (4, 1024),
+    "global_batch_size": 1024,
+    "batches": {4: 64},
+    "steps": 12,
+    "replicas": 4,
+    "fp32_band": False,
+}
+DP_BAND_QUICK: dict[str, Any] = {
+    "sizes": (4, 16),
+    "global_batch_size": 16,
+    "steps": 6,
+    "replicas": 2,
+    "fp32_band": False,
+    "workers": 1,
+}
 _WIDEN, _PERSIST = 1.0, 3
 
 
@@ -45,16 +61,14 @@ def plan_dp_band(out_dir: str, seed: int, setting: dict[str, Any]) -> list[tuple
     for size in setting["sizes"]:
         base = {
             **_BASE,
-            "global_batch_size": setting["global_batch_size"],
+            "global_batch_size": setting.get("batches", {}).get(size, setting["global_batch_size"]),
             "steps": setting["steps"],
             "seed": seed,
             "simulate_dp": size,
         }
         where = os.path.join(out_dir, "dp-band", f"P{size}")
-        for role, precision, reduce in (
-            ("band-fp32", "fp32", "fp32_accumulate"),
-            ("band-bf16acc", "bf16", "fp32_accumulate"),
-        ):
+        bands = (("band-fp32", "fp32", "fp32_accumulate"),) if setting.get("fp32_band", True) else ()
+        for role, precision, reduce in (*bands, ("band-bf16acc", "bf16", "fp32_accumulate")):
             band = TrainConfig.from_dict(
                 {**base, "precision": precision, "reduce": reduce, "out_dir": os.path.join(where, role)}
             )
@@ -83,18 +97,31 @@ def run_dp_band(
 ) -> tuple[str, Sequence[str]]:
     """Train every run of :func:`plan_dp_band`; returns the report section (markdown) and one verdict line per
     size, variant and band."""
+    del progress  # the runs train in worker processes, silently
     plan = plan_dp_band(out_dir, seed, setting)
-    for i, (size, role, cfg) in enumerate(plan):
-        print(f"mixprec demo: dp-band [{i + 1}/{len(plan)}] P = {size}: {role} -> {cfg.training.out_dir}", flush=True)
-        launch(cfg, overwrite=True, progress=progress)
+    failures = train_all([cfg for _, _, cfg in plan], workers=setting.get("workers"), label="simulated DP bands:")
+    if any(failures):
+        raise RuntimeError(f"internal error: a simulated-DP band run failed: {failures}")
+    fp32_band = setting.get("fp32_band", True)
+    batches = ", ".join(
+        f"{setting.get('batches', {}).get(size, setting['global_batch_size'])} at P = {size}"
+        for size in setting["sizes"]
+    )
     lines = [
         "## Reduction precision at simulated data-parallel sizes",
         "",
-        f"A GPT of {_BASE['n_layer']} layer, width {_BASE['n_embd']}, global batch {setting['global_batch_size']} "
-        f"sequences, {setting['steps']} steps, trained with `--simulate-dp P` (bit-exact models of the reductions). "
-        f"Two bands of {setting['replicas']} replicas each, differing only in one ulp of the initial weights: fp32 "
-        "(what chaos does to the fp32 reference) and bf16 with the fp32-accumulate reduction (its replica 0 is the "
-        "bf16-fp32acc variant; against this band the native run differs from it in the reduction alone).",
+        f"A GPT of {_BASE['n_layer']} layer, width {_BASE['n_embd']}, global batch ({batches}) sequences of "
+        f"{_BASE['block_size']}, micro batch 1, {setting['steps']} steps, trained with `--simulate-dp P` (bit-exact "
+        f"models of the reductions). Bands of {setting['replicas']} replicas, differing only in one ulp of the "
+        "initial weights: bf16 with the fp32-accumulate reduction (its replica 0 is the bf16-fp32acc variant; "
+        "against this band the native run, gloo's ring rounding to bf16 at each of its P - 1 hops, differs from it "
+        "in the reduction alone)"
+        + (
+            " and fp32 (what chaos does to the fp32 reference)."
+            if fp32_band
+            else ". (Against an fp32 band every bf16 run leaves at step 0 from its bf16 parameters alone, whatever the "
+            "reduction: `mixprec demo --full` trains that band too.)"
+        ),
     ]
     summary: list[str] = []
     for size in setting["sizes"]:
@@ -105,14 +132,13 @@ def run_dp_band(
                 if s == size and r == role
             ]
             for role in ("band-fp32", "band-bf16acc", "bf16-native")
+            if fp32_band or role != "band-fp32"
         }
         native = [load_run(runs["bf16-native"][0].path, "bf16-native")]
         acc = [load_run(runs["band-bf16acc"][0].path, "bf16-fp32acc")]
         lines += ["", f"### P = {size}"]
-        for replicas, variants, band in (
-            (runs["band-fp32"], native + acc, "fp32"),
-            (runs["band-bf16acc"], native, "bf16 fp32-accumulate"),
-        ):
+        judged = [(runs["band-fp32"], native + acc, "fp32")] if fp32_band else []
+        for replicas, variants, band in (*judged, (runs["band-bf16acc"], native, "bf16 fp32-accumulate")):
             more, said = _judge(replicas, variants, band, size)
             lines += more
             summary += said

@@ -174,7 +174,8 @@ def _resolve(cfg: TrainConfig, world_size: int, local_world_size: int | None = N
     the hierarchical reductions the ranks per node (torchrun's LOCAL_WORLD_SIZE, else two simulated nodes)."""
     ranks_per_node = cfg.parallel.ranks_per_node
     if cfg.parallel.reduce.endswith("_hierarchical") and not ranks_per_node:
-        ranks_per_node = local_world_size if local_world_size is not None else max(1, world_size // 2)
+        ranks = cfg.parallel.simulate_dp or world_size
+        ranks_per_node = local_world_size if local_world_size is not None else max(1, ranks // 2)
     return cfg.replace(
         parallel={"nproc": world_size, "ranks_per_node": ranks_per_node},
         training={"out_dir": os.path.abspath(cfg.training.out_dir)},

@@ -8,7 +8,9 @@ them with a model of ``parallel.reduce`` that rounds exactly where the real coll
 * ``fp32_accumulate``: widen, add in fp32 in rank order, divide by P, one rounding (``mixprec.comm``);
 * ``native``: each rank pre-divides by P in the wire dtype, then gloo's ring (every hop rounds to the wire
   dtype, chunk c summed from rank c-1 downwards) or a binary tree (``simulate_algorithm``);
-* ``uint8``: the flat ByteGrad pipeline with ``MinMaxUInt8.encode_rows`` / ``decode_rows``.
+* ``uint8``: the flat ByteGrad pipeline with ``MinMaxUInt8.encode_rows`` / ``decode_rows``;
+  ``uint8_hierarchical``: an fp32 sum inside each node, then that pipeline between nodes; both with or without
+  error feedback (each rank's and each owner's residual, carried from step to step and checkpointed).
 
 The logged loss is summed over the ranks in fp64 by the same ring model (gloo's order), so a simulated run's
 ``metrics.jsonl`` equals the real run's bit for bit. Memory and speed, the measured gloo algorithm and what is
@@ -21,6 +23,7 @@ import contextlib
 import dataclasses
 import inspect
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -29,6 +32,7 @@ from mixprec.lab.build import Parts, autocast
 from mixprec.lab.config import TrainConfig
 from mixprec.lab.corpus import Corpus
 from mixprec.lab.data import dropout_seed, eval_chunks, train_microbatches
+from mixprec.lab.telemetry import HeadroomProbe
 from mixprec.parallel import DistributedDataParallel
 from mixprec.parallel.buckets import build_layout
 from mixprec.scaling import Updater, UpdateResult
@@ -86,22 +90,59 @@ def tree_sum(rows: torch.Tensor) -> torch.Tensor:
     return t[0]
 
 
-class _Reduction:
-    """One bucket's reduction over the simulated ranks, fed one rank's bucket at a time in rank order."""
+class _Feedback:
+    """One bucket's error-feedback residuals for every simulated rank at once (each rank's ErrorFeedback): the
+    worker residual of each sender (a rank's input, or in hierarchical mode its node slice) and the server
+    residual of each owner (owner p's part is ``server.view(P, -1)[p]``). Zeros at first, as the real ones."""
 
-    def __init__(self, reduce: str, algorithm: str, world: int, numel: int, dtype: torch.dtype) -> None:
+    def __init__(self, world: int, sender_numel: int, numel: int) -> None:
+        self.worker = torch.zeros(world, sender_numel)
+        self.server = torch.zeros(numel)
+
+    def reset(self) -> None:
+        """What the real collective does on every rank when its result holds flagged (NaN/Inf) chunks."""
+        self.worker.zero_()
+        self.server.zero_()
+
+
+class _Reduction:
+    """One bucket's reduction over the simulated ranks, fed one rank's bucket at a time in rank order.
+
+    The uint8 kinds: a *sender* quantizes R rows of ``part`` elements (flat: a rank's bucket, R = P;
+    hierarchical: local rank l's slice of its node's fp32 sum, R = nodes), adding its worker residual first
+    under error feedback; each *owner* p sums the decoded row p of every sender in fp32, in sender order.
+    """
+
+    def __init__(
+        self,
+        reduce: str,
+        algorithm: str,
+        world: int,
+        numel: int,
+        dtype: torch.dtype,
+        *,
+        per_node: int = 1,
+        feedback: _Feedback | None = None,
+    ) -> None:
         self.reduce, self.algorithm, self.world, self.numel, self.dtype = reduce, algorithm, world, numel, dtype
         self.rank = 0
+        self.feedback = feedback
         if reduce == "native":
             width = world * ring_chunk(numel, world) if algorithm == "ring" else numel
             self.rows = torch.zeros(world, width, dtype=dtype)
         else:
             self.acc = torch.empty(numel, dtype=torch.float32)
-        if reduce == "uint8":
+        if reduce.startswith("uint8"):
             self.comp = MinMaxUInt8(chunk_size=_UINT8_CHUNK)
             self.part = numel // world
-            self.codes = torch.empty(world, self.comp.encoded_nbytes(self.part), dtype=torch.uint8)
+            nbytes = self.comp.encoded_nbytes(self.part)
+            self.per_node = per_node if reduce == "uint8_hierarchical" else world
+            self.nodes = world // self.per_node
+            self.sender_rows = self.nodes if reduce == "uint8_hierarchical" else world
+            self.codes = torch.empty(world, nbytes, dtype=torch.uint8)
             self.decoded = torch.empty(numel, dtype=torch.float32)
+            if reduce == "uint8_hierarchical":
+                self.node_sum = torch.empty(numel, dtype=torch.float32)
 
     def add(self, bucket: torch.Tensor) -> None:
         if self.reduce == "native":
@@ -111,15 +152,44 @@ class _Reduction:
                 self.acc.copy_(bucket)  # exact widening
             else:
                 self.acc.add_(bucket.float())
-        else:
+        elif self.reduce == "uint8":
             # Rank r quantizes its W parts; owner p decodes part p of every rank and sums them in fp32 in rank
             # order: the same additions, one rank at a time.
-            self.comp.encode_rows(bucket.view(self.world, self.part), self.codes)
-            target = self.acc if self.rank == 0 else self.decoded
-            self.comp.decode_rows(self.codes, self.part, target.view(self.world, self.part))
-            if self.rank:
-                self.acc.add_(self.decoded)
+            self._send(self.rank, bucket.view(self.world, self.part), slice(0, self.world), first=self.rank == 0)
+        else:
+            # Intra-node reduce-scatter in fp32 (local-rank order), then local rank l of node i sends slice l
+            # ([nodes, part]: one row per inter-node owner) once its node's sum is complete.
+            node, local = divmod(self.rank, self.per_node)
+            if local == 0:
+                self.node_sum.copy_(bucket)  # exact widening
+            else:
+                self.node_sum.add_(bucket.float())
+            if local == self.per_node - 1:
+                slices = self.node_sum.view(self.per_node, self.nodes, self.part)
+                for lr in range(self.per_node):
+                    rows = slice(lr * self.nodes, (lr + 1) * self.nodes)  # owners (node j, local lr): row lr m + j
+                    self._send(node * self.per_node + lr, slices[lr], rows, first=node == 0)
         self.rank += 1
+
+    def _send(self, sender: int, x: torch.Tensor, owners: slice, *, first: bool) -> None:
+        """Sender ``sender`` quantizes ``x`` [R, part] (plus its residual); the owners ``owners`` add its rows."""
+        rows = x.shape[0]
+        codes = self.codes[:rows]
+        residual = None
+        if self.feedback is not None:
+            residual = self.feedback.worker[sender].view(rows, self.part)
+            x = x.float() + residual  # torch.add(input, residual, out=fp32 staging): exact widening, one rounding
+        bad = self.comp.encode_rows(x, codes)
+        if residual is not None and not bad:
+            self.comp.decode_rows(codes, self.part, residual)
+            torch.sub(x, residual, out=residual)  # what this quantization lost
+        target = self.acc.view(self.world, self.part)[owners]
+        if first:
+            self.comp.decode_rows(codes, self.part, target)
+        else:
+            decoded = self.decoded.view(self.world, self.part)[:rows]
+            self.comp.decode_rows(codes, self.part, decoded)
+            target.add_(decoded)
 
     def result(self) -> torch.Tensor:
         """The averaged bucket every rank holds after the collective."""
@@ -133,8 +203,19 @@ class _Reduction:
         if self.reduce == "fp32_accumulate":
             return self.acc.to(self.dtype)
         out = torch.empty(self.numel, dtype=self.dtype)
-        self.comp.encode_rows(self.acc.view(self.world, self.part), self.codes)  # each owner re-quantizes
+        owned = self.acc.view(self.world, self.part)
+        if self.feedback is None:
+            self.comp.encode_rows(owned, self.codes)  # each owner re-quantizes its part
+        else:
+            server = self.feedback.server.view(self.world, self.part)
+            owned.add_(server)
+            for p in range(self.world):  # an owner's residual is kept only when its own part was finite
+                if not self.comp.encode_rows(owned[p : p + 1], self.codes[p : p + 1]):
+                    self.comp.decode_rows(self.codes[p : p + 1], self.part, server[p : p + 1])
+                    torch.sub(owned[p : p + 1], server[p : p + 1], out=server[p : p + 1])
         self.comp.decode_rows(self.codes, self.part, out.view(self.world, self.part))
+        if self.feedback is not None and not bool(torch.isfinite(out).all()):
+            self.feedback.reset()  # flagged chunks in the result: every rank clears the bucket's residuals
         return out
 
 
@@ -174,7 +255,9 @@ class SimulatedRanks:
     as the real run logs it; ``evaluate()`` is the real run's validation loss.
     """
 
-    def __init__(self, parts: Parts, cfg: TrainConfig, corpus: Corpus, device: torch.device) -> None:
+    def __init__(
+        self, parts: Parts, cfg: TrainConfig, corpus: Corpus, device: torch.device, *, shadow: str | None = None
+    ) -> None:
         if device.type != "cpu":
             raise ValueError(f"simulate_dp runs on the CPU (the models are bit-exact there); device is {device}")
         self.cfg, self.corpus, self.device, self.module = cfg, corpus, device, parts.module
@@ -195,6 +278,22 @@ class SimulatedRanks:
             clip_grad_norm=base.clip_grad_norm,
         )
         self._reduced: list[torch.Tensor] = []
+        self._probe: HeadroomProbe | None = None
+        p = cfg.parallel
+        self.per_node = p.ranks_per_node if p.reduce.endswith("_hierarchical") else 1
+        if p.reduce.endswith("_hierarchical") and (not self.per_node or self.world % self.per_node):
+            raise RuntimeError("internal error: ranks_per_node must be resolved (and divide the ranks) before training")
+        self.feedback: list[_Feedback] | None = None
+        if p.error_feedback:
+            sender = self.world // self.per_node if p.reduce.endswith("_hierarchical") else self.world
+            self.feedback = [
+                _Feedback(self.world, sender * (b.numel // self.world), b.numel) for b in self.layout.buckets
+            ]
+        # A second reduction of the same per-rank buckets, for studies: the step uses ``reduce``; after it,
+        # ``reduced`` and ``shadow_reduced`` hold both results (mixprec.lab.uint8_study).
+        self.shadow = shadow
+        self.reduced: list[torch.Tensor] = []
+        self.shadow_reduced: list[torch.Tensor] = []
 
     def _microbatches(self, step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         d, t = self.cfg.data, self.cfg.training
@@ -233,32 +332,78 @@ class SimulatedRanks:
                 out[slot.start : slot.start + slot.numel] = grad.reshape(-1)
         return out
 
-    def step(self, step: int) -> UpdateResult:
-        with _one_thread():
-            return self._step(step)
-
-    def _step(self, step: int) -> UpdateResult:
-        cfg = self.cfg
-        buckets = self.layout.buckets
-        reductions = [
+    def _reductions(self, reduce: str, *, feedback: bool = False) -> list[_Reduction]:
+        """One reduction of ``reduce`` per bucket, in bucket order (with the run's residuals when ``feedback``)."""
+        return [
             _Reduction(
-                cfg.parallel.reduce,
-                cfg.parallel.simulate_algorithm,
+                reduce,
+                self.cfg.parallel.simulate_algorithm,
                 self.world,
                 b.numel,
                 self.layout.groups[b.group][1],
+                per_node=self.per_node,
+                feedback=self.feedback[k] if feedback and self.feedback is not None else None,
             )
-            for b in buckets
+            for k, b in enumerate(self.layout.buckets)
         ]
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must hold beyond the model, optimizer and scaler: the error-feedback residuals."""
+        if self.feedback is None:
+            return {}
+        return {"feedback": [{"worker": f.worker.clone(), "server": f.server.clone()} for f in self.feedback]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the configuration was checked against the checkpoint's already)."""
+        if self.feedback is None:
+            return
+        saved = state.get("feedback")
+        if saved is None or len(saved) != len(self.feedback):
+            raise ValueError("the checkpoint holds no error-feedback residuals for this simulated run")
+        for f, st in zip(self.feedback, saved, strict=True):
+            f.worker.copy_(st["worker"])
+            f.server.copy_(st["server"])
+
+    def unpack(self, buckets: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per parameter (in ``module.parameters()`` order), its slice of reduced ``buckets``, as a view."""
+        out: list[torch.Tensor | None] = [None] * len(self.params)
+        for b, reduced in zip(self.layout.buckets, buckets, strict=True):
+            for slot in b.slots:
+                out[slot.index] = reduced[slot.start : slot.start + slot.numel].view(slot.shape)
+        if any(t is None for t in out):
+            raise RuntimeError("internal error: a parameter is in no bucket")
+        return out  # type: ignore[return-value]
+
+    def step(self, step: int, headroom: HeadroomProbe | None = None) -> UpdateResult:
+        """One training step of all the simulated ranks; ``headroom`` captures the reduced gradients when due, as
+        a real run's rank 0 does after the wrapper's reduction."""
+        if headroom is not None:
+            headroom.captured = None
+        self._probe = headroom if headroom is not None and headroom.due(step) else None
+        try:
+            with _one_thread():
+                return self._step(step)
+        finally:
+            self._probe = None
+
+    def _step(self, step: int) -> UpdateResult:
+        cfg = self.cfg
+        reductions = self._reductions(cfg.parallel.reduce, feedback=True)
+        shadows = self._reductions(self.shadow) if self.shadow else []
         losses = torch.empty(self.world, 1, dtype=torch.float64)
         for rank in range(self.world):
             if cfg.model.dropout:
                 torch.manual_seed(dropout_seed(cfg.training.seed, step, rank))
             losses[rank, 0] = self._local_gradient(self._microbatches(step, rank))
             for k, red in enumerate(reductions):
-                red.add(self._bucket(k))
+                bucket = self._bucket(k)
+                red.add(bucket)
+                if shadows:
+                    shadows[k].add(bucket)
         self._reduced = [red.result() for red in reductions]
-        del reductions
+        self.reduced = list(self._reduced) if shadows else []
+        self.shadow_reduced = [red.result() for red in shadows]
+        del reductions, shadows
         # The Updater recomputes rank 0's gradient (1/P of the work) and then takes the reduced one from
         # _publish: its unscale, overflow check, clipping and step are the real ranks' code.
         if cfg.model.dropout:
@@ -279,6 +424,8 @@ class SimulatedRanks:
                     p.grad = value.clone()
                 else:
                     p.grad.copy_(value)
+        if self._probe is not None:
+            self._probe.capture()
 
     def evaluate(self) -> float:
         """The validation loss a real P-rank run logs: each rank's (loss sum, count) in fp64, summed by gloo's

@@ -60,6 +60,12 @@ class HeadroomProbe:
         finally:
             updater.grad_reduce = None
 
+    def capture(self) -> None:
+        """Classify the module's gradients now, as :meth:`step` does inside the Updater (they must hold
+        ``g * scale``, after any reduction): simulated data parallelism calls it after publishing the reduced
+        gradients."""
+        self._capture([])
+
     @torch.no_grad()
     def _capture(self, grads: list[torch.Tensor]) -> None:
         del grads  # the module's named parameters carry the same gradients, with their names

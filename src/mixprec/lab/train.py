@@ -79,14 +79,16 @@ def evaluate(
     return total / count
 
 
-def _resume(parts: Parts, cfg: TrainConfig, corpus: Corpus, rank: int, device: torch.device) -> tuple[int, float]:
-    """Load the checkpoint into ``parts``; returns (next step, wall time so far)."""
+def _resume(
+    parts: Parts, cfg: TrainConfig, corpus: Corpus, rank: int, device: torch.device
+) -> tuple[int, float, dict[str, Any]]:
+    """Load the checkpoint into ``parts``; returns (next step, wall time so far, a simulated run's own state)."""
     # Memory-mapped: each rank reads the model, the optimizer and its own reducer state, not its peers'.
     state = load_train_checkpoint(os.path.join(cfg.training.out_dir, CHECKPOINT_NAME), mmap=True)
     check_resume_compatible(state["config"], cfg)
     check_same_corpus(state, corpus)
     load_into(parts, state, rank, device)
-    return int(state["step"]), float(state["wall_time"])
+    return int(state["step"]), float(state["wall_time"]), state.get("simulated", {})
 
 
 def _announce(
@@ -151,7 +153,7 @@ def train_rank(
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     corpus = load_corpus(cfg.data.corpus)
     parts = build_parts(cfg, corpus.vocab_size, device, world_size)
-    start_step, wall_offset = _resume(parts, cfg, corpus, rank, device) if resume else (0, 0.0)
+    start_step, wall_offset, sim_state = _resume(parts, cfg, corpus, rank, device) if resume else (0, 0.0, {})
     schedule = build_schedule(cfg, parts.optimizer, parts.scaler)  # after _resume: it starts at steps_taken
     headroom = HeadroomProbe(parts.module, t.headroom_interval if is_main else 0)  # rank 0 logs, rank 0 measures
     metrics_path = os.path.join(t.out_dir, METRICS_NAME)
@@ -162,6 +164,8 @@ def train_rank(
     if is_main and start_step < t.steps:
         _announce(parts, cfg, corpus, world_size, device, start_step)
     sim = SimulatedRanks(parts, cfg, corpus, device) if cfg.parallel.simulate_dp else None
+    if sim is not None and resume:
+        sim.load_state_dict(sim_state)
     if sim is not None and start_step < t.steps:
         print(f"mixprec train: {sim.describe()}", flush=True)
 
@@ -210,7 +214,7 @@ def train_rank(
             t0 = time.perf_counter()
             lr = current_lr(parts.optimizer) if schedule is not None else None
             if sim is not None:
-                result = sim.step(step)
+                result = sim.step(step, headroom)
             else:
                 result = headroom.step(parts.updater, step, [(x.to(device), y.to(device)) for x, y in microbatches])
             if schedule is not None:
@@ -260,6 +264,8 @@ def train_rank(
             if done == t.steps or (t.checkpoint_interval and done % t.checkpoint_interval == 0):
                 wall = time.perf_counter() - t_start
                 state = checkpoint_state(parts, cfg, next_step=done, wall_time=wall, corpus=corpus)
+                if state is not None and sim is not None and sim.feedback is not None:
+                    state["simulated"] = sim.state_dict()
                 if state is not None:
                     save_checkpoint(state, os.path.join(t.out_dir, CHECKPOINT_NAME))
                 del state
