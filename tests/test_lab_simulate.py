@@ -77,6 +77,8 @@ def test_tree_rounds_pairwise() -> None:
         (2, "uint8_hierarchical", "fp32", ()),  # two nodes of one rank
         (4, "uint8_hierarchical", "bf16", ()),  # two nodes of two ranks
         (4, "uint8_hierarchical", "fp32", ("--error-feedback",)),
+        (3, "uint8", "bf16", ("--parallel.rounding", "stochastic")),  # each rank's Philox stream
+        (4, "uint8_hierarchical", "fp32", ("--parallel.rounding", "stochastic", "--error-feedback")),
     ],
 )
 def test_simulated_run_is_the_real_run_bit_for_bit(
@@ -92,7 +94,11 @@ def test_simulated_run_is_the_real_run_bit_for_bit(
     if precision == "fp16":
         assert any(r[4] for r in real) and not all(r[4] for r in real)  # some steps skipped, some taken
     assert sim == real  # losses, validation losses and gradient norms, every bit
-    if "--error-feedback" in extra:  # the residuals do change the run
+    if "stochastic" in extra:  # the random streams do change the run
+        nearest = tuple(a for a in common if a not in ("--parallel.rounding", "stochastic"))
+        assert train(tmp_path / "nearest", "--simulate-dp", str(world), *nearest) == 0
+        assert numerics(tmp_path / "nearest")[1:] != sim[1:]
+    elif "--error-feedback" in extra:  # the residuals do change the run
         plain = tuple(a for a in common if a != "--error-feedback")
         assert train(tmp_path / "plain", "--simulate-dp", str(world), *plain) == 0
         assert numerics(tmp_path / "plain")[1:] != sim[1:]
@@ -113,6 +119,7 @@ def test_simulated_headroom_telemetry_is_the_real_runs(tmp_path) -> None:
     [
         ("--simulate-dp", "3", "--precision", "bf16", "--reduce", "native"),
         ("--simulate-dp", "2", "--precision", "fp32", "--reduce", "uint8", "--error-feedback"),  # residuals saved
+        ("--simulate-dp", "2", "--precision", "fp32", "--reduce", "uint8", "--parallel.rounding", "stochastic"),
     ],
 )
 def test_simulated_run_resumes_bit_for_bit(tmp_path, common: tuple[str, ...]) -> None:
@@ -133,7 +140,7 @@ def test_simulated_run_resumes_bit_for_bit(tmp_path, common: tuple[str, ...]) ->
         (("--simulate-dp", "5000"), "4096"),
         (("--simulate-dp", "2", "--nproc", "2"), "nproc"),
         (("--simulate-dp", "2", "--reduce", "fp8"), "reduce"),
-        (("--simulate-dp", "2", "--reduce", "uint8", "--parallel.rounding", "stochastic"), "stochastic"),
+        (("--simulate-dp", "2", "--reduce", "fp32_accumulate", "--parallel.rounding", "stochastic"), "stochastic"),
         (("--simulate-dp", "2", "--sharded-optimizer"), "sharded_optimizer"),
         (("--simulate-dp", "4", "--reduce", "uint8_hierarchical", "--parallel.ranks-per-node", "3"), "ranks_per_node"),
         (("--simulate-dp", "2", "--simulate-algorithm", "butterfly"), "simulate_algorithm"),

@@ -365,9 +365,10 @@ class ParallelConfig:
             raise ValueError(f"simulate_dp runs every rank in one process; nproc must be 1, got {self.nproc}")
         if self.reduce not in SIMULATED_REDUCTIONS:
             raise ValueError(f"simulate_dp models reduce {', '.join(SIMULATED_REDUCTIONS)}; got {self.reduce!r}")
-        if self.rounding != "nearest":
+        if self.rounding != "nearest" and not self.reduce.startswith("uint8"):
             raise ValueError(
-                "simulate_dp models rounding='nearest' only (stochastic rounding's random stream is not modelled)"
+                "simulate_dp models rounding='stochastic' for the uint8 reductions only (fp32_accumulate's "
+                "stochastic result rounding is not modelled); set rounding='nearest'"
             )
         if self.sharded_optimizer:
             raise ValueError("simulate_dp does not model sharded_optimizer; set it to false")

@@ -10,7 +10,9 @@ them with a model of ``parallel.reduce`` that rounds exactly where the real coll
   dtype, chunk c summed from rank c-1 downwards) or a binary tree (``simulate_algorithm``);
 * ``uint8``: the flat ByteGrad pipeline with ``MinMaxUInt8.encode_rows`` / ``decode_rows``;
   ``uint8_hierarchical``: an fp32 sum inside each node, then that pipeline between nodes; both with or without
-  error feedback (each rank's and each owner's residual, carried from step to step and checkpointed).
+  error feedback (each rank's and each owner's residual, carried from step to step and checkpointed), rounding
+  to nearest or stochastically (each rank's generator, seeded as ``mixprec.comm.rank_generator`` seeds the
+  real rank's, draws one Philox key per bucket and step; the stream positions are the real pipeline's).
 
 The logged loss is summed over the ranks in fp64 by the same ring model (gloo's order), so a simulated run's
 ``metrics.jsonl`` equals the real run's bit for bit. Memory and speed, the measured gloo algorithm and what is
@@ -27,7 +29,8 @@ from typing import Any
 
 import torch
 
-from mixprec.compress import MinMaxUInt8
+from mixprec.compress import MinMaxUInt8, Uint8Options
+from mixprec.core.philox import draw_key
 from mixprec.lab.build import Parts, autocast
 from mixprec.lab.config import TrainConfig
 from mixprec.lab.corpus import Corpus
@@ -42,6 +45,8 @@ __all__ = ["SimulatedRanks", "fp32_accumulate_sum", "gloo_ring_sum", "tree_sum",
 # The wrapper's default bucket size: the simulated buckets (and so the ring's chunks) must be the real ones.
 _BUCKET_SIZE: int = inspect.signature(DistributedDataParallel).parameters["bucket_size"].default
 _UINT8_CHUNK: int = inspect.signature(MinMaxUInt8).parameters["chunk_size"].default
+# The real reducer's stochastic stream: rank_generator(seed, device) seeded with seed + global rank.
+_UINT8_SEED: int = Uint8Options().seed
 
 
 def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -123,6 +128,7 @@ class _Reduction:
         *,
         per_node: int = 1,
         feedback: _Feedback | None = None,
+        keys: list[int] | None = None,
     ) -> None:
         self.reduce, self.algorithm, self.world, self.numel, self.dtype = reduce, algorithm, world, numel, dtype
         self.rank = 0
@@ -133,7 +139,9 @@ class _Reduction:
         else:
             self.acc = torch.empty(numel, dtype=torch.float32)
         if reduce.startswith("uint8"):
-            self.comp = MinMaxUInt8(chunk_size=_UINT8_CHUNK)
+            # keys: each rank's Philox key for this call (stochastic rounding), None for round to nearest
+            self.keys = keys
+            self.comp = MinMaxUInt8(chunk_size=_UINT8_CHUNK, rounding="nearest" if keys is None else "stochastic")
             self.part = numel // world
             nbytes = self.comp.encoded_nbytes(self.part)
             self.per_node = per_node if reduce == "uint8_hierarchical" else world
@@ -179,7 +187,10 @@ class _Reduction:
         if self.feedback is not None:
             residual = self.feedback.worker[sender].view(rows, self.part)
             x = x.float() + residual  # torch.add(input, residual, out=fp32 staging): exact widening, one rounding
-        bad = self.comp.encode_rows(x, codes)
+        if self.keys is None:
+            bad = self.comp.encode_rows(x, codes)
+        else:  # the sender's stream, row r at position r * part: what FlatPhase's first encode takes
+            bad = self.comp.encode_rows(x, codes, key=self.keys[sender], offset=0, row_stride=self.part)
         if residual is not None and not bad:
             self.comp.decode_rows(codes, self.part, residual)
             torch.sub(x, residual, out=residual)  # what this quantization lost
@@ -190,6 +201,18 @@ class _Reduction:
             decoded = self.decoded.view(self.world, self.part)[:rows]
             self.comp.decode_rows(codes, self.part, decoded)
             target.add_(decoded)
+
+    def _reencode(self, row: int, x: torch.Tensor, codes: torch.Tensor) -> int:
+        """Owner of result row ``row`` re-quantizes its part: with stochastic rounding, from its own key at the
+        positions after its sent ones (FlatPhase: ``numel + a``, numel = senders' rows x part)."""
+        if self.keys is None:
+            return self.comp.encode_rows(x, codes)
+        if self.reduce == "uint8_hierarchical":  # row l m + j is owned by local rank l of node j
+            local, node = divmod(row, self.nodes)
+            owner = node * self.per_node + local
+        else:
+            owner = row
+        return self.comp.encode_rows(x, codes, key=self.keys[owner], offset=self.sender_rows * self.part)
 
     def result(self) -> torch.Tensor:
         """The averaged bucket every rank holds after the collective."""
@@ -204,13 +227,15 @@ class _Reduction:
             return self.acc.to(self.dtype)
         out = torch.empty(self.numel, dtype=self.dtype)
         owned = self.acc.view(self.world, self.part)
-        if self.feedback is None:
+        if self.feedback is None and self.keys is None:
             self.comp.encode_rows(owned, self.codes)  # each owner re-quantizes its part
         else:
-            server = self.feedback.server.view(self.world, self.part)
-            owned.add_(server)
+            server = self.feedback.server.view(self.world, self.part) if self.feedback is not None else None
+            if server is not None:
+                owned.add_(server)
             for p in range(self.world):  # an owner's residual is kept only when its own part was finite
-                if not self.comp.encode_rows(owned[p : p + 1], self.codes[p : p + 1]):
+                bad = self._reencode(p, owned[p : p + 1], self.codes[p : p + 1])
+                if server is not None and not bad:
                     self.comp.decode_rows(self.codes[p : p + 1], self.part, server[p : p + 1])
                     torch.sub(owned[p : p + 1], server[p : p + 1], out=server[p : p + 1])
         self.comp.decode_rows(self.codes, self.part, out.view(self.world, self.part))
@@ -289,6 +314,10 @@ class SimulatedRanks:
             self.feedback = [
                 _Feedback(self.world, sender * (b.numel // self.world), b.numel) for b in self.layout.buckets
             ]
+        # Stochastic rounding: rank r's stream, seeded as the real rank's reducer seeds it.
+        self.generators: list[torch.Generator] | None = None
+        if p.rounding == "stochastic":
+            self.generators = [torch.Generator().manual_seed(_UINT8_SEED + r) for r in range(self.world)]
         # A second reduction of the same per-rank buckets, for studies: the step uses ``reduce``; after it,
         # ``reduced`` and ``shadow_reduced`` hold both results (mixprec.lab.uint8_study).
         self.shadow = shadow
@@ -333,7 +362,9 @@ class SimulatedRanks:
         return out
 
     def _reductions(self, reduce: str, *, feedback: bool = False) -> list[_Reduction]:
-        """One reduction of ``reduce`` per bucket, in bucket order (with the run's residuals when ``feedback``)."""
+        """One reduction of ``reduce`` per bucket, in bucket order (the run's own: with its residuals and, for
+        stochastic rounding, one key per rank drawn from each rank's stream, bucket by bucket, when ``feedback``)."""
+        gens = self.generators if feedback else None
         return [
             _Reduction(
                 reduce,
@@ -343,18 +374,29 @@ class SimulatedRanks:
                 self.layout.groups[b.group][1],
                 per_node=self.per_node,
                 feedback=self.feedback[k] if feedback and self.feedback is not None else None,
+                keys=[draw_key(g) for g in gens] if gens is not None else None,
             )
             for k, b in enumerate(self.layout.buckets)
         ]
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint must hold beyond the model, optimizer and scaler: the error-feedback residuals."""
-        if self.feedback is None:
-            return {}
-        return {"feedback": [{"worker": f.worker.clone(), "server": f.server.clone()} for f in self.feedback]}
+        """What a checkpoint must hold beyond the model, optimizer and scaler: the error-feedback residuals and
+        the ranks' stochastic-rounding streams."""
+        state: dict[str, Any] = {}
+        if self.feedback is not None:
+            state["feedback"] = [{"worker": f.worker.clone(), "server": f.server.clone()} for f in self.feedback]
+        if self.generators is not None:
+            state["generators"] = [g.get_state() for g in self.generators]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the configuration was checked against the checkpoint's already)."""
+        if self.generators is not None:
+            streams = state.get("generators")
+            if streams is None or len(streams) != len(self.generators):
+                raise ValueError("the checkpoint holds no stochastic-rounding streams for this simulated run")
+            for g, st in zip(self.generators, streams, strict=True):
+                g.set_state(st)
         if self.feedback is None:
             return
         saved = state.get("feedback")

@@ -264,8 +264,8 @@ def train_rank(
             if done == t.steps or (t.checkpoint_interval and done % t.checkpoint_interval == 0):
                 wall = time.perf_counter() - t_start
                 state = checkpoint_state(parts, cfg, next_step=done, wall_time=wall, corpus=corpus)
-                if state is not None and sim is not None and sim.feedback is not None:
-                    state["simulated"] = sim.state_dict()
+                if state is not None and sim is not None and (sim_state := sim.state_dict()):
+                    state["simulated"] = sim_state
                 if state is not None:
                     save_checkpoint(state, os.path.join(t.out_dir, CHECKPOINT_NAME))
                 del state
