@@ -77,6 +77,8 @@ def test_tree_rounds_pairwise() -> None:
         (2, "uint8_hierarchical", "fp32", ()),  # two nodes of one rank
         (4, "uint8_hierarchical", "bf16", ()),  # two nodes of two ranks
         (4, "uint8_hierarchical", "fp32", ("--error-feedback",)),
+        (4, "fp32_accumulate_hierarchical", "bf16", ()),  # two nodes of two: two roundings to bf16
+        (6, "fp32_accumulate_hierarchical", "bf16", ("--parallel.ranks-per-node", "3")),  # / 3 is inexact
         (3, "uint8", "bf16", ("--parallel.rounding", "stochastic")),  # each rank's Philox stream
         (4, "uint8_hierarchical", "fp32", ("--parallel.rounding", "stochastic", "--error-feedback")),
     ],

@@ -73,7 +73,13 @@ LR_SCHEDULES = ("constant", "warmup_cosine")
 LINEAR_MODES = ("off", "fp16/16", "fp16/32", "bf16/32", "two_stage", "fp8/promote128")
 DEVICES = ("auto", "cpu", "cuda")
 REDUCE_ROUNDINGS = ROUNDINGS
-SIMULATED_REDUCTIONS = ("fp32_accumulate", "native", "uint8", "uint8_hierarchical")  # lab/simulate.py, bit for bit
+SIMULATED_REDUCTIONS = (
+    "fp32_accumulate",
+    "fp32_accumulate_hierarchical",
+    "native",
+    "uint8",
+    "uint8_hierarchical",
+)  # lab/simulate.py, bit for bit
 NATIVE_ALGORITHMS = ("ring", "tree")
 MAX_SIMULATED_RANKS = 4096
 

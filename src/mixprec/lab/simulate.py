@@ -6,6 +6,8 @@ ranks run), lays each rank's gradients out as mixprec's DistributedDataParallel 
 them with a model of ``parallel.reduce`` that rounds exactly where the real collective rounds:
 
 * ``fp32_accumulate``: widen, add in fp32 in rank order, divide by P, one rounding (``mixprec.comm``);
+  ``fp32_accumulate_hierarchical``: the same inside each node (divide by its n ranks), the node partial rounded
+  to the wire dtype, then across nodes in node order (divide by m), one more rounding;
 * ``native``: each rank pre-divides by P in the wire dtype, then gloo's ring (every hop rounds to the wire
   dtype, chunk c summed from rank c-1 downwards) or a binary tree (``simulate_algorithm``);
 * ``uint8``: the flat ByteGrad pipeline with ``MinMaxUInt8.encode_rows`` / ``decode_rows``;
@@ -138,6 +140,10 @@ class _Reduction:
             self.rows = torch.zeros(world, width, dtype=dtype)
         else:
             self.acc = torch.empty(numel, dtype=torch.float32)
+        if reduce == "fp32_accumulate_hierarchical":
+            self.per_node = per_node
+            self.nodes = world // per_node
+            self.node_sum = torch.empty(numel, dtype=torch.float32)
         if reduce.startswith("uint8"):
             # keys: each rank's Philox key for this call (stochastic rounding), None for round to nearest
             self.keys = keys
@@ -160,6 +166,21 @@ class _Reduction:
                 self.acc.copy_(bucket)  # exact widening
             else:
                 self.acc.add_(bucket.float())
+        elif self.reduce == "fp32_accumulate_hierarchical":
+            # mixprec.comm.hierarchical_fp32: stage 1 sums the node's ranks in local-rank order and divides by n,
+            # the partial is rounded to the wire dtype (what crosses nodes); stage 2 sums the partials in node
+            # order and divides by m. Element by element, whatever rank owns the element.
+            node, local = divmod(self.rank, self.per_node)
+            if local == 0:
+                self.node_sum.copy_(bucket)  # exact widening
+            else:
+                self.node_sum.add_(bucket.float())
+            if local == self.per_node - 1:
+                partial = self.node_sum.div_(self.per_node).to(self.dtype)
+                if node == 0:
+                    self.acc.copy_(partial)
+                else:
+                    self.acc.add_(partial.float())
         elif self.reduce == "uint8":
             # Rank r quantizes its W parts; owner p decodes part p of every rank and sums them in fp32 in rank
             # order: the same additions, one rank at a time.
@@ -222,6 +243,8 @@ class _Reduction:
             if self.algorithm == "ring":
                 return _ring_sum_padded(self.rows, self.numel)
             return tree_sum(self.rows)
+        if self.reduce == "fp32_accumulate_hierarchical":
+            return self.acc.div_(self.nodes).to(self.dtype)
         self.acc.div_(self.world)
         if self.reduce == "fp32_accumulate":
             return self.acc.to(self.dtype)
