@@ -2,9 +2,10 @@
  * as easy as 1, 2, 3" (SC'11), as in Random123 and torch's CUDA generator: a 128-bit counter and a 64-bit
  * key give four 32-bit words, 10 rounds. mixprec.core.philox computes the same bits with torch int64 ops.
  *
- * Element layout of a stream (docs/compress.md): element e takes word (e >> 4) & 3 of the block whose
- * counter is ((e >> 6) << 4) | (e & 15), counter words (lo, hi, 0, 0). So 64 consecutive elements come
- * from 16 consecutive counters and each output word feeds 16 consecutive elements: vector-friendly. */
+ * Element layout of a stream (docs/compress.md): element e's primary byte is byte (e >> 6) & 3 of word
+ * (e >> 4) & 3 of the block whose counter is ((e >> 8) << 4) | (e & 15), counter words (lo, hi, 0, 0). So
+ * 256 consecutive elements come from 16 consecutive counters, and one shift of a 16-lane word vector gives
+ * 16 consecutive elements' bytes: no shuffles. Its secondary word (ties only): mixprec_philox_tie_word. */
 #ifndef MIXPREC_PHILOX_H
 #define MIXPREC_PHILOX_H
 #include <stdint.h>
@@ -30,11 +31,10 @@ static inline void mixprec_philox4x32_10(const uint32_t ctr[4], const uint32_t k
 #include <immintrin.h>
 #endif
 
-/* The 24-bit uniforms in [0, 1) of the 256 elements of groups g .. g + 3 (elements 64 g .. 64 g + 255) of
- * the stream with key `key`: u[64 i + 16 w + l] = (word w of counter 16 (g + i) + l) >> 8, times 2**-24
- * (torch.rand's fp32 grid). Four groups at once: their rounds are independent, which hides the latency of
- * the multiplies. */
-static inline void mixprec_philox_uniform256(uint64_t key, uint64_t g, float u[256]) {
+/* The primary bytes of the 1024 elements of groups g .. g + 3 (elements 256 g .. 256 g + 1023) of the
+ * stream with key `key`: out[256 i + 64 b + 16 w + l] = byte b of word w of counter 16 (g + i) + l. Four
+ * groups at once: their rounds are independent, which hides the latency of the multiplies. */
+static inline void mixprec_philox_bytes1024(uint64_t key, uint64_t g, uint8_t out[1024]) {
     uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
 #if defined(__AVX512F__)
     /* One counter per 64-bit lane, its words in the low halves: vpmuludq reads only those, so the high
@@ -60,13 +60,14 @@ static inline void mixprec_philox_uniform256(uint64_t key, uint64_t g, float u[2
         k0 += MIXPREC_PHILOX_W0;
         k1 += MIXPREC_PHILOX_W1;
     }
-    const __m512 s = _mm512_set1_ps(0x1p-24f);
     for (int i = 0; i < 8; i += 2) {
         __m512i *w[4] = {x0, x1, x2, x3};
-        for (int j = 0; j < 4; j++) {
+        for (int j = 0; j < 4; j++) { /* word j of the 16 counters of group i / 2; vpmovdb keeps the low byte */
             __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(w[j][i])),
                                                _mm512_cvtepi64_epi32(w[j][i + 1]), 1);
-            _mm512_storeu_ps(u + 32 * i + 16 * j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(words, 8)), s));
+            uint8_t *o = out + 128 * i + 16 * j;
+            for (int b = 0; b < 4; b++)
+                _mm_storeu_si128((__m128i *)(o + 64 * b), _mm512_cvtepi32_epi8(_mm512_srli_epi32(words, 8 * b)));
         }
     }
 #else
@@ -83,12 +84,20 @@ static inline void mixprec_philox_uniform256(uint64_t key, uint64_t g, float u[2
             a += MIXPREC_PHILOX_W0;
             b += MIXPREC_PHILOX_W1;
         }
-        float *v = u + 64 * (l >> 4) + (l & 15);
-        v[0] = (float)(x0 >> 8) * 0x1p-24f;
-        v[16] = (float)(x1 >> 8) * 0x1p-24f;
-        v[32] = (float)(x2 >> 8) * 0x1p-24f;
-        v[48] = (float)(x3 >> 8) * 0x1p-24f;
+        uint8_t *v = out + 256 * (l >> 4) + (l & 15);
+        uint32_t w[4] = {x0, x1, x2, x3};
+        for (int j = 0; j < 4; j++)
+            for (int by = 0; by < 4; by++) v[64 * by + 16 * j] = (uint8_t)(w[j] >> (8 * by));
     }
 #endif
+}
+
+/* The secondary word of stream position e (read only when its primary byte ties): word 0 of the block with
+ * counter (e low, e high, 1, 0). Primary counters have word 2 = 0, so the two never share a block. */
+static inline uint32_t mixprec_philox_tie_word(uint64_t key, uint64_t e) {
+    const uint32_t ctr[4] = {(uint32_t)e, (uint32_t)(e >> 32), 1u, 0u}, k[2] = {(uint32_t)key, (uint32_t)(key >> 32)};
+    uint32_t out[4];
+    mixprec_philox4x32_10(ctr, k, out);
+    return out[0];
 }
 #endif

@@ -5,8 +5,9 @@
  * so DRAM sees 4 bytes in and 1 byte out per element. Decode: one task per (row, chunk), or per chunk over
  * all rows when summing (row order, fp32). The arithmetic is the torch path's, operation by operation, in
  * the same precision (-ffp-contract=off: no fused multiply-add): docs/compress.md says why each step rounds
- * where it does. Stochastic rounding takes its uniforms from Philox4x32-10 (philox.h) at the element's
- * stream position, so the result does not depend on the thread count or the blocking. */
+ * where it does. Stochastic rounding takes its random bits from Philox4x32-10 (philox.h) at the element's
+ * stream position, so the result does not depend on the thread count or the blocking: one primary byte per
+ * element in the vectorized loop, and a secondary word for the few ties (1 in 256) in a sparse fix-up. */
 #include <float.h>
 #include <math.h>
 
@@ -149,28 +150,97 @@ static int chunk_minmax(const void *x, int dt, int64_t a, int64_t n, float *pmn,
     return bad || !isfinite(lo) || !isfinite(hi);
 }
 
-/* Uniforms of stream positions [p, p + n) (n <= SB) into u (UBUF floats); returns where they start. */
-#define UBUF (SB + 320) /* SB elements span at most SB / 64 + 2 groups, computed 4 at a time */
-static inline const float *stream_uniforms(uint64_t key, uint64_t p, int64_t n, float *u) {
-    uint64_t g0 = p >> 6, g1 = (p + (uint64_t)n - 1) >> 6;
-    for (uint64_t g = g0; g <= g1; g += 4) mixprec_philox_uniform256(key, g, u + 64 * (g - g0));
-    return u + (p - (g0 << 6));
+/* Primary bytes of stream positions [p, p + n) (n <= SB) into u (UBUF bytes); returns where they start. */
+#define UBUF (2 * 1024) /* SB elements span at most SB / 256 + 1 groups, computed 4 at a time */
+static inline const uint8_t *stream_bytes(uint64_t key, uint64_t p, int64_t n, uint8_t *u) {
+    uint64_t g0 = p >> 8, g1 = (p + (uint64_t)n - 1) >> 8;
+    for (uint64_t g = g0; g <= g1; g += 4) mixprec_philox_bytes1024(key, g, u + 256 * (g - g0));
+    return u + (p - (g0 << 8));
+}
+
+/* The next set flag of t[k .. n) (flags are 0 or 1), or n: eight at a time, as ties are about 1 in 256. */
+static inline int64_t next_tie(const uint8_t *t, int64_t k, int64_t n) {
+    for (; k + 8 <= n; k += 8) {
+        uint64_t w;
+        memcpy(&w, t + k, 8);
+        if (w) return k + (__builtin_ctzll(w) >> 3); /* little-endian: the lowest set byte comes first */
+    }
+    for (; k < n; k++)
+        if (t[k]) return k;
+    return n;
+}
+
+/* The tie rule (docs/compress.md): 256 frac = s, f8 = floor(s), the primary byte equal to f8; up when the
+ * secondary word w < (s - f8) 2**32, in double (exact on both sides). */
+static inline int tie_up(uint64_t key, uint64_t e, double s, double f8) {
+    return (double)mixprec_philox_tie_word(key, e) < (s - f8) * 0x1p32;
+}
+
+/* The fp32 code of q rounded down (f = floor(q)) or up, clamped to [0, 255]. */
+static inline uint8_t code_of(float f, float up) {
+    float q = up + f;
+    q = q < 0.0f ? 0.0f : q;
+    q = q > 255.0f ? 255.0f : q;
+    return (uint8_t)f32_bits(q + MAGIC);
+}
+
+/* floor(q) for |q| < 2**24, by truncation: floorf does not vectorize without -fno-trapping-math (only the
+ * sign of a zero q differs, and that washes out in the 2**23 addition) */
+static inline float floor24(float q) {
+    float t = (float)(int32_t)q;
+    return t > q ? t - 1.0f : t;
+}
+
+/* Stochastic codes of m elements on the fp32 grid: up when the primary byte u[k] < f8 = floor(256 frac(q));
+ * ties are flagged in `tie` for the fix-up. Spelled out in AVX-512 (gcc turns the clamps of the plain loop
+ * into mask spills); the plain loop does the same operations on the tail. */
+static void codes_stochastic(const float *restrict p, uint8_t *restrict c, int64_t m, float sub, float scale,
+                             float zero, const uint8_t *restrict u, uint8_t *restrict tie) {
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale), vzero = _mm512_set1_ps(zero);
+    const __m512 one = _mm512_set1_ps(1.0f), b256 = _mm512_set1_ps(256.0f), top = _mm512_set1_ps(255.0f);
+    const __m512 magic = _mm512_set1_ps(MAGIC), nil = _mm512_setzero_ps();
+    const __m512i ones = _mm512_set1_epi32(1);
+    for (; k + 16 <= m; k += 16) {
+        __m512 q = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(p + k), vsub), vscale), vzero);
+        __m512 t = _mm512_cvtepi32_ps(_mm512_cvttps_epi32(q));
+        __m512 f = _mm512_mask_sub_ps(t, _mm512_cmp_ps_mask(t, q, _CMP_GT_OQ), t, one); /* floor24 */
+        __m512i f8 = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_sub_ps(q, f), b256));
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u + k)));
+        __mmask16 eq = _mm512_cmpeq_epi32_mask(b, f8), lt = _mm512_cmplt_epi32_mask(b, f8);
+        _mm_storeu_si128((__m128i *)(tie + k), _mm512_cvtepi32_epi8(_mm512_maskz_mov_epi32(eq, ones)));
+        __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_mask_add_ps(f, lt, f, one), nil), top); /* as code_of */
+        _mm_storeu_si128((__m128i *)(c + k), _mm512_cvtepi32_epi8(_mm512_castps_si512(_mm512_add_ps(r, magic))));
+    }
+#endif
+    for (; k < m; k++) {
+        float q = (p[k] - sub) * scale;
+        q = q + zero;
+        float f = floor24(q);
+        int32_t f8 = (int32_t)((q - f) * 256.0f); /* exact product; truncation = floor */
+        int32_t b = (int32_t)u[k];
+        tie[k] = (uint8_t)(b == f8);
+        c[k] = code_of(f, b < f8 ? 1.0f : 0.0f);
+    }
 }
 
 static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *codes, grid_t g, int stochastic,
-                         uint64_t key, uint64_t pos, float *buf, float *ubuf) {
+                         uint64_t key, uint64_t pos, float *buf, uint8_t *ubuf, uint8_t *tie) {
     for (int64_t s = 0; s < n; s += SB) {
         int64_t m = n - s < SB ? n - s : SB;
         const float *p = as_f32(x, dt, a + s, m, buf);
         uint8_t *c = codes + s;
+        uint64_t e0 = pos + (uint64_t)s;
         if (g.wide) { /* float64 path: |x - min| may exceed fp32, or 255 / R overflow */
-            const float *u = stochastic ? stream_uniforms(key, pos + (uint64_t)s, m, ubuf) : 0;
+            const uint8_t *u = stochastic ? stream_bytes(key, e0, m, ubuf) : 0;
             double mul = 255.0 / g.rng, lo = (double)g.mn;
             for (int64_t k = 0; k < m; k++) {
                 double q = ((double)p[k] - lo) * mul;
                 if (stochastic) {
-                    double fl = floor(q);
-                    q = fl + (double)((double)u[k] < q - fl);
+                    double fl = floor(q), sc = (q - fl) * 256.0, f8 = floor(sc);
+                    int up = (double)u[k] < f8 || ((double)u[k] == f8 && tie_up(key, e0 + (uint64_t)k, sc, f8));
+                    q = fl + (double)up;
                 } else {
                     q = rint(q);
                 }
@@ -179,20 +249,15 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
                 c[k] = (uint8_t)q;
             }
         } else if (stochastic) {
-            const float *u = stream_uniforms(key, pos + (uint64_t)s, m, ubuf);
+            const uint8_t *u = stream_bytes(key, e0, m, ubuf);
             const float sub = g.sub, scale = g.scale, zero = g.zero;
-            for (int64_t k = 0; k < m; k++) {
+            codes_stochastic(p, c, m, sub, scale, zero, u, tie);
+            /* about m / 256 ties: the same q, then the secondary word */
+            for (int64_t k = next_tie(tie, 0, m); k < m; k = next_tie(tie, k + 1, m)) {
                 float q = (p[k] - sub) * scale;
                 q = q + zero;
-                /* floor(q) for |q| < 2**24, by truncation: floorf does not vectorize without -fno-trapping-math
-                 * (only the sign of a zero q differs, and that washes out in the 2**23 addition) */
-                float t = (float)(int32_t)q;
-                float f = t > q ? t - 1.0f : t;
-                float up = u[k] < q - f ? 1.0f : 0.0f;
-                q = up + f;
-                q = q < 0.0f ? 0.0f : q;
-                q = q > 255.0f ? 255.0f : q;
-                c[k] = (uint8_t)f32_bits(q + MAGIC);
+                float f = floor24(q), sc = (q - f) * 256.0f;
+                if (tie_up(key, e0 + (uint64_t)k, (double)sc, (double)(int32_t)sc)) c[k] = code_of(f, 1.0f);
             }
         } else {
             const float sub = g.sub, scale = g.scale, zero = g.zero;
@@ -215,7 +280,8 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
     size_t esize = dt == DT_F32 ? 4 : 2;
 #pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN) reduction(+ : bad)
     {
-        float buf[SB], ubuf[UBUF];
+        float buf[SB];
+        uint8_t ubuf[UBUF], tie[SB];
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             int64_t r = t / chunks, c = t % chunks, a = c * chunk;
@@ -235,7 +301,7 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
             memcpy(o + 4 * (chunks + c), &mx, 4);
             grid_t g = grid_of(mn, mx);
             uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
-            encode_chunk(xr, dt, a, n, o + 8 * chunks + a, g, stochastic, key, pos, buf, ubuf);
+            encode_chunk(xr, dt, a, n, o + 8 * chunks + a, g, stochastic, key, pos, buf, ubuf, tie);
         }
     }
     return bad;
@@ -333,18 +399,22 @@ int64_t mixprec_quant_decode_u8(const uint8_t *buf, int64_t rows, int64_t length
     return bad;
 }
 
-/* The Philox pieces on their own, for the tests: one block (Random123's known answers), and the uniforms
- * of stream positions [first, first + count). */
+/* The Philox pieces on their own, for the tests: one block (Random123's known answers), the primary bytes
+ * of stream positions [first, first + count), and the secondary words of n positions. */
 void mixprec_quant_philox_block(const uint32_t *ctr, const uint32_t *key, uint32_t *out) {
     mixprec_philox4x32_10(ctr, key, out);
 }
 
-void mixprec_quant_philox_uniforms(uint64_t key, int64_t first, int64_t count, float *out) {
-    float u[UBUF];
+void mixprec_quant_philox_bytes(uint64_t key, int64_t first, int64_t count, uint8_t *out) {
+    uint8_t u[UBUF];
     for (int64_t s = 0; s < count; s += SB) {
         int64_t m = count - s < SB ? count - s : SB;
-        memcpy(out + s, stream_uniforms(key, (uint64_t)(first + s), m, u), (size_t)m * 4);
+        memcpy(out + s, stream_bytes(key, (uint64_t)(first + s), m, u), (size_t)m);
     }
+}
+
+void mixprec_quant_philox_tie_words(uint64_t key, const int64_t *pos, int64_t n, uint32_t *out) {
+    for (int64_t k = 0; k < n; k++) out[k] = mixprec_philox_tie_word(key, (uint64_t)pos[k]);
 }
 
 /* ------------------------------------------------------------------ ScaledFP8 (mixprec.compress.fp8)
@@ -395,28 +465,49 @@ static inline uint8_t fp8_code(float w, uint32_t sign, fp8fmt_t f, float inv_smi
     return (uint8_t)((sign << 7) | (e >= f.emin ? normal : sub));
 }
 
-/* Codes of m elements: p times `up` (exact), rounded to the format's grid (stochastically with uniforms u,
- * else to nearest even). A function of its own, with restrict pointers: inside the OpenMP region gcc does
- * not vectorize these loops. */
+/* v = p times `up` (exact: a power of two, |v| <= max) in units of the format's spacing at |v|: returns
+ * q = |v| / spacing (exact), with v's bits and the spacing. */
+static inline float fp8_units(float v, fp8fmt_t f, uint32_t *bits, float *spacing) {
+    uint32_t b = f32_bits(v);
+    *bits = b;
+    *spacing = fp8_spacing((b >> 23) & 0xFF, f);
+    return bits_f32(b & 0x7FFFFFFFu) / *spacing;
+}
+
+/* Codes of m elements: p times `up` (exact), rounded to the format's grid (stochastically with primary bytes
+ * u, flagging ties in `tie`, as codes_stochastic; else to nearest even). A function of its own, with
+ * restrict pointers: inside the OpenMP region gcc does not vectorize these loops. */
 static void fp8_codes(const float *restrict p, uint8_t *restrict cd, int64_t m, float up, fp8fmt_t f, float inv_smin,
-                      const float *restrict u) {
+                      const uint8_t *restrict u, uint8_t *restrict tie) {
     if (u) {
         for (int64_t k = 0; k < m; k++) {
-            uint32_t b = f32_bits(p[k] * up); /* exact: a power of two, |v| <= max */
-            float mag = bits_f32(b & 0x7FFFFFFFu), sp = fp8_spacing((b >> 23) & 0xFF, f);
-            float q = mag / sp; /* exact */
+            uint32_t b;
+            float sp, q = fp8_units(p[k] * up, f, &b, &sp);
             float lo = (float)(int32_t)q; /* floor: 0 <= q < 2**24 */
-            float w = (lo + (u[k] < q - lo ? 1.0f : 0.0f)) * sp;
+            int32_t f8 = (int32_t)((q - lo) * 256.0f), ub = (int32_t)u[k];
+            tie[k] = (uint8_t)(ub == f8);
+            float w = (lo + (ub < f8 ? 1.0f : 0.0f)) * sp;
             cd[k] = fp8_code(w, b >> 31, f, inv_smin);
         }
         return;
     }
     for (int64_t k = 0; k < m; k++) {
-        uint32_t b = f32_bits(p[k] * up);
-        float mag = bits_f32(b & 0x7FFFFFFFu), sp = fp8_spacing((b >> 23) & 0xFF, f);
-        float q = mag / sp;
+        uint32_t b;
+        float sp, q = fp8_units(p[k] * up, f, &b, &sp);
         float w = ((q + MAGIC) - MAGIC) * sp; /* round half to even: q < 2**22 */
         cd[k] = fp8_code(w, b >> 31, f, inv_smin);
+    }
+}
+
+/* The ties of fp8_codes: the secondary word of stream position e0 + k decides. */
+static void fp8_ties(const float *p, uint8_t *cd, int64_t m, float up, fp8fmt_t f, float inv_smin, const uint8_t *tie,
+                     uint64_t key, uint64_t e0) {
+    for (int64_t k = next_tie(tie, 0, m); k < m; k = next_tie(tie, k + 1, m)) {
+        uint32_t b;
+        float sp, q = fp8_units(p[k] * up, f, &b, &sp);
+        float lo = (float)(int32_t)q, sc = (q - lo) * 256.0f;
+        if (tie_up(key, e0 + (uint64_t)k, (double)sc, (double)(int32_t)sc))
+            cd[k] = fp8_code((lo + 1.0f) * sp, b >> 31, f, inv_smin);
     }
 }
 
@@ -429,7 +520,8 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
     const float inv_smin = bits_f32((uint32_t)(127 - f.emin + f.man) << 23); /* 1 / 2**(emin - man) */
 #pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN) reduction(+ : bad)
     {
-        float buf[SB], ubuf[UBUF];
+        float buf[SB];
+        uint8_t ubuf[UBUF], tie[SB];
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             int64_t r = t / chunks, c = t % chunks, a = c * chunk;
@@ -453,8 +545,9 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
             for (int64_t s = 0; s < n; s += SB) {
                 int64_t m = n - s < SB ? n - s : SB;
                 const float *p = as_f32(xr, dt, a + s, m, buf);
-                const float *u = stochastic ? stream_uniforms(key, pos + (uint64_t)s, m, ubuf) : 0;
-                fp8_codes(p, codes + s, m, up, f, inv_smin, u);
+                const uint8_t *u = stochastic ? stream_bytes(key, pos + (uint64_t)s, m, ubuf) : 0;
+                fp8_codes(p, codes + s, m, up, f, inv_smin, u, tie);
+                if (stochastic) fp8_ties(p, codes + s, m, up, f, inv_smin, tie, key, pos + (uint64_t)s);
             }
         }
     }
