@@ -158,16 +158,37 @@ static inline const uint8_t *stream_bytes(uint64_t key, uint64_t p, int64_t n, u
     return u + (p - (g0 << 8));
 }
 
-/* The next set flag of t[k .. n) (flags are 0 or 1), or n: eight at a time, as ties are about 1 in 256. */
-static inline int64_t next_tie(const uint8_t *t, int64_t k, int64_t n) {
-    for (; k + 8 <= n; k += 8) {
-        uint64_t w;
-        memcpy(&w, t + k, 8);
-        if (w) return k + (__builtin_ctzll(w) >> 3); /* little-endian: the lowest set byte comes first */
+/* Ties are flagged in bit masks, 16 elements per uint16_t: the vector loops store a compare mask as is.
+ * FOR_EACH_TIE(k, masks, m) runs its body for each flagged k < m, in order (about m / 256 of them). */
+#define TIE_WORDS (SB / 16)
+#define FOR_EACH_TIE(k, masks, m)                                                                                     \
+    for (int64_t w_ = 0; 16 * w_ < (m); w_++)                                                                         \
+        for (uint32_t b_ = (masks)[w_], k; b_ && (k = 16 * (uint32_t)w_ + (uint32_t)__builtin_ctz(b_), 1);             \
+             b_ &= b_ - 1)
+
+/* Pending ties of one chunk: code index k (stream position pos + k), the remainder 256 frac - f8 (exact)
+ * and the code if rounded up. Resolved in batches of 16 (tie_flush), at least 32 ties at a time. */
+#define TIE_CAP (SB + 32)
+typedef struct {
+    int64_t n;
+    int64_t k[TIE_CAP];
+    float rem[TIE_CAP];
+    uint8_t up[TIE_CAP];
+} ties_t;
+
+/* Resolve the pending ties: up when the secondary word w < rem 2**32 (both exact in double). */
+static void tie_flush(ties_t *t, uint64_t key, uint64_t pos, uint8_t *codes) {
+    for (int64_t i = 0; i < t->n; i += 16) {
+        uint64_t e[16];
+        uint32_t w[16];
+        for (int j = 0; j < 16; j++) e[j] = pos + t->k[i + j < t->n ? i + j : i];
+        mixprec_philox_tie_words16(key, e, w);
+        for (int j = 0; j < 16 && i + j < t->n; j++) {
+            uint8_t *c = codes + t->k[i + j];
+            *c = (double)w[j] < (double)t->rem[i + j] * 0x1p32 ? t->up[i + j] : *c;
+        }
     }
-    for (; k < n; k++)
-        if (t[k]) return k;
-    return n;
+    t->n = 0;
 }
 
 /* The tie rule (docs/compress.md): 256 frac = s, f8 = floor(s), the primary byte equal to f8; up when the
@@ -192,41 +213,45 @@ static inline float floor24(float q) {
 }
 
 /* Stochastic codes of m elements on the fp32 grid: up when the primary byte u[k] < f8 = floor(256 frac(q));
- * ties are flagged in `tie` for the fix-up. Spelled out in AVX-512 (gcc turns the clamps of the plain loop
- * into mask spills); the plain loop does the same operations on the tail. */
+ * ties (u[k] == f8) are flagged in `tie` for the fix-up. Spelled out in AVX-512 with integer codes (gcc
+ * turns the float clamps of the plain loop into mask spills); the plain loop gives the same codes. */
 static void codes_stochastic(const float *restrict p, uint8_t *restrict c, int64_t m, float sub, float scale,
-                             float zero, const uint8_t *restrict u, uint8_t *restrict tie) {
+                             float zero, const uint8_t *restrict u, uint16_t *restrict tie) {
     int64_t k = 0;
 #if defined(__AVX512F__)
     const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale), vzero = _mm512_set1_ps(zero);
-    const __m512 one = _mm512_set1_ps(1.0f), b256 = _mm512_set1_ps(256.0f), top = _mm512_set1_ps(255.0f);
-    const __m512 magic = _mm512_set1_ps(MAGIC), nil = _mm512_setzero_ps();
-    const __m512i ones = _mm512_set1_epi32(1);
+    const __m512 b256 = _mm512_set1_ps(256.0f);
+    const __m512i ones = _mm512_set1_epi32(1), nil = _mm512_setzero_si512();
     for (; k + 16 <= m; k += 16) {
         __m512 q = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(p + k), vsub), vscale), vzero);
-        __m512 t = _mm512_cvtepi32_ps(_mm512_cvttps_epi32(q));
-        __m512 f = _mm512_mask_sub_ps(t, _mm512_cmp_ps_mask(t, q, _CMP_GT_OQ), t, one); /* floor24 */
+        __m512 f = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); /* exact */
         __m512i f8 = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_sub_ps(q, f), b256));
         __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u + k)));
-        __mmask16 eq = _mm512_cmpeq_epi32_mask(b, f8), lt = _mm512_cmplt_epi32_mask(b, f8);
-        _mm_storeu_si128((__m128i *)(tie + k), _mm512_cvtepi32_epi8(_mm512_maskz_mov_epi32(eq, ones)));
-        __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_mask_add_ps(f, lt, f, one), nil), top); /* as code_of */
-        _mm_storeu_si128((__m128i *)(c + k), _mm512_cvtepi32_epi8(_mm512_castps_si512(_mm512_add_ps(r, magic))));
+        tie[k >> 4] = (uint16_t)_mm512_cmpeq_epi32_mask(b, f8);
+        /* floor(q) + up in [-1, 256]: clamped below at 0 here, above at 255 by the saturating narrowing */
+        __m512i code = _mm512_mask_add_epi32(_mm512_cvttps_epi32(f), _mm512_cmplt_epi32_mask(b, f8),
+                                             _mm512_cvttps_epi32(f), ones);
+        _mm_storeu_si128((__m128i *)(c + k), _mm512_cvtusepi32_epi8(_mm512_max_epi32(code, nil)));
     }
 #endif
-    for (; k < m; k++) {
-        float q = (p[k] - sub) * scale;
-        q = q + zero;
-        float f = floor24(q);
-        int32_t f8 = (int32_t)((q - f) * 256.0f); /* exact product; truncation = floor */
-        int32_t b = (int32_t)u[k];
-        tie[k] = (uint8_t)(b == f8);
-        c[k] = code_of(f, b < f8 ? 1.0f : 0.0f);
+    for (; k < m; k += 16) { /* 16 at a time, so that each group fills its mask */
+        int64_t e = m - k < 16 ? m - k : 16;
+        uint32_t bits = 0;
+        for (int64_t j = 0; j < e; j++) {
+            float q = (p[k + j] - sub) * scale;
+            q = q + zero;
+            float f = floor24(q);
+            int32_t f8 = (int32_t)((q - f) * 256.0f); /* exact product; truncation = floor */
+            int32_t b = (int32_t)u[k + j];
+            bits |= (uint32_t)(b == f8) << j;
+            c[k + j] = code_of(f, b < f8 ? 1.0f : 0.0f);
+        }
+        tie[k >> 4] = (uint16_t)bits;
     }
 }
 
 static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *codes, grid_t g, int stochastic,
-                         uint64_t key, uint64_t pos, float *buf, uint8_t *ubuf, uint8_t *tie) {
+                         uint64_t key, uint64_t pos, float *buf, uint8_t *ubuf, uint16_t *tie, ties_t *ties) {
     for (int64_t s = 0; s < n; s += SB) {
         int64_t m = n - s < SB ? n - s : SB;
         const float *p = as_f32(x, dt, a + s, m, buf);
@@ -252,13 +277,15 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
             const uint8_t *u = stream_bytes(key, e0, m, ubuf);
             const float sub = g.sub, scale = g.scale, zero = g.zero;
             codes_stochastic(p, c, m, sub, scale, zero, u, tie);
-            /* about m / 256 ties: the same q, then the secondary word */
-            for (int64_t k = next_tie(tie, 0, m); k < m; k = next_tie(tie, k + 1, m)) {
+            FOR_EACH_TIE(k, tie, m) { /* the same q: its remainder and rounded-up code, for tie_flush */
                 float q = (p[k] - sub) * scale;
                 q = q + zero;
                 float f = floor24(q), sc = (q - f) * 256.0f;
-                if (tie_up(key, e0 + (uint64_t)k, (double)sc, (double)(int32_t)sc)) c[k] = code_of(f, 1.0f);
+                ties->k[ties->n] = s + (int64_t)k;
+                ties->rem[ties->n] = sc - (float)(int32_t)sc;
+                ties->up[ties->n++] = code_of(f, 1.0f);
             }
+            if (ties->n >= 32) tie_flush(ties, key, pos, codes);
         } else {
             const float sub = g.sub, scale = g.scale, zero = g.zero;
             for (int64_t k = 0; k < m; k++) {
@@ -268,6 +295,7 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
             }
         }
     }
+    if (stochastic && !g.wide) tie_flush(ties, key, pos, codes);
 }
 
 /* Encode `rows` rows of `length` elements (row r at x + r * x_stride elements) into out (row r at
@@ -281,7 +309,10 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
 #pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN) reduction(+ : bad)
     {
         float buf[SB];
-        uint8_t ubuf[UBUF], tie[SB];
+        uint8_t ubuf[UBUF];
+        uint16_t tie[TIE_WORDS];
+        ties_t ties;
+        ties.n = 0;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             int64_t r = t / chunks, c = t % chunks, a = c * chunk;
@@ -301,7 +332,7 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
             memcpy(o + 4 * (chunks + c), &mx, 4);
             grid_t g = grid_of(mn, mx);
             uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
-            encode_chunk(xr, dt, a, n, o + 8 * chunks + a, g, stochastic, key, pos, buf, ubuf, tie);
+            encode_chunk(xr, dt, a, n, o + 8 * chunks + a, g, stochastic, key, pos, buf, ubuf, tie, &ties);
         }
     }
     return bad;
@@ -478,16 +509,21 @@ static inline float fp8_units(float v, fp8fmt_t f, uint32_t *bits, float *spacin
  * u, flagging ties in `tie`, as codes_stochastic; else to nearest even). A function of its own, with
  * restrict pointers: inside the OpenMP region gcc does not vectorize these loops. */
 static void fp8_codes(const float *restrict p, uint8_t *restrict cd, int64_t m, float up, fp8fmt_t f, float inv_smin,
-                      const uint8_t *restrict u, uint8_t *restrict tie) {
+                      const uint8_t *restrict u, uint16_t *restrict tie) {
     if (u) {
-        for (int64_t k = 0; k < m; k++) {
-            uint32_t b;
-            float sp, q = fp8_units(p[k] * up, f, &b, &sp);
-            float lo = (float)(int32_t)q; /* floor: 0 <= q < 2**24 */
-            int32_t f8 = (int32_t)((q - lo) * 256.0f), ub = (int32_t)u[k];
-            tie[k] = (uint8_t)(ub == f8);
-            float w = (lo + (ub < f8 ? 1.0f : 0.0f)) * sp;
-            cd[k] = fp8_code(w, b >> 31, f, inv_smin);
+        for (int64_t k = 0; k < m; k += 16) { /* 16 at a time, so that each group fills its mask */
+            int64_t e = m - k < 16 ? m - k : 16;
+            uint32_t bits = 0;
+            for (int64_t j = 0; j < e; j++) {
+                uint32_t b;
+                float sp, q = fp8_units(p[k + j] * up, f, &b, &sp);
+                float lo = (float)(int32_t)q; /* floor: 0 <= q < 2**24 */
+                int32_t f8 = (int32_t)((q - lo) * 256.0f), ub = (int32_t)u[k + j];
+                bits |= (uint32_t)(ub == f8) << j;
+                float w = (lo + (ub < f8 ? 1.0f : 0.0f)) * sp;
+                cd[k + j] = fp8_code(w, b >> 31, f, inv_smin);
+            }
+            tie[k >> 4] = (uint16_t)bits;
         }
         return;
     }
@@ -499,15 +535,16 @@ static void fp8_codes(const float *restrict p, uint8_t *restrict cd, int64_t m, 
     }
 }
 
-/* The ties of fp8_codes: the secondary word of stream position e0 + k decides. */
-static void fp8_ties(const float *p, uint8_t *cd, int64_t m, float up, fp8fmt_t f, float inv_smin, const uint8_t *tie,
-                     uint64_t key, uint64_t e0) {
-    for (int64_t k = next_tie(tie, 0, m); k < m; k = next_tie(tie, k + 1, m)) {
+/* The ties of fp8_codes (codes cd = codes + s of the chunk): remainder and rounded-up code, for tie_flush. */
+static void fp8_ties(const float *p, int64_t s, int64_t m, float up, fp8fmt_t f, float inv_smin, const uint16_t *tie,
+                     ties_t *ties) {
+    FOR_EACH_TIE(k, tie, m) {
         uint32_t b;
         float sp, q = fp8_units(p[k] * up, f, &b, &sp);
         float lo = (float)(int32_t)q, sc = (q - lo) * 256.0f;
-        if (tie_up(key, e0 + (uint64_t)k, (double)sc, (double)(int32_t)sc))
-            cd[k] = fp8_code((lo + 1.0f) * sp, b >> 31, f, inv_smin);
+        ties->k[ties->n] = s + (int64_t)k;
+        ties->rem[ties->n] = sc - (float)(int32_t)sc;
+        ties->up[ties->n++] = fp8_code((lo + 1.0f) * sp, b >> 31, f, inv_smin);
     }
 }
 
@@ -521,7 +558,10 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
 #pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN) reduction(+ : bad)
     {
         float buf[SB];
-        uint8_t ubuf[UBUF], tie[SB];
+        uint8_t ubuf[UBUF];
+        uint16_t tie[TIE_WORDS];
+        ties_t ties;
+        ties.n = 0;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             int64_t r = t / chunks, c = t % chunks, a = c * chunk;
@@ -547,8 +587,11 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
                 const float *p = as_f32(xr, dt, a + s, m, buf);
                 const uint8_t *u = stochastic ? stream_bytes(key, pos + (uint64_t)s, m, ubuf) : 0;
                 fp8_codes(p, codes + s, m, up, f, inv_smin, u, tie);
-                if (stochastic) fp8_ties(p, codes + s, m, up, f, inv_smin, tie, key, pos + (uint64_t)s);
+                if (!stochastic) continue;
+                fp8_ties(p, s, m, up, f, inv_smin, tie, &ties);
+                if (ties.n >= 32) tie_flush(&ties, key, pos, codes);
             }
+            if (stochastic) tie_flush(&ties, key, pos, codes);
         }
     }
     return bad;
