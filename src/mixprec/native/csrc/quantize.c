@@ -172,8 +172,9 @@ static inline const uint8_t *stream_bytes(uint64_t key, uint64_t p, int64_t n, u
 typedef struct {
     int64_t n;
     int64_t k[TIE_CAP];
+    int32_t j[TIE_CAP]; /* index within the sub-block, as the vector loop stores it (then moved to k) */
     float rem[TIE_CAP];
-    uint8_t up[TIE_CAP];
+    int32_t up[TIE_CAP];
 } ties_t;
 
 /* Resolve the pending ties: up when the secondary word w < rem 2**32 (both exact in double). */
@@ -185,7 +186,7 @@ static void tie_flush(ties_t *t, uint64_t key, uint64_t pos, uint8_t *codes) {
         mixprec_philox_tie_words16(key, e, w);
         for (int j = 0; j < 16 && i + j < t->n; j++) {
             uint8_t *c = codes + t->k[i + j];
-            *c = (double)w[j] < (double)t->rem[i + j] * 0x1p32 ? t->up[i + j] : *c;
+            *c = (double)w[j] < (double)t->rem[i + j] * 0x1p32 ? (uint8_t)t->up[i + j] : *c;
         }
     }
     t->n = 0;
@@ -212,46 +213,57 @@ static inline float floor24(float q) {
     return t > q ? t - 1.0f : t;
 }
 
-/* Stochastic codes of m elements on the fp32 grid: up when the primary byte u[k] < f8 = floor(256 frac(q));
- * ties (u[k] == f8) are flagged in `tie` for the fix-up. Spelled out in AVX-512 with integer codes (gcc
- * turns the float clamps of the plain loop into mask spills); the plain loop gives the same codes. */
+/* Stochastic codes of m elements on the fp32 grid: up when the primary byte u[k] < f8 = floor(256 frac(q)).
+ * Ties (u[k] == f8) are queued in `ties` (index within the block in j, remainder, rounded-up code) for
+ * tie_flush. Spelled out in AVX-512 with integer codes (gcc turns the float clamps of the plain loop into
+ * mask spills); both loops give the same codes. */
 static void codes_stochastic(const float *restrict p, uint8_t *restrict c, int64_t m, float sub, float scale,
-                             float zero, const uint8_t *restrict u, uint16_t *restrict tie) {
-    int64_t k = 0;
+                             float zero, const uint8_t *restrict u, ties_t *restrict ties) {
+    int64_t k = 0, n = ties->n;
 #if defined(__AVX512F__)
+    /* S = floor(256 q) = 256 floor(q) + f8 (256 q is exact), in one conversion rounding down; with D = S - B,
+     * floor(q) + up = (D + 255) >> 8 and a tie is D = 0 mod 256. (For q a few ulps below 0, f8 is taken
+     * as 255 here, and the plain loop may see no tie: the code is 0 either way.) */
     const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale), vzero = _mm512_set1_ps(zero);
     const __m512 b256 = _mm512_set1_ps(256.0f);
-    const __m512i ones = _mm512_set1_epi32(1), nil = _mm512_setzero_si512();
+    const __m512i c255 = _mm512_set1_epi32(255), nil = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (; k + 16 <= m; k += 16) {
         __m512 q = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(p + k), vsub), vscale), vzero);
-        __m512 f = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); /* exact */
-        __m512i f8 = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_sub_ps(q, f), b256));
-        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u + k)));
-        tie[k >> 4] = (uint16_t)_mm512_cmpeq_epi32_mask(b, f8);
-        /* floor(q) + up in [-1, 256]: clamped below at 0 here, above at 255 by the saturating narrowing */
-        __m512i code = _mm512_mask_add_epi32(_mm512_cvttps_epi32(f), _mm512_cmplt_epi32_mask(b, f8),
-                                             _mm512_cvttps_epi32(f), ones);
+        __m512 s = _mm512_mul_ps(q, b256);
+        __m512i S = _mm512_cvt_roundps_epi32(s, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        __m512i d = _mm512_sub_epi32(S, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u + k))));
+        __mmask16 tie = _mm512_testn_epi32_mask(d, c255);
+        __m512i code = _mm512_srai_epi32(_mm512_add_epi32(d, c255), 8); /* in [-1, 256] */
         _mm_storeu_si128((__m128i *)(c + k), _mm512_cvtusepi32_epi8(_mm512_max_epi32(code, nil)));
+        if (__builtin_expect(tie != 0, 0)) { /* 1 in 16 iterations */
+            __m512i up = _mm512_add_epi32(_mm512_srai_epi32(S, 8), one); /* floor(q) + 1, clamped */
+            up = _mm512_min_epi32(_mm512_max_epi32(up, nil), c255);
+            __m512 rem = _mm512_sub_ps(s, _mm512_cvtepi32_ps(S)); /* exact */
+            _mm512_mask_compressstoreu_epi32(ties->j + n, tie, _mm512_add_epi32(iota, _mm512_set1_epi32((int)k)));
+            _mm512_mask_compressstoreu_ps(ties->rem + n, tie, rem);
+            _mm512_mask_compressstoreu_epi32(ties->up + n, tie, up);
+            n += __builtin_popcount(tie);
+        }
     }
 #endif
-    for (; k < m; k += 16) { /* 16 at a time, so that each group fills its mask */
-        int64_t e = m - k < 16 ? m - k : 16;
-        uint32_t bits = 0;
-        for (int64_t j = 0; j < e; j++) {
-            float q = (p[k + j] - sub) * scale;
-            q = q + zero;
-            float f = floor24(q);
-            int32_t f8 = (int32_t)((q - f) * 256.0f); /* exact product; truncation = floor */
-            int32_t b = (int32_t)u[k + j];
-            bits |= (uint32_t)(b == f8) << j;
-            c[k + j] = code_of(f, b < f8 ? 1.0f : 0.0f);
+    for (; k < m; k++) {
+        float q = (p[k] - sub) * scale;
+        q = q + zero;
+        float f = floor24(q), sc = (q - f) * 256.0f; /* exact product */
+        int32_t f8 = (int32_t)sc, b = (int32_t)u[k]; /* truncation = floor */
+        c[k] = code_of(f, b < f8 ? 1.0f : 0.0f);
+        if (b == f8) {
+            ties->j[n] = (int32_t)k;
+            ties->rem[n] = sc - (float)f8;
+            ties->up[n++] = code_of(f, 1.0f);
         }
-        tie[k >> 4] = (uint16_t)bits;
     }
+    ties->n = n;
 }
 
 static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *codes, grid_t g, int stochastic,
-                         uint64_t key, uint64_t pos, float *buf, uint8_t *ubuf, uint16_t *tie, ties_t *ties) {
+                         uint64_t key, uint64_t pos, float *buf, uint8_t *ubuf, ties_t *ties) {
     for (int64_t s = 0; s < n; s += SB) {
         int64_t m = n - s < SB ? n - s : SB;
         const float *p = as_f32(x, dt, a + s, m, buf);
@@ -276,15 +288,9 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
         } else if (stochastic) {
             const uint8_t *u = stream_bytes(key, e0, m, ubuf);
             const float sub = g.sub, scale = g.scale, zero = g.zero;
-            codes_stochastic(p, c, m, sub, scale, zero, u, tie);
-            FOR_EACH_TIE(k, tie, m) { /* the same q: its remainder and rounded-up code, for tie_flush */
-                float q = (p[k] - sub) * scale;
-                q = q + zero;
-                float f = floor24(q), sc = (q - f) * 256.0f;
-                ties->k[ties->n] = s + (int64_t)k;
-                ties->rem[ties->n] = sc - (float)(int32_t)sc;
-                ties->up[ties->n++] = code_of(f, 1.0f);
-            }
+            int64_t n0 = ties->n;
+            codes_stochastic(p, c, m, sub, scale, zero, u, ties);
+            for (int64_t i = n0; i < ties->n; i++) ties->k[i] = s + ties->j[i];
             if (ties->n >= 32) tie_flush(ties, key, pos, codes);
         } else {
             const float sub = g.sub, scale = g.scale, zero = g.zero;
@@ -310,7 +316,6 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
     {
         float buf[SB];
         uint8_t ubuf[UBUF];
-        uint16_t tie[TIE_WORDS];
         ties_t ties;
         ties.n = 0;
 #pragma omp for schedule(static)
@@ -332,7 +337,7 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
             memcpy(o + 4 * (chunks + c), &mx, 4);
             grid_t g = grid_of(mn, mx);
             uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
-            encode_chunk(xr, dt, a, n, o + 8 * chunks + a, g, stochastic, key, pos, buf, ubuf, tie, &ties);
+            encode_chunk(xr, dt, a, n, o + 8 * chunks + a, g, stochastic, key, pos, buf, ubuf, &ties);
         }
     }
     return bad;
