@@ -31,12 +31,11 @@ static inline void mixprec_philox4x32_10(const uint32_t ctr[4], const uint32_t k
 #include <immintrin.h>
 #endif
 
-/* The primary bytes of the 1024 elements of groups g .. g + 3 (elements 256 g .. 256 g + 1023) of the
- * stream with key `key`: out[256 i + 64 b + 16 w + l] = byte b of word w of counter 16 (g + i) + l. Four
- * groups at once: their rounds are independent, which hides the latency of the multiplies. */
-static inline void mixprec_philox_bytes1024(uint64_t key, uint64_t g, uint8_t out[1024]) {
-    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
 #if defined(__AVX512F__)
+/* The 64 counters of groups g .. g + 3 (16 each): w[4 i + j] holds word j of counter 16 (g + i) + l in lane
+ * l. Four groups at once: their rounds are independent, which hides the latency of the multiplies. */
+static inline void mixprec_philox_words1024(uint64_t key, uint64_t g, __m512i w[16]) {
+    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
     /* One counter per 64-bit lane, its words in the low halves: vpmuludq reads only those, so the high
      * halves may hold garbage until the words are packed at the end. 8 chains of 8 counters. */
     __m512i x0[8], x1[8], x2[8], x3[8];
@@ -61,16 +60,26 @@ static inline void mixprec_philox_bytes1024(uint64_t key, uint64_t g, uint8_t ou
         k1 += MIXPREC_PHILOX_W1;
     }
     for (int i = 0; i < 8; i += 2) {
-        __m512i *w[4] = {x0, x1, x2, x3};
-        for (int j = 0; j < 4; j++) { /* word j of the 16 counters of group i / 2; vpmovdb keeps the low byte */
-            __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(w[j][i])),
-                                               _mm512_cvtepi64_epi32(w[j][i + 1]), 1);
-            uint8_t *o = out + 128 * i + 16 * j;
-            for (int b = 0; b < 4; b++)
-                _mm_storeu_si128((__m128i *)(o + 64 * b), _mm512_cvtepi32_epi8(_mm512_srli_epi32(words, 8 * b)));
-        }
+        __m512i *x[4] = {x0, x1, x2, x3};
+        for (int j = 0; j < 4; j++)
+            w[2 * i + j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(x[j][i])),
+                                              _mm512_cvtepi64_epi32(x[j][i + 1]), 1);
     }
+}
+#endif
+
+/* The primary bytes of the 1024 elements of groups g .. g + 3 (elements 256 g .. 256 g + 1023) of the
+ * stream with key `key`: out[256 i + 64 b + 16 w + l] = byte b of word w of counter 16 (g + i) + l. */
+static inline void mixprec_philox_bytes1024(uint64_t key, uint64_t g, uint8_t out[1024]) {
+#if defined(__AVX512F__)
+    __m512i w[16];
+    mixprec_philox_words1024(key, g, w);
+    for (int i = 0; i < 16; i++) /* vpmovdb keeps the low byte */
+        for (int b = 0; b < 4; b++)
+            _mm_storeu_si128((__m128i *)(out + 256 * (i >> 2) + 64 * b + 16 * (i & 3)),
+                             _mm512_cvtepi32_epi8(_mm512_srli_epi32(w[i], 8 * b)));
 #else
+    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
     for (int l = 0; l < 64; l++) { /* lanes are independent: the vectorizer runs them side by side */
         uint64_t c = ((g + (uint64_t)(l >> 4)) << 4) + (uint64_t)(l & 15);
         uint32_t x0 = (uint32_t)c, x1 = (uint32_t)(c >> 32), x2 = 0, x3 = 0, a = k0, b = k1;

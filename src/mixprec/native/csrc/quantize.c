@@ -213,38 +213,45 @@ static inline float floor24(float q) {
     return t > q ? t - 1.0f : t;
 }
 
-/* Stochastic codes of m elements on the fp32 grid: up when the primary byte u[k] < f8 = floor(256 frac(q)).
- * Ties (u[k] == f8) are queued in `ties` (index within the block in j, remainder, rounded-up code) for
- * tie_flush. Spelled out in AVX-512 with integer codes (gcc turns the float clamps of the plain loop into
- * mask spills); both loops give the same codes. */
-static void codes_stochastic(const float *restrict p, uint8_t *restrict c, int64_t m, float sub, float scale,
-                             float zero, const uint8_t *restrict u, ties_t *restrict ties) {
-    int64_t k = 0, n = ties->n;
 #if defined(__AVX512F__)
-    /* S = floor(256 q) = 256 floor(q) + f8 (256 q is exact), in one conversion rounding down; with D = S - B,
-     * floor(q) + up = (D + 255) >> 8 and a tie is D = 0 mod 256. (For q a few ulps below 0, f8 is taken
-     * as 255 here, and the plain loop may see no tie: the code is 0 either way.) */
+/* 16 stochastic codes from their q and primary bytes B (int32 lanes). S = floor(256 q) = 256 floor(q) + f8
+ * (256 q is exact), in one conversion rounding down; with D = S - B, floor(q) + up = (D + 255) >> 8 and a
+ * tie is D = 0 mod 256: then the index (k + lane), remainder and rounded-up code go to the queue. (For q a
+ * few ulps below 0, f8 is taken as 255 here, and the plain loop may see no tie: the code is 0 either way.) */
+static inline int64_t codes16(__m512 q, __m512i B, uint8_t *c, int64_t k, ties_t *ties, int64_t n) {
+    const __m512i c255 = _mm512_set1_epi32(255), nil = _mm512_setzero_si512();
+    __m512 s = _mm512_mul_ps(q, _mm512_set1_ps(256.0f));
+    __m512i S = _mm512_cvt_roundps_epi32(s, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512i d = _mm512_sub_epi32(S, B);
+    __mmask16 tie = _mm512_testn_epi32_mask(d, c255);
+    __m512i code = _mm512_srai_epi32(_mm512_add_epi32(d, c255), 8); /* in [-1, 256] */
+    _mm_storeu_si128((__m128i *)c, _mm512_cvtusepi32_epi8(_mm512_max_epi32(code, nil)));
+    if (__builtin_expect(tie != 0, 0)) { /* 1 in 16 vectors */
+        const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i up = _mm512_add_epi32(_mm512_srai_epi32(S, 8), _mm512_set1_epi32(1)); /* floor(q) + 1 */
+        up = _mm512_min_epi32(_mm512_max_epi32(up, nil), c255);
+        __m512 rem = _mm512_sub_ps(s, _mm512_cvtepi32_ps(S)); /* exact */
+        _mm512_mask_compressstoreu_epi32(ties->j + n, tie, _mm512_add_epi32(iota, _mm512_set1_epi32((int)k)));
+        _mm512_mask_compressstoreu_ps(ties->rem + n, tie, rem);
+        _mm512_mask_compressstoreu_epi32(ties->up + n, tie, up);
+        n += __builtin_popcount(tie);
+    }
+    return n;
+}
+#endif
+
+/* Stochastic codes of elements [k, m) on the fp32 grid from their primary bytes u: up when u[k] < f8 =
+ * floor(256 frac(q)). Ties (u[k] == f8) are queued in `ties` (index within the block in j, remainder,
+ * rounded-up code) for tie_flush. Spelled out in AVX-512 with integer codes (gcc turns the float clamps of
+ * the plain loop into mask spills); both loops give the same codes. */
+static void codes_stochastic(const float *restrict p, uint8_t *restrict c, int64_t k, int64_t m, float sub,
+                             float scale, float zero, const uint8_t *restrict u, ties_t *restrict ties) {
+    int64_t n = ties->n;
+#if defined(__AVX512F__)
     const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale), vzero = _mm512_set1_ps(zero);
-    const __m512 b256 = _mm512_set1_ps(256.0f);
-    const __m512i c255 = _mm512_set1_epi32(255), nil = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (; k + 16 <= m; k += 16) {
         __m512 q = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(p + k), vsub), vscale), vzero);
-        __m512 s = _mm512_mul_ps(q, b256);
-        __m512i S = _mm512_cvt_roundps_epi32(s, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-        __m512i d = _mm512_sub_epi32(S, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u + k))));
-        __mmask16 tie = _mm512_testn_epi32_mask(d, c255);
-        __m512i code = _mm512_srai_epi32(_mm512_add_epi32(d, c255), 8); /* in [-1, 256] */
-        _mm_storeu_si128((__m128i *)(c + k), _mm512_cvtusepi32_epi8(_mm512_max_epi32(code, nil)));
-        if (__builtin_expect(tie != 0, 0)) { /* 1 in 16 iterations */
-            __m512i up = _mm512_add_epi32(_mm512_srai_epi32(S, 8), one); /* floor(q) + 1, clamped */
-            up = _mm512_min_epi32(_mm512_max_epi32(up, nil), c255);
-            __m512 rem = _mm512_sub_ps(s, _mm512_cvtepi32_ps(S)); /* exact */
-            _mm512_mask_compressstoreu_epi32(ties->j + n, tie, _mm512_add_epi32(iota, _mm512_set1_epi32((int)k)));
-            _mm512_mask_compressstoreu_ps(ties->rem + n, tie, rem);
-            _mm512_mask_compressstoreu_epi32(ties->up + n, tie, up);
-            n += __builtin_popcount(tie);
-        }
+        n = codes16(q, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u + k))), c + k, k, ties, n);
     }
 #endif
     for (; k < m; k++) {
@@ -260,6 +267,36 @@ static void codes_stochastic(const float *restrict p, uint8_t *restrict c, int64
         }
     }
     ties->n = n;
+}
+
+/* codes_stochastic for a block (m <= SB elements) whose first stream position e0 is a multiple of 256: the
+ * primary bytes are taken from the Philox words in registers (byte b of word j of group i is 16 elements
+ * at 256 i + 64 b + 16 j: a shift and a mask), never stored. Returns the first element left undone (the
+ * last m % 16, for codes_stochastic). */
+static int64_t codes_stochastic_aligned(const float *restrict p, uint8_t *restrict c, int64_t m, float sub,
+                                        float scale, float zero, uint64_t key, uint64_t e0, ties_t *restrict ties) {
+#if defined(__AVX512F__)
+    const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale), vzero = _mm512_set1_ps(zero);
+    const __m512i c255 = _mm512_set1_epi32(255);
+    __m512i w[16];
+    int64_t n = ties->n, full = m & ~(int64_t)15;
+    mixprec_philox_words1024(key, e0 >> 8, w);
+    for (int i = 0; i < 4; i++)
+        for (int b = 0; b < 4; b++)
+            for (int j = 0; j < 4; j++) {
+                int64_t k = 256 * i + 64 * b + 16 * j;
+                if (k >= full) goto done;
+                __m512 q = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(p + k), vsub), vscale), vzero);
+                __m512i B = _mm512_and_si512(_mm512_srli_epi32(w[4 * i + j], 8 * b), c255);
+                n = codes16(q, B, c + k, k, ties, n);
+            }
+done:
+    ties->n = n;
+    return full;
+#else
+    (void)p, (void)c, (void)m, (void)sub, (void)scale, (void)zero, (void)key, (void)e0, (void)ties;
+    return 0;
+#endif
 }
 
 static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *codes, grid_t g, int stochastic,
@@ -286,10 +323,10 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
                 c[k] = (uint8_t)q;
             }
         } else if (stochastic) {
-            const uint8_t *u = stream_bytes(key, e0, m, ubuf);
             const float sub = g.sub, scale = g.scale, zero = g.zero;
-            int64_t n0 = ties->n;
-            codes_stochastic(p, c, m, sub, scale, zero, u, ties);
+            int64_t n0 = ties->n, k = 0;
+            if ((e0 & 255) == 0) k = codes_stochastic_aligned(p, c, m, sub, scale, zero, key, e0, ties);
+            if (k < m) codes_stochastic(p, c, k, m, sub, scale, zero, stream_bytes(key, e0, m, ubuf), ties);
             for (int64_t i = n0; i < ties->n; i++) ties->k[i] = s + ties->j[i];
             if (ties->n >= 32) tie_flush(ties, key, pos, codes);
         } else {
