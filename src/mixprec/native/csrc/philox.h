@@ -110,13 +110,13 @@ static inline uint32_t mixprec_philox_tie_word(uint64_t key, uint64_t e) {
     return out[0];
 }
 
-/* The secondary words of 16 stream positions at once: two chains of 8 independent lanes, so that the
+/* The secondary words of 32 stream positions at once: four chains of 8 independent lanes, so that the
  * multiply latency of the 10 rounds is paid once per batch of ties rather than once per tie. */
-static inline void mixprec_philox_tie_words16(uint64_t key, const uint64_t e[16], uint32_t out[16]) {
+static inline void mixprec_philox_tie_words32(uint64_t key, const uint64_t e[32], uint32_t out[32]) {
     uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
 #if defined(__AVX512F__)
-    __m512i x0[2], x1[2], x2[2], x3[2];
-    for (int i = 0; i < 2; i++) {
+    __m512i x0[4], x1[4], x2[4], x3[4];
+    for (int i = 0; i < 4; i++) {
         __m512i v = _mm512_loadu_si512((const void *)(e + 8 * i));
         x0[i] = v; /* the low words; vpmuludq ignores the high halves */
         x1[i] = _mm512_srli_epi64(v, 32);
@@ -126,7 +126,7 @@ static inline void mixprec_philox_tie_words16(uint64_t key, const uint64_t e[16]
     const __m512i m0 = _mm512_set1_epi64(MIXPREC_PHILOX_M0), m1 = _mm512_set1_epi64(MIXPREC_PHILOX_M1);
     for (int r = 0; r < 10; r++) {
         const __m512i ka = _mm512_set1_epi64(k0), kb = _mm512_set1_epi64(k1);
-        for (int i = 0; i < 2; i++) {
+        for (int i = 0; i < 4; i++) {
             __m512i p0 = _mm512_mul_epu32(x0[i], m0), p1 = _mm512_mul_epu32(x2[i], m1);
             x0[i] = _mm512_ternarylogic_epi64(_mm512_srli_epi64(p1, 32), x1[i], ka, 0x96);
             x2[i] = _mm512_ternarylogic_epi64(_mm512_srli_epi64(p0, 32), x3[i], kb, 0x96);
@@ -136,10 +136,9 @@ static inline void mixprec_philox_tie_words16(uint64_t key, const uint64_t e[16]
         k0 += MIXPREC_PHILOX_W0;
         k1 += MIXPREC_PHILOX_W1;
     }
-    _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi64_epi32(x0[0]));
-    _mm256_storeu_si256((__m256i *)(out + 8), _mm512_cvtepi64_epi32(x0[1]));
+    for (int i = 0; i < 4; i++) _mm256_storeu_si256((__m256i *)(out + 8 * i), _mm512_cvtepi64_epi32(x0[i]));
 #else
-    for (int l = 0; l < 16; l++) out[l] = mixprec_philox_tie_word(key, e[l]);
+    for (int l = 0; l < 32; l++) out[l] = mixprec_philox_tie_word(key, e[l]);
     (void)k0;
     (void)k1;
 #endif

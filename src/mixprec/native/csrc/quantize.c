@@ -167,8 +167,8 @@ static inline const uint8_t *stream_bytes(uint64_t key, uint64_t p, int64_t n, u
              b_ &= b_ - 1)
 
 /* Pending ties of one chunk: code index k (stream position pos + k), the remainder 256 frac - f8 (exact)
- * and the code if rounded up. Resolved in batches of 16 (tie_flush), at least 32 ties at a time. */
-#define TIE_CAP (SB + 32)
+ * and the code if rounded up. Resolved in batches of 32 (tie_flush), at least 64 ties at a time. */
+#define TIE_CAP (SB + 64)
 typedef struct {
     int64_t n;
     int64_t k[TIE_CAP];
@@ -179,12 +179,12 @@ typedef struct {
 
 /* Resolve the pending ties: up when the secondary word w < rem 2**32 (both exact in double). */
 static void tie_flush(ties_t *t, uint64_t key, uint64_t pos, uint8_t *codes) {
-    for (int64_t i = 0; i < t->n; i += 16) {
-        uint64_t e[16];
-        uint32_t w[16];
-        for (int j = 0; j < 16; j++) e[j] = pos + t->k[i + j < t->n ? i + j : i];
-        mixprec_philox_tie_words16(key, e, w);
-        for (int j = 0; j < 16 && i + j < t->n; j++) {
+    for (int64_t i = 0; i < t->n; i += 32) {
+        uint64_t e[32];
+        uint32_t w[32];
+        for (int j = 0; j < 32; j++) e[j] = pos + t->k[i + j < t->n ? i + j : i];
+        mixprec_philox_tie_words32(key, e, w);
+        for (int j = 0; j < 32 && i + j < t->n; j++) {
             uint8_t *c = codes + t->k[i + j];
             *c = (double)w[j] < (double)t->rem[i + j] * 0x1p32 ? (uint8_t)t->up[i + j] : *c;
         }
@@ -328,7 +328,7 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
             if ((e0 & 255) == 0) k = codes_stochastic_aligned(p, c, m, sub, scale, zero, key, e0, ties);
             if (k < m) codes_stochastic(p, c, k, m, sub, scale, zero, stream_bytes(key, e0, m, ubuf), ties);
             for (int64_t i = n0; i < ties->n; i++) ties->k[i] = s + ties->j[i];
-            if (ties->n >= 32) tie_flush(ties, key, pos, codes);
+            if (ties->n >= 64) tie_flush(ties, key, pos, codes);
         } else {
             const float sub = g.sub, scale = g.scale, zero = g.zero;
             for (int64_t k = 0; k < m; k++) {
@@ -631,7 +631,7 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
                 fp8_codes(p, codes + s, m, up, f, inv_smin, u, tie);
                 if (!stochastic) continue;
                 fp8_ties(p, s, m, up, f, inv_smin, tie, &ties);
-                if (ties.n >= 32) tie_flush(&ties, key, pos, codes);
+                if (ties.n >= 64) tie_flush(&ties, key, pos, codes);
             }
             if (stochastic) tie_flush(&ties, key, pos, codes);
         }
