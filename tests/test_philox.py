@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mixprec import native
-from mixprec.compress import MinMaxUInt8
+from mixprec.compress import MinMaxUInt8, ScaledFP8
 from mixprec.compress.quantize import _kernels
 from mixprec.core import philox
 
@@ -189,9 +189,10 @@ def test_stochastic_rounding_is_unbiased_through_the_tie_refinement() -> None:
 
 
 @needs_kernels
-def test_stochastic_encode_does_not_depend_on_the_thread_count() -> None:
+@pytest.mark.parametrize("wire", ["uint8", "e4m3"])
+def test_stochastic_encode_does_not_depend_on_the_thread_count(wire: str) -> None:
     x = torch.randn(3, 300_000, generator=torch.Generator().manual_seed(2))  # above the kernels' grain
-    q = MinMaxUInt8(rounding="stochastic")
+    q = MinMaxUInt8(rounding="stochastic") if wire == "uint8" else ScaledFP8(wire, rounding="stochastic")
     before = torch.get_num_threads()
     outs = []
     try:
