@@ -3,8 +3,9 @@
 Written from the documented format and algorithm, not from the library code: numpy float32 arithmetic
 (IEEE, one correct rounding per operation), ``np.rint`` (round half to even) for nearest rounding, plain
 Python loops over chunks and ranks. The collectives are simulated on the list of every rank's input.
-Stochastic rounding's uniforms come from :mod:`mixprec.core.philox` (checked against Random123's
-known answers in tests/test_philox.py), by the documented stream layout: :func:`call_uniforms`.
+Stochastic rounding's random bits come from :func:`mixprec.core.philox.philox4x32_10` (checked against
+Random123's known answers in tests/test_philox.py), one block per element by the documented stream layout
+(:func:`call_randoms`), and decide by the documented rule, element by element (:func:`ref_round_up`).
 """
 
 from __future__ import annotations
@@ -22,17 +23,42 @@ WIDE_BELOW = 255.0 * float(np.finfo(np.float32).tiny)
 U32 = 2.0**-24
 
 
-def call_uniforms(generator: torch.Generator, *sizes: int) -> list[np.ndarray]:
-    """The uniforms of one stochastic call: one 64-bit key drawn from ``generator`` (two 32-bit randint draws,
-    low word first), and each encode's elements at the next stream positions, back to back (an encode: just
-    its elements from 0; a collective: the worker encode of its N elements, then the server re-encode of
-    the owned part at positions N, N + 1, ...)."""
+def element_randoms(key: int, positions: np.ndarray) -> np.ndarray:
+    """[n, 2] int64: each stream position's primary byte and secondary word, straight from the layout: byte
+    ``(e >> 6) & 3`` of word ``(e >> 4) & 3`` of counter ``((e >> 8) << 4) | (e & 15)`` (words lo, hi, 0, 0);
+    word 0 of counter ``(e lo, e hi, 1, 0)``."""
+    e = torch.from_numpy(np.asarray(positions, dtype=np.int64))
+    c = ((e >> 8) << 4) | (e & 15)
+    zero = torch.zeros_like(e)
+    block = philox.philox4x32_10(torch.stack([c & 0xFFFFFFFF, c >> 32, zero, zero], dim=-1), key)
+    word = block.gather(1, ((e >> 4) & 3)[:, None])[:, 0]
+    primary = (word >> (8 * ((e >> 6) & 3))) & 0xFF
+    secondary = philox.philox4x32_10(torch.stack([e & 0xFFFFFFFF, e >> 32, zero + 1, zero], dim=-1), key)[:, 0]
+    return torch.stack([primary, secondary], dim=-1).numpy()
+
+
+def call_randoms(generator: torch.Generator, *sizes: int) -> list[np.ndarray]:
+    """The random bits of one stochastic call: one 64-bit key drawn from ``generator`` (two 32-bit randint
+    draws, low word first), and each encode's elements at the next stream positions, back to back (an encode:
+    just its elements from 0; a collective: the worker encode of its N elements, then the server re-encode of
+    the owned part at positions N, N + 1, ...). Each encode: [size, 2] as :func:`element_randoms`."""
     lo, hi = torch.randint(0, 1 << 32, (2,), dtype=torch.int64, generator=generator).tolist()
     key, pos, out = lo | (hi << 32), 0, []
     for size in sizes:
-        out.append(philox.uniforms(key, pos, size).numpy())
+        out.append(element_randoms(key, np.arange(pos, pos + size)))
         pos += size
     return out
+
+
+def ref_round_up(randoms: np.ndarray, frac: np.ndarray) -> np.ndarray:
+    """Whether each element rounds up, from its exact fraction ``frac`` in [0, 1) and its ``randoms`` [n, 2]:
+    with ``f8 = floor(256 frac)``, up when the primary byte is below f8; when equal, up when the secondary
+    word is below ``(256 frac - f8) * 2**32``. Every value here is exact in float64."""
+    up = np.zeros(frac.shape, dtype=bool)
+    for i, (f, (byte, word)) in enumerate(zip(np.asarray(frac, dtype=np.float64), randoms)):
+        f8 = math.floor(f * 256)
+        up[i] = byte < f8 or (byte == f8 and word < (f * 256 - f8) * 2.0**32)
+    return up
 
 
 def as_f32(t: torch.Tensor) -> np.ndarray:
@@ -55,7 +81,7 @@ def ref_grid(mn: np.float32, mx: np.float32) -> tuple[bool, bool, float, np.floa
     return False, wide, rng, np.float32(rng / 255.0), 0
 
 
-def ref_encode(x: np.ndarray, chunk: int, rounding: str = "nearest", uniforms: np.ndarray | None = None) -> bytes:
+def ref_encode(x: np.ndarray, chunk: int, rounding: str = "nearest", randoms: np.ndarray | None = None) -> bytes:
     """Header (all mins, then all maxs, fp32 little-endian) + one uint8 code per element."""
     n = x.size
     bounds = [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
@@ -82,9 +108,9 @@ def ref_encode(x: np.ndarray, chunk: int, rounding: str = "nearest", uniforms: n
         if rounding == "nearest":
             c = np.rint(q)
         else:
-            assert uniforms is not None
+            assert randoms is not None
             fl = np.floor(q)
-            c = fl + (uniforms[a:b] < (q - fl))
+            c = fl + ref_round_up(randoms[a:b], q - fl)
         codes[a:b] = np.clip(c, 0, 255).astype(np.uint8)
     header = np.array(mins + maxs, dtype="<f4").tobytes()
     return header + codes.tobytes()
@@ -163,22 +189,22 @@ def ref_fp8_exponent(amax: float, fmt: str) -> int:
     return max(-126, min(126, k))
 
 
-def ref_fp8_round(y: np.ndarray, fmt: str, rounding: str, uniforms: np.ndarray | None) -> np.ndarray:
+def ref_fp8_round(y: np.ndarray, fmt: str, rounding: str, randoms: np.ndarray | None) -> np.ndarray:
     """fp8 values (float64) of ``y`` (float64, |y| <= max): torch's cast for nearest; for stochastic, the
     neighbour away from zero with probability equal to the fraction of the spacing, from the float64 grid."""
     if rounding == "nearest":
         return torch.from_numpy(y.astype(np.float32)).to(FP8[fmt]["dtype"]).double().numpy()
-    assert uniforms is not None
+    assert randoms is not None
     mag = np.abs(y)
     _, e = np.frexp(mag)
     spacing = np.ldexp(1.0, np.maximum(e - 1, FP8[fmt]["emin"]) - FP8[fmt]["man"])
     low = np.floor(mag / spacing) * spacing
-    up = uniforms.astype(np.float64) < (mag - low) / spacing
+    up = ref_round_up(randoms, (mag - low) / spacing)
     return np.copysign(low + up * spacing, y)
 
 
 def ref_fp8_encode(
-    x: np.ndarray, chunk: int, fmt: str, rounding: str = "nearest", uniforms: np.ndarray | None = None
+    x: np.ndarray, chunk: int, fmt: str, rounding: str = "nearest", randoms: np.ndarray | None = None
 ) -> bytes:
     """fp32 scales 2**-k of every chunk (little-endian; NaN for a chunk with NaN/Inf), then one fp8 byte each."""
     n = x.size
@@ -190,7 +216,7 @@ def ref_fp8_encode(
             continue
         k = ref_fp8_exponent(float(np.abs(xc).max()), fmt)
         scales.append(2.0**-k)
-        y = ref_fp8_round(xc * 2.0**k, fmt, rounding, None if uniforms is None else uniforms[a : a + chunk])
+        y = ref_fp8_round(xc * 2.0**k, fmt, rounding, None if randoms is None else randoms[a : a + chunk])
         codes[a : a + chunk] = torch.from_numpy(y.astype(np.float32)).to(FP8[fmt]["dtype"]).view(torch.uint8).numpy()
     return np.array(scales, dtype="<f4").tobytes() + codes.tobytes()
 
@@ -218,11 +244,11 @@ def ref_fp8_bound(x: np.ndarray, chunk: int, fmt: str, rounding: str) -> np.ndar
 
 
 def codec(wire: str) -> tuple:
-    """(encode(x, chunk, rounding, uniforms), decode(buf, n, chunk), header bytes per chunk) of a wire."""
+    """(encode(x, chunk, rounding, randoms), decode(buf, n, chunk), header bytes per chunk) of a wire."""
     if wire == "uint8":
         return ref_encode, ref_decode, 8
     return (
-        lambda x, chunk, rounding="nearest", uniforms=None: ref_fp8_encode(x, chunk, wire, rounding, uniforms),
+        lambda x, chunk, rounding="nearest", randoms=None: ref_fp8_encode(x, chunk, wire, rounding, randoms),
         lambda buf, n, chunk: ref_fp8_decode(buf, n, chunk, wire),
         4,
     )
@@ -234,7 +260,7 @@ def ref_flat_reduce(
     *,
     divisor: int | None,
     rounding: str = "nearest",
-    uniforms: list[np.ndarray] | None = None,
+    randoms: list[np.ndarray] | None = None,
     residuals: dict | None = None,
     wire: str = "uint8",
 ) -> list[np.ndarray]:
@@ -242,7 +268,7 @@ def ref_flat_reduce(
 
     Rank r quantizes each of the W parts of its input (part p goes to rank p); rank p decodes the W
     messages of part p and adds them in fp32 in rank order 0..W-1, then divides by ``divisor``.
-    ``uniforms[r]``: rank r's draws for this encode (all parts, element order). ``residuals`` (error
+    ``randoms[r]``: rank r's draws for this encode (all parts, element order). ``residuals`` (error
     feedback, updated in place): {"worker": [W arrays], "server": [W arrays]}.
     """
     ref_encode, ref_decode, _ = codec(wire)
@@ -253,7 +279,7 @@ def ref_flat_reduce(
         v = inputs[r].astype(np.float32)
         if residuals is not None:
             v = (v + residuals["worker"][r]).astype(np.float32)
-        u = uniforms[r] if uniforms is not None else None
+        u = randoms[r] if randoms is not None else None
         msgs = []
         for p in range(world):
             lo, hi = p * part, (p + 1) * part
@@ -280,7 +306,7 @@ def ref_flat_all_reduce(
     average: bool = True,
     divisor: int | None = None,
     rounding: str = "nearest",
-    uniforms: list[list[np.ndarray]] | None = None,
+    randoms: list[list[np.ndarray]] | None = None,
     residuals: dict | None = None,
     wire: str = "uint8",
 ) -> tuple[list[np.ndarray], bool]:
@@ -288,7 +314,7 @@ def ref_flat_all_reduce(
 
     :func:`ref_flat_reduce`, then rank p quantizes its reduced part (after adding its server residual),
     and every rank decodes every rank's result. ``divisor`` defaults to W when ``average``.
-    ``uniforms[r]`` = [draws of rank r's first encode, draws of its second encode].
+    ``randoms[r]`` = [draws of rank r's first encode, draws of its second encode].
     """
     ref_encode, ref_decode, header = codec(wire)
     world = len(inputs)
@@ -300,7 +326,7 @@ def ref_flat_all_reduce(
         chunk,
         divisor=divisor,
         rounding=rounding,
-        uniforms=None if uniforms is None else [u[0] for u in uniforms],
+        randoms=None if randoms is None else [u[0] for u in randoms],
         residuals=residuals,
         wire=wire,
     )
@@ -309,7 +335,7 @@ def ref_flat_all_reduce(
         acc = reduced[p]
         if residuals is not None:
             acc = (acc + residuals["server"][p]).astype(np.float32)
-        u = uniforms[p][1] if uniforms is not None else None
+        u = randoms[p][1] if randoms is not None else None
         msg = ref_encode(acc, chunk, rounding, u)
         if residuals is not None:
             residuals["server"][p] = (acc - ref_decode(msg, part, chunk)).astype(np.float32)
@@ -339,7 +365,7 @@ def ref_hierarchical_all_reduce(
     *,
     average: bool = True,
     rounding: str = "nearest",
-    uniforms: list[list[np.ndarray]] | None = None,
+    randoms: list[list[np.ndarray]] | None = None,
     residuals: dict | None = None,
     wire: str = "uint8",
 ) -> list[np.ndarray]:
@@ -347,7 +373,7 @@ def ref_hierarchical_all_reduce(
     all-reduce of slice l among the nodes' local ranks l (divided by the total world size), intra-node
     all-gather. Ranks are node-major: rank = node * per_node + local.
 
-    ``uniforms[r]`` = [rank r's draws for its slice's encode, for its part's re-encode]; ``residuals``
+    ``randoms[r]`` = [rank r's draws for its slice's encode, for its part's re-encode]; ``residuals``
     (updated in place): {"worker": [per rank, slice length], "server": [per rank, part length]}.
     """
     world = nodes * per_node
@@ -364,7 +390,7 @@ def ref_hierarchical_all_reduce(
             average=False,
             divisor=world if average else None,
             rounding=rounding,
-            uniforms=None if uniforms is None else [uniforms[r] for r in members],
+            randoms=None if randoms is None else [randoms[r] for r in members],
             residuals=sub,
             wire=wire,
         )

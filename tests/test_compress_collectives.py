@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from compress_reference import (
     U32,
-    call_uniforms,
+    call_randoms,
     quantizer_bound,
     ref_flat_all_reduce,
     ref_flat_reduce,
@@ -151,8 +151,8 @@ def test_flat_bit_for_bit_against_reference(dist_run, world: int, segment: int |
     np.testing.assert_array_equal(results[world - 1]["sum"].numpy(), ref_sum[0])
 
     gens = [torch.Generator().manual_seed(500 + r) for r in range(world)]
-    uniforms = [call_uniforms(g, N, part) for g in gens]
-    ref_st, _ = ref_flat_all_reduce(_inputs(world, seed=2), CHUNK, rounding="stochastic", uniforms=uniforms)
+    randoms = [call_randoms(g, N, part) for g in gens]
+    ref_st, _ = ref_flat_all_reduce(_inputs(world, seed=2), CHUNK, rounding="stochastic", randoms=randoms)
     for r in range(world):
         np.testing.assert_array_equal(results[r]["stochastic"].numpy(), ref_st[0])
 
@@ -196,8 +196,8 @@ def test_hierarchical_2x2_bit_for_bit_and_within_bound(dist_run) -> None:
     # Stochastic rounding, bf16, zero padding and error feedback, bit for bit in the hierarchical scheme too.
     # Rank r draws one key; its node slice (N / 2 elements) takes positions [0, N / 2), its part of it the next N / 4.
     gens = [torch.Generator().manual_seed(500 + r) for r in range(4)]
-    uniforms = [call_uniforms(g, N // 2, N // 4) for g in gens]
-    ref_st = ref_hierarchical_all_reduce(_inputs(4, seed=2), CHUNK, 2, 2, rounding="stochastic", uniforms=uniforms)
+    randoms = [call_randoms(g, N // 2, N // 4) for g in gens]
+    ref_st = ref_hierarchical_all_reduce(_inputs(4, seed=2), CHUNK, 2, 2, rounding="stochastic", randoms=randoms)
     bf16_inputs = [_input(r, seed=3).bfloat16().float().numpy() for r in range(4)]
     ref_bf16 = torch.from_numpy(ref_hierarchical_all_reduce(bf16_inputs, CHUNK, 2, 2)[0]).bfloat16()
     padded = -(-(N - 5) // 4) * 4

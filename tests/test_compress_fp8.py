@@ -13,7 +13,7 @@ import torch
 import mixprec.hooks
 from compress_reference import (
     as_f32,
-    call_uniforms,
+    call_randoms,
     ref_flat_all_reduce,
     ref_flat_reduce,
     ref_fp8_bound,
@@ -64,8 +64,8 @@ def test_fp8_bit_exact_against_reference_and_within_bound(fmt: str, rounding: st
     x = CASES[name]
     q = ScaledFP8(fmt, chunk_size=CHUNK, rounding=rounding, generator=torch.Generator().manual_seed(5))
     buf = q.encode(x)
-    (uniforms,) = call_uniforms(torch.Generator().manual_seed(5), x.numel())
-    expected = ref_fp8_encode(as_f32(x), CHUNK, fmt, rounding, uniforms)
+    (randoms,) = call_randoms(torch.Generator().manual_seed(5), x.numel())
+    expected = ref_fp8_encode(as_f32(x), CHUNK, fmt, rounding, randoms)
     assert buf.numpy().tobytes() == expected
     y = q.decode(buf, x.numel())
     np.testing.assert_array_equal(y.numpy(), ref_fp8_decode(expected, x.numel(), CHUNK, fmt))
@@ -187,9 +187,9 @@ def test_fp8_collectives_bit_for_bit_against_reference(dist_run, world: int, hie
         ref = ref_hierarchical_all_reduce(_inputs(4), CHUNK, 2, 2, wire=fmt)[0]
         shards = ref_hierarchical_reduce_scatter(_inputs(4), CHUNK, 2, 2, wire=fmt)
         gens = [torch.Generator().manual_seed(500 + r) for r in range(4)]
-        uniforms = [call_uniforms(g, N // 2, N // 4) for g in gens]
+        randoms = [call_randoms(g, N // 2, N // 4) for g in gens]
         ref_st = ref_hierarchical_all_reduce(
-            _inputs(4, seed=2), CHUNK, 2, 2, rounding="stochastic", uniforms=uniforms, wire=fmt
+            _inputs(4, seed=2), CHUNK, 2, 2, rounding="stochastic", randoms=randoms, wire=fmt
         )[0]
         bf16 = [_input(r, seed=3).bfloat16().float().numpy() for r in range(4)]
         ref_bf16 = ref_hierarchical_all_reduce(bf16, CHUNK, 2, 2, wire=fmt)[0]
@@ -203,8 +203,8 @@ def test_fp8_collectives_bit_for_bit_against_reference(dist_run, world: int, hie
         ref = ref_flat_all_reduce(_inputs(world), CHUNK, wire=fmt)[0][0]
         shards = ref_flat_reduce(_inputs(world), CHUNK, divisor=world, wire=fmt)
         gens = [torch.Generator().manual_seed(500 + r) for r in range(world)]
-        uniforms = [call_uniforms(g, N, part) for g in gens]
-        ref_st = ref_flat_all_reduce(_inputs(world, seed=2), CHUNK, rounding="stochastic", uniforms=uniforms, wire=fmt)[
+        randoms = [call_randoms(g, N, part) for g in gens]
+        ref_st = ref_flat_all_reduce(_inputs(world, seed=2), CHUNK, rounding="stochastic", randoms=randoms, wire=fmt)[
             0
         ][0]
         bf16 = [_input(r, seed=3).bfloat16().float().numpy() for r in range(world)]

@@ -14,7 +14,7 @@ import torch
 
 import mixprec.hooks
 from compress_reference import (
-    call_uniforms,
+    call_randoms,
     ref_flat_all_reduce,
     ref_flat_reduce,
     ref_hierarchical_all_reduce,
@@ -238,9 +238,9 @@ def test_stochastic_streams_are_rank_seeded_and_hook_state_validates(dist_run) -
     res = dist_run(_worker_rank_streams, world, timeout=120)
     # The reducer's stream is rank_generator(123): CPU generator seeded 123 + rank, one key per reduction.
     gens = [torch.Generator().manual_seed(123 + r) for r in range(world)]
-    uniforms = [call_uniforms(g, BUCKET, BUCKET // world) for g in gens]
+    randoms = [call_randoms(g, BUCKET, BUCKET // world) for g in gens]
     inputs = [_bucket(r, 0).numpy() for r in range(world)]
-    expected = ref_flat_all_reduce(inputs, CHUNK, rounding="stochastic", uniforms=uniforms)[0][0]
+    expected = ref_flat_all_reduce(inputs, CHUNK, rounding="stochastic", randoms=randoms)[0][0]
     for r in range(world):
         np.testing.assert_array_equal(res[r]["bucket"].numpy(), expected)
         assert res[r]["same_stream"]

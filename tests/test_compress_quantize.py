@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from compress_reference import U32, as_f32, call_uniforms, ref_decode, ref_encode, roundtrip_bound
+from compress_reference import U32, as_f32, call_randoms, ref_decode, ref_encode, roundtrip_bound
 from mixprec import native
 from mixprec.compress import MinMaxUInt8, NonFiniteError
 
@@ -64,8 +64,8 @@ def test_encode_decode_bit_exact_against_reference(name: str, rounding: str, pat
     with _on(path):
         buf = q.encode(x)
         decoded = q.decode(buf, x.numel())
-    (uniforms,) = call_uniforms(torch.Generator().manual_seed(seed), x.numel())
-    expected = ref_encode(as_f32(x), CHUNK, rounding, uniforms)
+    (randoms,) = call_randoms(torch.Generator().manual_seed(seed), x.numel())
+    expected = ref_encode(as_f32(x), CHUNK, rounding, randoms)
     assert buf.numpy().tobytes() == expected
     np.testing.assert_array_equal(decoded.numpy(), ref_decode(expected, x.numel(), CHUNK))
 
@@ -170,8 +170,8 @@ def test_stochastic_draws_one_key_per_encode() -> None:
     q.encode(x[:10])
     after = torch.rand(1, generator=g)
     replay = torch.Generator().manual_seed(0)
-    call_uniforms(replay, 1000)
-    call_uniforms(replay, 10)
+    call_randoms(replay, 1000)
+    call_randoms(replay, 10)
     assert torch.equal(after, torch.rand(1, generator=replay))
     # Nearest rounding draws nothing.
     g2 = torch.Generator().manual_seed(0)

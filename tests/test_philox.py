@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mixprec import native
-from mixprec.compress import MinMaxUInt8
+from mixprec.compress import MinMaxUInt8, ScaledFP8
 from mixprec.compress.quantize import _kernels
 from mixprec.core import philox
 
@@ -43,31 +43,64 @@ def test_compiled_philox_matches_random123_known_answers(ctr: list, key: list, e
 
 
 def test_stream_layout_is_the_documented_one() -> None:
-    # Element e: word (e >> 4) & 3 of counter ((e >> 6) << 4) | (e & 15), counter words (lo, hi, 0, 0).
+    # Element e: byte (e >> 6) & 3 of word (e >> 4) & 3 of counter ((e >> 8) << 4) | (e & 15), counter words
+    # (lo, hi, 0, 0); its secondary word: word 0 of counter (e lo, e hi, 1, 0).
     key = 0x0123456789ABCDEF
-    for e in [0, 1, 15, 16, 63, 64, 1000, 2**40 + 77, philox.MAX_POSITION - 1]:
-        c = ((e >> 6) << 4) | (e & 15)
+    for e in [0, 1, 15, 16, 63, 64, 255, 256, 1000, 2**40 + 77, philox.MAX_POSITION - 1]:
+        c = ((e >> 8) << 4) | (e & 15)
         word = philox.philox4x32_10(torch.tensor([c & 0xFFFFFFFF, c >> 32, 0, 0]), key)[(e >> 4) & 3].item()
-        assert philox.uniforms(key, e, 1).item() == (word >> 8) * 2.0**-24
+        assert philox.stream_bytes(key, e, 1).item() == (word >> (8 * ((e >> 6) & 3))) & 0xFF, e
+        second = philox.philox4x32_10(torch.tensor([e & 0xFFFFFFFF, e >> 32, 1, 0]), key)[0].item()
+        assert philox.tie_words(key, torch.tensor([e])).item() == second, e
 
 
 @needs_kernels
-def test_compiled_uniforms_equal_torch_uniforms() -> None:
+def test_compiled_bits_equal_torch_bits() -> None:
     g = torch.Generator().manual_seed(3)
-    for first, count in [(0, 1), (0, 64), (5, 1000), (63, 2050), (2**33 - 7, 300), (philox.MAX_POSITION - 500, 500)]:
+    for first, count in [
+        (0, 1),
+        (0, 1024),
+        (5, 1000),
+        (255, 2050),
+        (2**33 - 7, 3000),
+        (philox.MAX_POSITION - 500, 500),
+    ]:
         key = philox.draw_key(g)
-        out = torch.empty(count)
-        _kernels().philox_uniforms(key, first, count, out.data_ptr())
-        assert torch.equal(out, philox.uniforms(key, first, count)), (first, count)
+        out = torch.empty(count, dtype=torch.uint8)
+        _kernels().philox_bytes(key, first, count, out.data_ptr())
+        assert torch.equal(out, philox.stream_bytes(key, first, count)), (first, count)
+        pos = torch.arange(first, first + min(count, 300), dtype=torch.int64)
+        words = torch.empty(pos.numel(), dtype=torch.int32)
+        _kernels().philox_tie_words(key, pos.data_ptr(), pos.numel(), words.data_ptr())
+        assert torch.equal(words.long() & 0xFFFFFFFF, philox.tie_words(key, pos)), (first, count)
 
 
-def test_uniforms_are_24_bit_and_look_uniform() -> None:
-    u = philox.uniforms(philox.draw_key(torch.Generator().manual_seed(1)), 0, 1 << 16)
-    assert torch.equal(u * 2**24, (u * 2**24).floor()) and u.min() >= 0 and u.max() < 1
-    # mean of 65536 uniforms: standard error 1 / sqrt(12 * 65536) = 0.0011
-    assert abs(u.double().mean().item() - 0.5) < 5 * 0.0011
-    counts = torch.histc(u, bins=16, min=0, max=1)  # 4096 expected per bin, sd 62
-    assert (counts - 4096).abs().max() < 5 * 62
+def test_primary_bytes_look_uniform() -> None:
+    b = philox.stream_bytes(philox.draw_key(torch.Generator().manual_seed(1)), 0, 1 << 18)
+    counts = torch.bincount(b.long(), minlength=256).double()  # 1024 expected per value, sd 32
+    assert counts.numel() == 256 and (counts - 1024).abs().max() < 5 * 32
+    # Neighbours in the stream are not correlated: (b[e], b[e + 1]) pairs fill a 16 x 16 grid evenly.
+    pairs = torch.bincount((b[:-1].long() >> 4) * 16 + (b[1:].long() >> 4), minlength=256).double()
+    assert (pairs - pairs.mean()).abs().max() < 5 * 32
+
+
+def test_round_up_resolves_ties_with_the_secondary_word() -> None:
+    # Every element ties (its primary byte is floor(256 frac)): up exactly when its secondary word is below
+    # (256 frac - floor(256 frac)) 2**32, in fp32 and in fp64.
+    key, n = 0xFEEDFACE12345678, 4096
+    positions = torch.arange(1000, 1000 + n)
+    words = philox.tie_words(key, positions).double()
+    for dtype in (torch.float32, torch.float64):
+        frac = torch.rand(n, generator=torch.Generator().manual_seed(7), dtype=dtype)
+        frac[:8] = torch.tensor([0.0, 2.0**-20, 0.5, 3 / 256, 3 / 256 + 2.0**-9, 1 - 2.0**-20, 255 / 256, 0.25])
+        f8 = torch.floor(frac * 256)
+        up = philox.round_up(key, f8.to(torch.uint8), frac, positions)
+        assert torch.equal(up, words < (frac.double() * 256 - f8.double()) * 2.0**32)
+        # Away from ties the primary byte alone decides.
+        assert torch.equal(
+            philox.round_up(key, (f8 - 1).clamp_min(0).to(torch.uint8), frac, positions)[f8 > 0], (f8 > 0)[f8 > 0]
+        )
+        assert not philox.round_up(key, (f8 + 1).clamp_max(255).to(torch.uint8), frac, positions)[f8 < 255].any()
 
 
 def test_draw_key_takes_two_32_bit_words_from_the_generator() -> None:
@@ -112,9 +145,54 @@ def test_stochastic_codes_are_unbiased_and_two_neighbours_only(path: str) -> Non
 
 
 @needs_kernels
-def test_stochastic_encode_does_not_depend_on_the_thread_count() -> None:
+def test_stochastic_rounding_is_unbiased_through_the_tie_refinement() -> None:
+    # As above, on fractions that stress the byte comparison: multiples of 1/256 (they always tie when the
+    # byte equals 256 frac, and must then never round up), 2**-20 and 2**-9 above them (the secondary word
+    # decides), and near 0 and 1. Integer parts 0..15 keep i + frac exact in fp32. Per fraction, K draws:
+    # the up rate is within 5 binomial standard errors of frac; among the ties (primary byte == floor(256
+    # frac), about K / 256 of them), the up rate is within 5 standard errors of 256 frac - floor(256 frac).
+    fracs = [0.0, 0.5, 3 / 256, 3 / 256 + 2.0**-20, 3 / 256 + 2.0**-9, 200 / 256 + 2.0**-9 + 2.0**-20, 2.0**-20]
+    fracs += [1 - 2.0**-20, round(0.3 * 2**20) / 2**20]
+    x = torch.cat([torch.tensor([0.0, 255.0]), (torch.arange(16.0)[None] + torch.tensor(fracs)[:, None]).flatten()])
+    x = x.float()
+    frac = x.double() - x.double().floor()
+    groups, group_of = torch.unique(frac, return_inverse=True)
+    q = MinMaxUInt8(chunk_size=x.numel(), rounding="stochastic")
+    n, rows, keys = x.numel(), 256, 250
+    g = torch.Generator().manual_seed(5)
+    low, high, f8 = x.floor().to(torch.uint8), x.ceil().to(torch.uint8), torch.floor(frac * 256).to(torch.uint8)
+    ups, ties, tie_ups = (torch.zeros(n, dtype=torch.int64) for _ in range(3))  # per element, over all draws
+    primary = torch.empty(rows, n, dtype=torch.uint8)
+    for _ in range(keys):
+        key = philox.draw_key(g)
+        codes = _codes(q, x, key, rows)
+        assert ((codes == low) | (codes == high)).all()
+        up = codes != low
+        _kernels().philox_bytes(key, 0, rows * n, primary.data_ptr())
+        tie = primary == f8
+        ups += up.sum(0, dtype=torch.int64)
+        ties += tie.sum(0, dtype=torch.int64)
+        tie_ups += (up & tie).sum(0, dtype=torch.int64)
+    ups, ties, tie_ups = (
+        torch.zeros(groups.numel(), dtype=torch.float64).index_add_(0, group_of, t.double())
+        for t in (ups, ties, tie_ups)
+    )
+    draws = torch.bincount(group_of, minlength=groups.numel()).double() * rows * keys
+    sigma = torch.sqrt(groups * (1 - groups) / draws)
+    assert ((ups / draws - groups).abs() <= 5 * sigma + 1e-12).all(), (ups / draws - groups) / sigma
+    assert 5 * sigma.max().item() < 1 / 256  # rounding every tie up (or down) would be caught
+    rem = groups * 256 - torch.floor(groups * 256)
+    assert (ties > 1000).all()
+    tie_sigma = torch.sqrt(rem * (1 - rem) / ties)
+    assert ((tie_ups / ties - rem).abs() <= 5 * tie_sigma + 1e-12).all(), (tie_ups / ties, rem)
+    assert 5 * tie_sigma.max().item() < 0.1
+
+
+@needs_kernels
+@pytest.mark.parametrize("wire", ["uint8", "e4m3"])
+def test_stochastic_encode_does_not_depend_on_the_thread_count(wire: str) -> None:
     x = torch.randn(3, 300_000, generator=torch.Generator().manual_seed(2))  # above the kernels' grain
-    q = MinMaxUInt8(rounding="stochastic")
+    q = MinMaxUInt8(rounding="stochastic") if wire == "uint8" else ScaledFP8(wire, rounding="stochastic")
     before = torch.get_num_threads()
     outs = []
     try:

@@ -32,6 +32,7 @@ from mixprec.compress.quantize import (
     NonFiniteError,
     _kernels,
 )
+from mixprec.core import philox
 from mixprec.core.dtypes import Rounding
 from mixprec.core.formats import get_format
 from mixprec.core.rounding import round_to
@@ -55,7 +56,7 @@ class ScaledFP8(ChunkedCompressor):
             range inside a chunk).
         chunk_size: elements per scale, int >= 1 (4 header bytes per chunk).
         rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased; one 64-bit Philox key drawn
-            from ``generator`` per encode, element i's uniform at stream position i: :mod:`mixprec.core.philox`).
+            from ``generator`` per encode, element i's random bits at stream position i: :mod:`mixprec.core.philox`).
         generator: torch.Generator for stochastic rounding, on the tensors' device; None = torch's default.
         check_finite: ``"raise"`` a :class:`NonFiniteError` on NaN/Inf, or ``"flag"`` the chunk (scale NaN).
     """
@@ -220,16 +221,18 @@ class ScaledFP8(ChunkedCompressor):
             torch.mul(xv, up[:, first : first + n, None], out=yv)  # exact: a power of two, |y| <= max
             yv.masked_fill_(~finite[:, first : first + n, None], 0.0)
         if stochastic:
-            self._round_stochastic_(y, self._uniform_rows(key, offset, row_stride, rows, length, device))
+            self._round_stochastic_(y, key, offset, row_stride)
         else:
             round_to(y, self.format, "nearest", out=y)
         codes.copy_(y.to(self.dtype).view(torch.uint8))  # exact: y is on the format's grid
         return int((~finite).sum())
 
-    def _round_stochastic_(self, y: torch.Tensor, uniforms: torch.Tensor) -> None:
-        """Round ``y`` (fp32, within the format's range) in place: up in magnitude with probability equal to
-        the fraction of the spacing, from ``uniforms`` (one per element)."""
+    def _round_stochastic_(self, y: torch.Tensor, key: int, offset: int, row_stride: int) -> None:
+        """Round ``y`` [R, L] (fp32, within the format's range) in place: up in magnitude with probability equal
+        to the fraction of the spacing, by :func:`mixprec.core.philox.round_up` on element (r, j)'s bits at
+        stream position ``offset + r * row_stride + j``."""
         fmt = self.format
+        rows, length = y.shape
         mag = y.abs()
         # The format's spacing at |y|: 2**(floor(log2 |y|) - man_bits), at least the subnormal spacing, built
         # from the fp32 exponent bits (exact powers of two).
@@ -237,7 +240,11 @@ class ScaledFP8(ChunkedCompressor):
         spacing = torch.bitwise_left_shift(e.sub_(fmt.man_bits), 23).view(torch.float32)
         q = mag.div_(spacing)  # exact: a power of two
         low = torch.floor(q)
-        up = torch.lt(uniforms, q.sub_(low)).to(torch.float32)  # frac(q), exact
+        primary = self._byte_rows(key, offset, row_stride, rows, length, y.device)
+        positions = (
+            offset + torch.arange(length, device=y.device) + row_stride * torch.arange(rows, device=y.device)[:, None]
+        )
+        up = philox.round_up(key, primary, q.sub_(low), positions).to(torch.float32)  # frac(q), exact
         y.copy_(torch.copysign(low.add_(up).mul_(spacing), y))  # exact: a neighbour on the grid
 
     def _code_values(self, device: torch.device) -> torch.Tensor:

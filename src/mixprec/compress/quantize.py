@@ -71,13 +71,17 @@ class _Kernels:
         self.decode_fp8 = lib.mixprec_quant_decode_fp8
         self.decode_fp8.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, i64, ptr, i32, i32]
         self.decode_fp8.restype = i64
-        # The Philox generator on its own (tests): one block, and the uniforms of a range of stream positions.
+        # The Philox generator on its own (tests): one block, the primary bytes of a range of stream
+        # positions, and the secondary words of given positions.
         self.philox_block = lib.mixprec_quant_philox_block
         self.philox_block.argtypes = [ptr, ptr, ptr]
         self.philox_block.restype = None
-        self.philox_uniforms = lib.mixprec_quant_philox_uniforms
-        self.philox_uniforms.argtypes = [u64, i64, i64, ptr]
-        self.philox_uniforms.restype = None
+        self.philox_bytes = lib.mixprec_quant_philox_bytes
+        self.philox_bytes.argtypes = [u64, i64, i64, ptr]
+        self.philox_bytes.restype = None
+        self.philox_tie_words = lib.mixprec_quant_philox_tie_words
+        self.philox_tie_words.argtypes = [u64, ptr, i64, ptr]
+        self.philox_tie_words.restype = None
 
 
 _bound: dict[int, _Kernels] = {}
@@ -161,7 +165,7 @@ class ChunkedCompressor(abc.ABC):
         """Encode each row of ``x`` into the matching row of ``out``, each row as :meth:`encode` would.
 
         Never raises for NaN/Inf: flagged chunks are counted (``check_finite`` is the caller's business).
-        Stochastic rounding takes element ``(r, j)``'s uniform from position ``offset + r * row_stride + j``
+        Stochastic rounding takes element ``(r, j)``'s bits from position ``offset + r * row_stride + j``
         of the Philox stream ``key`` (:mod:`mixprec.core.philox`), so a caller that encodes a tensor in
         pieces gets the bits of one encode of the whole tensor by passing each piece's positions.
 
@@ -198,17 +202,17 @@ class ChunkedCompressor(abc.ABC):
         return philox.draw_key(self.generator)
 
     @staticmethod
-    def _uniform_rows(
+    def _byte_rows(
         key: int, offset: int, row_stride: int, rows: int, length: int, device: torch.device
     ) -> torch.Tensor:
-        """[rows, length] fp32 uniforms of the stream ``key`` (row r at ``offset + r * row_stride``): the
-        compiled generator when there is one, else :func:`mixprec.core.philox.uniform_rows` (the same bits)."""
+        """[rows, length] uint8 primary bytes of the stream ``key`` (row r at ``offset + r * row_stride``): the
+        compiled generator when there is one, else :func:`mixprec.core.philox.byte_rows` (the same bits)."""
         kernels = _kernels() if device.type == "cpu" else None
         if kernels is None:
-            return philox.uniform_rows(key, offset, row_stride, rows, length, device)
-        out = torch.empty(rows, length, dtype=torch.float32)
+            return philox.byte_rows(key, offset, row_stride, rows, length, device)
+        out = torch.empty(rows, length, dtype=torch.uint8)
         for r in range(rows):
-            kernels.philox_uniforms(key, offset + r * row_stride, length, out[r].data_ptr())
+            kernels.philox_bytes(key, offset + r * row_stride, length, out[r].data_ptr())
         return out
 
     def _fresh_key(self) -> int:
@@ -292,7 +296,7 @@ class MinMaxUInt8(ChunkedCompressor):
             closely (smaller step) at ``8 / chunk_size`` bytes of header per element (0.4% at 2048).
         rounding: ``"nearest"`` (round half to even; biased for a fixed input, error <= step / 2) or
             ``"stochastic"`` (unbiased, error < 1 step; one 64-bit Philox key drawn from ``generator`` per
-            encode, element i's uniform at stream position i: :mod:`mixprec.core.philox`, so the codes do not
+            encode, element i's random bits at stream position i: :mod:`mixprec.core.philox`, so the codes do not
             depend on the thread count or on how the collectives cut the tensor into segments).
         generator: torch.Generator for stochastic rounding, on the device of the tensors it will encode
             (``encode`` raises ValueError otherwise); None = torch's default generator. In a multi-process
@@ -304,8 +308,8 @@ class MinMaxUInt8(ChunkedCompressor):
 
     Speed: with the compiled kernels (:mod:`mixprec.native`) one fused pass per chunk; the torch path (the
     fallback, same bits) keeps scratch buffers: one fp32 block of ``_BLOCK`` elements (plus one more for
-    stochastic rounding), fp32/fp64 per-chunk scalars, and for stochastic rounding ``numel`` fp32
-    uniforms; kept and reused across calls, so an instance is not thread-safe.
+    stochastic rounding), fp32/fp64 per-chunk scalars, and for stochastic rounding ``numel`` random
+    bytes; kept and reused across calls, so an instance is not thread-safe.
     """
 
     HEADER_BYTES = HEADER_BYTES_PER_CHUNK
@@ -496,16 +500,14 @@ class MinMaxUInt8(ChunkedCompressor):
                 row_stride,
                 native.num_threads(),
             )
-        uniforms = None
-        if stochastic:
-            uniforms = philox.uniform_rows(key, offset, row_stride, *x.shape, device=x.device)
-        return self._encode_rows_torch(x, out, uniforms)
+        return self._encode_rows_torch(x, out, (key, offset, row_stride) if stochastic else None)
 
-    def _encode_rows_torch(self, x: torch.Tensor, out: torch.Tensor, uniforms: torch.Tensor | None) -> int:
+    def _encode_rows_torch(self, x: torch.Tensor, out: torch.Tensor, stream: tuple[int, int, int] | None) -> int:
         """The torch implementation (the fallback, and the oracle of the compiled kernel).
 
         Works on super-blocks of about ``_SUPER`` elements (all rows at once): a min/max pass that pulls them
         into the last-level cache, the fp64 chunk scalars, then the code pass block by block in L2.
+        ``stream``: stochastic rounding's ``(key, offset, row_stride)``; None for nearest rounding.
         """
         rows, length = x.shape
         chunks = self.num_chunks(length)
@@ -516,11 +518,15 @@ class MinMaxUInt8(ChunkedCompressor):
         scale = self._buf("scale", rows * chunks, torch.float32, device).view(rows, chunks)
         sub = self._buf("sub", rows * chunks, torch.float32, device).view(rows, chunks)
         zero = self._buf("zero", rows * chunks, torch.float32, device).view(rows, chunks)
-        stochastic = uniforms is not None
+        stochastic = stream is not None
+        key, offset, row_stride = stream if stream is not None else (0, 0, 0)
+        primary = philox.byte_rows(key, offset, row_stride, rows, length, device) if stochastic else None
+        # Stream positions of the elements (broadcast): offset + r * row_stride + j.
+        row_pos = offset + row_stride * torch.arange(rows, dtype=torch.int64, device=device)
         per_block = max(1, _BLOCK // (rows * c))
         x_blocks = self._blocks(x, per_block)
         code_blocks = self._blocks(out[:, HEADER_BYTES_PER_CHUNK * chunks :], per_block)
-        u_blocks = self._blocks(uniforms, per_block) if uniforms is not None else None
+        u_blocks = self._blocks(primary, per_block) if primary is not None else None
         block_elems = rows * per_block * c
         work = self._buf("work", block_elems, torch.float32, device)
         floor = self._buf("floor", block_elems if stochastic else 0, torch.float32, device)
@@ -553,8 +559,9 @@ class MinMaxUInt8(ChunkedCompressor):
                     f = floor[: rows * n * clen].view(rows, n, clen)
                     torch.floor(w, out=f)
                     w.sub_(f)  # frac(q), exact
-                    torch.lt(u_blocks[i][2], w, out=w)  # 1.0 with probability frac(q)
-                    w.add_(f).clamp_(0.0, 255.0)  # q may leave [0, 255] by a few ulps
+                    pos = row_pos[:, None, None] + torch.arange(first * c, (first + n) * c, device=device)[: n * clen]
+                    up = philox.round_up(key, u_blocks[i][2], w, pos.view(rows, n, clen))  # P = frac(q)
+                    w.copy_(up).add_(f).clamp_(0.0, 255.0)  # q may leave [0, 255] by a few ulps
                 w.add_(_MAGIC)
                 code_blocks[i][2].copy_(w.view(torch.int32))  # int32 -> uint8 keeps the low byte
 
@@ -571,9 +578,14 @@ class MinMaxUInt8(ChunkedCompressor):
         for r, chunk in (wide & finite).nonzero().tolist():
             a, b = self._chunk_bounds(chunk, length)
             q = (x[r, a:b].double() - mins[r, chunk].double()) * (255.0 / float(rng[r, chunk]))  # one division
-            if stochastic and uniforms is not None:
+            if primary is not None:
                 fl = q.floor()
-                q = fl + (uniforms[r, a:b].double() < q - fl).double()
+                q = (
+                    fl
+                    + philox.round_up(
+                        key, primary[r, a:b], q - fl, row_pos[r] + torch.arange(a, b, device=device)
+                    ).double()
+                )
             else:
                 q = q.round()
             codes[r, a:b].copy_(q.clamp_(0.0, 255.0))

@@ -2,9 +2,10 @@
  * as easy as 1, 2, 3" (SC'11), as in Random123 and torch's CUDA generator: a 128-bit counter and a 64-bit
  * key give four 32-bit words, 10 rounds. mixprec.core.philox computes the same bits with torch int64 ops.
  *
- * Element layout of a stream (docs/compress.md): element e takes word (e >> 4) & 3 of the block whose
- * counter is ((e >> 6) << 4) | (e & 15), counter words (lo, hi, 0, 0). So 64 consecutive elements come
- * from 16 consecutive counters and each output word feeds 16 consecutive elements: vector-friendly. */
+ * Element layout of a stream (docs/compress.md): element e's primary byte is byte (e >> 6) & 3 of word
+ * (e >> 4) & 3 of the block whose counter is ((e >> 8) << 4) | (e & 15), counter words (lo, hi, 0, 0). So
+ * 256 consecutive elements come from 16 consecutive counters, and one shift of a 16-lane word vector gives
+ * 16 consecutive elements' bytes: no shuffles. Its secondary word (ties only): mixprec_philox_tie_word. */
 #ifndef MIXPREC_PHILOX_H
 #define MIXPREC_PHILOX_H
 #include <stdint.h>
@@ -30,13 +31,11 @@ static inline void mixprec_philox4x32_10(const uint32_t ctr[4], const uint32_t k
 #include <immintrin.h>
 #endif
 
-/* The 24-bit uniforms in [0, 1) of the 256 elements of groups g .. g + 3 (elements 64 g .. 64 g + 255) of
- * the stream with key `key`: u[64 i + 16 w + l] = (word w of counter 16 (g + i) + l) >> 8, times 2**-24
- * (torch.rand's fp32 grid). Four groups at once: their rounds are independent, which hides the latency of
- * the multiplies. */
-static inline void mixprec_philox_uniform256(uint64_t key, uint64_t g, float u[256]) {
-    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
 #if defined(__AVX512F__)
+/* The 64 counters of groups g .. g + 3 (16 each): w[4 i + j] holds word j of counter 16 (g + i) + l in lane
+ * l. Four groups at once: their rounds are independent, which hides the latency of the multiplies. */
+static inline void mixprec_philox_words1024(uint64_t key, uint64_t g, __m512i w[16]) {
+    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
     /* One counter per 64-bit lane, its words in the low halves: vpmuludq reads only those, so the high
      * halves may hold garbage until the words are packed at the end. 8 chains of 8 counters. */
     __m512i x0[8], x1[8], x2[8], x3[8];
@@ -60,16 +59,27 @@ static inline void mixprec_philox_uniform256(uint64_t key, uint64_t g, float u[2
         k0 += MIXPREC_PHILOX_W0;
         k1 += MIXPREC_PHILOX_W1;
     }
-    const __m512 s = _mm512_set1_ps(0x1p-24f);
     for (int i = 0; i < 8; i += 2) {
-        __m512i *w[4] = {x0, x1, x2, x3};
-        for (int j = 0; j < 4; j++) {
-            __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(w[j][i])),
-                                               _mm512_cvtepi64_epi32(w[j][i + 1]), 1);
-            _mm512_storeu_ps(u + 32 * i + 16 * j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(words, 8)), s));
-        }
+        __m512i *x[4] = {x0, x1, x2, x3};
+        for (int j = 0; j < 4; j++)
+            w[2 * i + j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(x[j][i])),
+                                              _mm512_cvtepi64_epi32(x[j][i + 1]), 1);
     }
+}
+#endif
+
+/* The primary bytes of the 1024 elements of groups g .. g + 3 (elements 256 g .. 256 g + 1023) of the
+ * stream with key `key`: out[256 i + 64 b + 16 w + l] = byte b of word w of counter 16 (g + i) + l. */
+static inline void mixprec_philox_bytes1024(uint64_t key, uint64_t g, uint8_t out[1024]) {
+#if defined(__AVX512F__)
+    __m512i w[16];
+    mixprec_philox_words1024(key, g, w);
+    for (int i = 0; i < 16; i++) /* vpmovdb keeps the low byte */
+        for (int b = 0; b < 4; b++)
+            _mm_storeu_si128((__m128i *)(out + 256 * (i >> 2) + 64 * b + 16 * (i & 3)),
+                             _mm512_cvtepi32_epi8(_mm512_srli_epi32(w[i], 8 * b)));
 #else
+    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
     for (int l = 0; l < 64; l++) { /* lanes are independent: the vectorizer runs them side by side */
         uint64_t c = ((g + (uint64_t)(l >> 4)) << 4) + (uint64_t)(l & 15);
         uint32_t x0 = (uint32_t)c, x1 = (uint32_t)(c >> 32), x2 = 0, x3 = 0, a = k0, b = k1;
@@ -83,12 +93,54 @@ static inline void mixprec_philox_uniform256(uint64_t key, uint64_t g, float u[2
             a += MIXPREC_PHILOX_W0;
             b += MIXPREC_PHILOX_W1;
         }
-        float *v = u + 64 * (l >> 4) + (l & 15);
-        v[0] = (float)(x0 >> 8) * 0x1p-24f;
-        v[16] = (float)(x1 >> 8) * 0x1p-24f;
-        v[32] = (float)(x2 >> 8) * 0x1p-24f;
-        v[48] = (float)(x3 >> 8) * 0x1p-24f;
+        uint8_t *v = out + 256 * (l >> 4) + (l & 15);
+        uint32_t w[4] = {x0, x1, x2, x3};
+        for (int j = 0; j < 4; j++)
+            for (int by = 0; by < 4; by++) v[64 * by + 16 * j] = (uint8_t)(w[j] >> (8 * by));
     }
+#endif
+}
+
+/* The secondary word of stream position e (read only when its primary byte ties): word 0 of the block with
+ * counter (e low, e high, 1, 0). Primary counters have word 2 = 0, so the two never share a block. */
+static inline uint32_t mixprec_philox_tie_word(uint64_t key, uint64_t e) {
+    const uint32_t ctr[4] = {(uint32_t)e, (uint32_t)(e >> 32), 1u, 0u}, k[2] = {(uint32_t)key, (uint32_t)(key >> 32)};
+    uint32_t out[4];
+    mixprec_philox4x32_10(ctr, k, out);
+    return out[0];
+}
+
+/* The secondary words of 32 stream positions at once: four chains of 8 independent lanes, so that the
+ * multiply latency of the 10 rounds is paid once per batch of ties rather than once per tie. */
+static inline void mixprec_philox_tie_words32(uint64_t key, const uint64_t e[32], uint32_t out[32]) {
+    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
+#if defined(__AVX512F__)
+    __m512i x0[4], x1[4], x2[4], x3[4];
+    for (int i = 0; i < 4; i++) {
+        __m512i v = _mm512_loadu_si512((const void *)(e + 8 * i));
+        x0[i] = v; /* the low words; vpmuludq ignores the high halves */
+        x1[i] = _mm512_srli_epi64(v, 32);
+        x2[i] = _mm512_set1_epi64(1);
+        x3[i] = _mm512_setzero_si512();
+    }
+    const __m512i m0 = _mm512_set1_epi64(MIXPREC_PHILOX_M0), m1 = _mm512_set1_epi64(MIXPREC_PHILOX_M1);
+    for (int r = 0; r < 10; r++) {
+        const __m512i ka = _mm512_set1_epi64(k0), kb = _mm512_set1_epi64(k1);
+        for (int i = 0; i < 4; i++) {
+            __m512i p0 = _mm512_mul_epu32(x0[i], m0), p1 = _mm512_mul_epu32(x2[i], m1);
+            x0[i] = _mm512_ternarylogic_epi64(_mm512_srli_epi64(p1, 32), x1[i], ka, 0x96);
+            x2[i] = _mm512_ternarylogic_epi64(_mm512_srli_epi64(p0, 32), x3[i], kb, 0x96);
+            x1[i] = p1;
+            x3[i] = p0;
+        }
+        k0 += MIXPREC_PHILOX_W0;
+        k1 += MIXPREC_PHILOX_W1;
+    }
+    for (int i = 0; i < 4; i++) _mm256_storeu_si256((__m256i *)(out + 8 * i), _mm512_cvtepi64_epi32(x0[i]));
+#else
+    for (int l = 0; l < 32; l++) out[l] = mixprec_philox_tie_word(key, e[l]);
+    (void)k0;
+    (void)k1;
 #endif
 }
 #endif

@@ -5,8 +5,9 @@
  * so DRAM sees 4 bytes in and 1 byte out per element. Decode: one task per (row, chunk), or per chunk over
  * all rows when summing (row order, fp32). The arithmetic is the torch path's, operation by operation, in
  * the same precision (-ffp-contract=off: no fused multiply-add): docs/compress.md says why each step rounds
- * where it does. Stochastic rounding takes its uniforms from Philox4x32-10 (philox.h) at the element's
- * stream position, so the result does not depend on the thread count or the blocking. */
+ * where it does. Stochastic rounding takes its random bits from Philox4x32-10 (philox.h) at the element's
+ * stream position, so the result does not depend on the thread count or the blocking: one primary byte per
+ * element in the vectorized loop, and a secondary word for the few ties (1 in 256) in a sparse fix-up. */
 #include <float.h>
 #include <math.h>
 
@@ -149,28 +150,171 @@ static int chunk_minmax(const void *x, int dt, int64_t a, int64_t n, float *pmn,
     return bad || !isfinite(lo) || !isfinite(hi);
 }
 
-/* Uniforms of stream positions [p, p + n) (n <= SB) into u (UBUF floats); returns where they start. */
-#define UBUF (SB + 320) /* SB elements span at most SB / 64 + 2 groups, computed 4 at a time */
-static inline const float *stream_uniforms(uint64_t key, uint64_t p, int64_t n, float *u) {
-    uint64_t g0 = p >> 6, g1 = (p + (uint64_t)n - 1) >> 6;
-    for (uint64_t g = g0; g <= g1; g += 4) mixprec_philox_uniform256(key, g, u + 64 * (g - g0));
-    return u + (p - (g0 << 6));
+/* Primary bytes of stream positions [p, p + n) (n <= SB) into u (UBUF bytes); returns where they start. */
+#define UBUF (2 * 1024) /* SB elements span at most SB / 256 + 1 groups, computed 4 at a time */
+static inline const uint8_t *stream_bytes(uint64_t key, uint64_t p, int64_t n, uint8_t *u) {
+    uint64_t g0 = p >> 8, g1 = (p + (uint64_t)n - 1) >> 8;
+    for (uint64_t g = g0; g <= g1; g += 4) mixprec_philox_bytes1024(key, g, u + 256 * (g - g0));
+    return u + (p - (g0 << 8));
+}
+
+/* Ties are flagged in bit masks, 16 elements per uint16_t: the vector loops store a compare mask as is.
+ * FOR_EACH_TIE(k, masks, m) runs its body for each flagged k < m, in order (about m / 256 of them). */
+#define TIE_WORDS (SB / 16)
+#define FOR_EACH_TIE(k, masks, m)                                                                                     \
+    for (int64_t w_ = 0; 16 * w_ < (m); w_++)                                                                         \
+        for (uint32_t b_ = (masks)[w_], k; b_ && (k = 16 * (uint32_t)w_ + (uint32_t)__builtin_ctz(b_), 1);             \
+             b_ &= b_ - 1)
+
+/* Pending ties of one chunk: code index k (stream position pos + k), the remainder 256 frac - f8 (exact)
+ * and the code if rounded up. Resolved in batches of 32 (tie_flush), at least 64 ties at a time. */
+#define TIE_CAP (SB + 64)
+typedef struct {
+    int64_t n;
+    int64_t k[TIE_CAP];
+    int32_t j[TIE_CAP]; /* index within the sub-block, as the vector loop stores it (then moved to k) */
+    float rem[TIE_CAP];
+    int32_t up[TIE_CAP];
+} ties_t;
+
+/* Resolve the pending ties: up when the secondary word w < rem 2**32 (both exact in double). */
+static void tie_flush(ties_t *t, uint64_t key, uint64_t pos, uint8_t *codes) {
+    for (int64_t i = 0; i < t->n; i += 32) {
+        uint64_t e[32];
+        uint32_t w[32];
+        for (int j = 0; j < 32; j++) e[j] = pos + t->k[i + j < t->n ? i + j : i];
+        mixprec_philox_tie_words32(key, e, w);
+        for (int j = 0; j < 32 && i + j < t->n; j++) {
+            uint8_t *c = codes + t->k[i + j];
+            *c = (double)w[j] < (double)t->rem[i + j] * 0x1p32 ? (uint8_t)t->up[i + j] : *c;
+        }
+    }
+    t->n = 0;
+}
+
+/* The tie rule (docs/compress.md): 256 frac = s, f8 = floor(s), the primary byte equal to f8; up when the
+ * secondary word w < (s - f8) 2**32, in double (exact on both sides). */
+static inline int tie_up(uint64_t key, uint64_t e, double s, double f8) {
+    return (double)mixprec_philox_tie_word(key, e) < (s - f8) * 0x1p32;
+}
+
+/* The fp32 code of q rounded down (f = floor(q)) or up, clamped to [0, 255]. */
+static inline uint8_t code_of(float f, float up) {
+    float q = up + f;
+    q = q < 0.0f ? 0.0f : q;
+    q = q > 255.0f ? 255.0f : q;
+    return (uint8_t)f32_bits(q + MAGIC);
+}
+
+/* floor(q) for |q| < 2**24, by truncation: floorf does not vectorize without -fno-trapping-math (only the
+ * sign of a zero q differs, and that washes out in the 2**23 addition) */
+static inline float floor24(float q) {
+    float t = (float)(int32_t)q;
+    return t > q ? t - 1.0f : t;
+}
+
+#if defined(__AVX512F__)
+/* 16 stochastic codes from their q and primary bytes B (int32 lanes). S = floor(256 q) = 256 floor(q) + f8
+ * (256 q is exact), in one conversion rounding down; with D = S - B, floor(q) + up = (D + 255) >> 8 and a
+ * tie is D = 0 mod 256: then the index (k + lane), remainder and rounded-up code go to the queue. (For q a
+ * few ulps below 0, f8 is taken as 255 here, and the plain loop may see no tie: the code is 0 either way.) */
+static inline int64_t codes16(__m512 q, __m512i B, uint8_t *c, int64_t k, ties_t *ties, int64_t n) {
+    const __m512i c255 = _mm512_set1_epi32(255), nil = _mm512_setzero_si512();
+    __m512 s = _mm512_mul_ps(q, _mm512_set1_ps(256.0f));
+    __m512i S = _mm512_cvt_roundps_epi32(s, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512i d = _mm512_sub_epi32(S, B);
+    __mmask16 tie = _mm512_testn_epi32_mask(d, c255);
+    __m512i code = _mm512_srai_epi32(_mm512_add_epi32(d, c255), 8); /* in [-1, 256] */
+    _mm_storeu_si128((__m128i *)c, _mm512_cvtusepi32_epi8(_mm512_max_epi32(code, nil)));
+    if (__builtin_expect(tie != 0, 0)) { /* 1 in 16 vectors */
+        const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i up = _mm512_add_epi32(_mm512_srai_epi32(S, 8), _mm512_set1_epi32(1)); /* floor(q) + 1 */
+        up = _mm512_min_epi32(_mm512_max_epi32(up, nil), c255);
+        __m512 rem = _mm512_sub_ps(s, _mm512_cvtepi32_ps(S)); /* exact */
+        _mm512_mask_compressstoreu_epi32(ties->j + n, tie, _mm512_add_epi32(iota, _mm512_set1_epi32((int)k)));
+        _mm512_mask_compressstoreu_ps(ties->rem + n, tie, rem);
+        _mm512_mask_compressstoreu_epi32(ties->up + n, tie, up);
+        n += __builtin_popcount(tie);
+    }
+    return n;
+}
+#endif
+
+/* Stochastic codes of elements [k, m) on the fp32 grid from their primary bytes u: up when u[k] < f8 =
+ * floor(256 frac(q)). Ties (u[k] == f8) are queued in `ties` (index within the block in j, remainder,
+ * rounded-up code) for tie_flush. Spelled out in AVX-512 with integer codes (gcc turns the float clamps of
+ * the plain loop into mask spills); both loops give the same codes. */
+static void codes_stochastic(const float *restrict p, uint8_t *restrict c, int64_t k, int64_t m, float sub,
+                             float scale, float zero, const uint8_t *restrict u, ties_t *restrict ties) {
+    int64_t n = ties->n;
+#if defined(__AVX512F__)
+    const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale), vzero = _mm512_set1_ps(zero);
+    for (; k + 16 <= m; k += 16) {
+        __m512 q = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(p + k), vsub), vscale), vzero);
+        n = codes16(q, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u + k))), c + k, k, ties, n);
+    }
+#endif
+    for (; k < m; k++) {
+        float q = (p[k] - sub) * scale;
+        q = q + zero;
+        float f = floor24(q), sc = (q - f) * 256.0f; /* exact product */
+        int32_t f8 = (int32_t)sc, b = (int32_t)u[k]; /* truncation = floor */
+        c[k] = code_of(f, b < f8 ? 1.0f : 0.0f);
+        if (b == f8) {
+            ties->j[n] = (int32_t)k;
+            ties->rem[n] = sc - (float)f8;
+            ties->up[n++] = code_of(f, 1.0f);
+        }
+    }
+    ties->n = n;
+}
+
+/* codes_stochastic for a block (m <= SB elements) whose first stream position e0 is a multiple of 256: the
+ * primary bytes are taken from the Philox words in registers (byte b of word j of group i is 16 elements
+ * at 256 i + 64 b + 16 j: a shift and a mask), never stored. Returns the first element left undone (the
+ * last m % 16, for codes_stochastic). */
+static int64_t codes_stochastic_aligned(const float *restrict p, uint8_t *restrict c, int64_t m, float sub,
+                                        float scale, float zero, uint64_t key, uint64_t e0, ties_t *restrict ties) {
+#if defined(__AVX512F__)
+    const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale), vzero = _mm512_set1_ps(zero);
+    const __m512i c255 = _mm512_set1_epi32(255);
+    __m512i w[16];
+    int64_t n = ties->n, full = m & ~(int64_t)15;
+    mixprec_philox_words1024(key, e0 >> 8, w);
+    for (int i = 0; i < 4; i++)
+        for (int b = 0; b < 4; b++)
+            for (int j = 0; j < 4; j++) {
+                int64_t k = 256 * i + 64 * b + 16 * j;
+                if (k >= full) goto done;
+                __m512 q = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(p + k), vsub), vscale), vzero);
+                __m512i B = _mm512_and_si512(_mm512_srli_epi32(w[4 * i + j], 8 * b), c255);
+                n = codes16(q, B, c + k, k, ties, n);
+            }
+done:
+    ties->n = n;
+    return full;
+#else
+    (void)p, (void)c, (void)m, (void)sub, (void)scale, (void)zero, (void)key, (void)e0, (void)ties;
+    return 0;
+#endif
 }
 
 static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *codes, grid_t g, int stochastic,
-                         uint64_t key, uint64_t pos, float *buf, float *ubuf) {
+                         uint64_t key, uint64_t pos, float *buf, uint8_t *ubuf, ties_t *ties) {
     for (int64_t s = 0; s < n; s += SB) {
         int64_t m = n - s < SB ? n - s : SB;
         const float *p = as_f32(x, dt, a + s, m, buf);
         uint8_t *c = codes + s;
+        uint64_t e0 = pos + (uint64_t)s;
         if (g.wide) { /* float64 path: |x - min| may exceed fp32, or 255 / R overflow */
-            const float *u = stochastic ? stream_uniforms(key, pos + (uint64_t)s, m, ubuf) : 0;
+            const uint8_t *u = stochastic ? stream_bytes(key, e0, m, ubuf) : 0;
             double mul = 255.0 / g.rng, lo = (double)g.mn;
             for (int64_t k = 0; k < m; k++) {
                 double q = ((double)p[k] - lo) * mul;
                 if (stochastic) {
-                    double fl = floor(q);
-                    q = fl + (double)((double)u[k] < q - fl);
+                    double fl = floor(q), sc = (q - fl) * 256.0, f8 = floor(sc);
+                    int up = (double)u[k] < f8 || ((double)u[k] == f8 && tie_up(key, e0 + (uint64_t)k, sc, f8));
+                    q = fl + (double)up;
                 } else {
                     q = rint(q);
                 }
@@ -179,21 +323,12 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
                 c[k] = (uint8_t)q;
             }
         } else if (stochastic) {
-            const float *u = stream_uniforms(key, pos + (uint64_t)s, m, ubuf);
             const float sub = g.sub, scale = g.scale, zero = g.zero;
-            for (int64_t k = 0; k < m; k++) {
-                float q = (p[k] - sub) * scale;
-                q = q + zero;
-                /* floor(q) for |q| < 2**24, by truncation: floorf does not vectorize without -fno-trapping-math
-                 * (only the sign of a zero q differs, and that washes out in the 2**23 addition) */
-                float t = (float)(int32_t)q;
-                float f = t > q ? t - 1.0f : t;
-                float up = u[k] < q - f ? 1.0f : 0.0f;
-                q = up + f;
-                q = q < 0.0f ? 0.0f : q;
-                q = q > 255.0f ? 255.0f : q;
-                c[k] = (uint8_t)f32_bits(q + MAGIC);
-            }
+            int64_t n0 = ties->n, k = 0;
+            if ((e0 & 255) == 0) k = codes_stochastic_aligned(p, c, m, sub, scale, zero, key, e0, ties);
+            if (k < m) codes_stochastic(p, c, k, m, sub, scale, zero, stream_bytes(key, e0, m, ubuf), ties);
+            for (int64_t i = n0; i < ties->n; i++) ties->k[i] = s + ties->j[i];
+            if (ties->n >= 64) tie_flush(ties, key, pos, codes);
         } else {
             const float sub = g.sub, scale = g.scale, zero = g.zero;
             for (int64_t k = 0; k < m; k++) {
@@ -203,6 +338,7 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
             }
         }
     }
+    if (stochastic && !g.wide) tie_flush(ties, key, pos, codes);
 }
 
 /* Encode `rows` rows of `length` elements (row r at x + r * x_stride elements) into out (row r at
@@ -215,7 +351,10 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
     size_t esize = dt == DT_F32 ? 4 : 2;
 #pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN) reduction(+ : bad)
     {
-        float buf[SB], ubuf[UBUF];
+        float buf[SB];
+        uint8_t ubuf[UBUF];
+        ties_t ties;
+        ties.n = 0;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             int64_t r = t / chunks, c = t % chunks, a = c * chunk;
@@ -235,7 +374,7 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
             memcpy(o + 4 * (chunks + c), &mx, 4);
             grid_t g = grid_of(mn, mx);
             uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
-            encode_chunk(xr, dt, a, n, o + 8 * chunks + a, g, stochastic, key, pos, buf, ubuf);
+            encode_chunk(xr, dt, a, n, o + 8 * chunks + a, g, stochastic, key, pos, buf, ubuf, &ties);
         }
     }
     return bad;
@@ -333,18 +472,22 @@ int64_t mixprec_quant_decode_u8(const uint8_t *buf, int64_t rows, int64_t length
     return bad;
 }
 
-/* The Philox pieces on their own, for the tests: one block (Random123's known answers), and the uniforms
- * of stream positions [first, first + count). */
+/* The Philox pieces on their own, for the tests: one block (Random123's known answers), the primary bytes
+ * of stream positions [first, first + count), and the secondary words of n positions. */
 void mixprec_quant_philox_block(const uint32_t *ctr, const uint32_t *key, uint32_t *out) {
     mixprec_philox4x32_10(ctr, key, out);
 }
 
-void mixprec_quant_philox_uniforms(uint64_t key, int64_t first, int64_t count, float *out) {
-    float u[UBUF];
+void mixprec_quant_philox_bytes(uint64_t key, int64_t first, int64_t count, uint8_t *out) {
+    uint8_t u[UBUF];
     for (int64_t s = 0; s < count; s += SB) {
         int64_t m = count - s < SB ? count - s : SB;
-        memcpy(out + s, stream_uniforms(key, (uint64_t)(first + s), m, u), (size_t)m * 4);
+        memcpy(out + s, stream_bytes(key, (uint64_t)(first + s), m, u), (size_t)m);
     }
+}
+
+void mixprec_quant_philox_tie_words(uint64_t key, const int64_t *pos, int64_t n, uint32_t *out) {
+    for (int64_t k = 0; k < n; k++) out[k] = mixprec_philox_tie_word(key, (uint64_t)pos[k]);
 }
 
 /* ------------------------------------------------------------------ ScaledFP8 (mixprec.compress.fp8)
@@ -395,28 +538,55 @@ static inline uint8_t fp8_code(float w, uint32_t sign, fp8fmt_t f, float inv_smi
     return (uint8_t)((sign << 7) | (e >= f.emin ? normal : sub));
 }
 
-/* Codes of m elements: p times `up` (exact), rounded to the format's grid (stochastically with uniforms u,
- * else to nearest even). A function of its own, with restrict pointers: inside the OpenMP region gcc does
- * not vectorize these loops. */
+/* v = p times `up` (exact: a power of two, |v| <= max) in units of the format's spacing at |v|: returns
+ * q = |v| / spacing (exact), with v's bits and the spacing. */
+static inline float fp8_units(float v, fp8fmt_t f, uint32_t *bits, float *spacing) {
+    uint32_t b = f32_bits(v);
+    *bits = b;
+    *spacing = fp8_spacing((b >> 23) & 0xFF, f);
+    return bits_f32(b & 0x7FFFFFFFu) / *spacing;
+}
+
+/* Codes of m elements: p times `up` (exact), rounded to the format's grid (stochastically with primary bytes
+ * u, flagging ties in `tie`, as codes_stochastic; else to nearest even). A function of its own, with
+ * restrict pointers: inside the OpenMP region gcc does not vectorize these loops. */
 static void fp8_codes(const float *restrict p, uint8_t *restrict cd, int64_t m, float up, fp8fmt_t f, float inv_smin,
-                      const float *restrict u) {
+                      const uint8_t *restrict u, uint16_t *restrict tie) {
     if (u) {
-        for (int64_t k = 0; k < m; k++) {
-            uint32_t b = f32_bits(p[k] * up); /* exact: a power of two, |v| <= max */
-            float mag = bits_f32(b & 0x7FFFFFFFu), sp = fp8_spacing((b >> 23) & 0xFF, f);
-            float q = mag / sp; /* exact */
-            float lo = (float)(int32_t)q; /* floor: 0 <= q < 2**24 */
-            float w = (lo + (u[k] < q - lo ? 1.0f : 0.0f)) * sp;
-            cd[k] = fp8_code(w, b >> 31, f, inv_smin);
+        for (int64_t k = 0; k < m; k += 16) { /* 16 at a time, so that each group fills its mask */
+            int64_t e = m - k < 16 ? m - k : 16;
+            uint32_t bits = 0;
+            for (int64_t j = 0; j < e; j++) {
+                uint32_t b;
+                float sp, q = fp8_units(p[k + j] * up, f, &b, &sp);
+                float lo = (float)(int32_t)q; /* floor: 0 <= q < 2**24 */
+                int32_t f8 = (int32_t)((q - lo) * 256.0f), ub = (int32_t)u[k + j];
+                bits |= (uint32_t)(ub == f8) << j;
+                float w = (lo + (ub < f8 ? 1.0f : 0.0f)) * sp;
+                cd[k + j] = fp8_code(w, b >> 31, f, inv_smin);
+            }
+            tie[k >> 4] = (uint16_t)bits;
         }
         return;
     }
     for (int64_t k = 0; k < m; k++) {
-        uint32_t b = f32_bits(p[k] * up);
-        float mag = bits_f32(b & 0x7FFFFFFFu), sp = fp8_spacing((b >> 23) & 0xFF, f);
-        float q = mag / sp;
+        uint32_t b;
+        float sp, q = fp8_units(p[k] * up, f, &b, &sp);
         float w = ((q + MAGIC) - MAGIC) * sp; /* round half to even: q < 2**22 */
         cd[k] = fp8_code(w, b >> 31, f, inv_smin);
+    }
+}
+
+/* The ties of fp8_codes (codes cd = codes + s of the chunk): remainder and rounded-up code, for tie_flush. */
+static void fp8_ties(const float *p, int64_t s, int64_t m, float up, fp8fmt_t f, float inv_smin, const uint16_t *tie,
+                     ties_t *ties) {
+    FOR_EACH_TIE(k, tie, m) {
+        uint32_t b;
+        float sp, q = fp8_units(p[k] * up, f, &b, &sp);
+        float lo = (float)(int32_t)q, sc = (q - lo) * 256.0f;
+        ties->k[ties->n] = s + (int64_t)k;
+        ties->rem[ties->n] = sc - (float)(int32_t)sc;
+        ties->up[ties->n++] = fp8_code((lo + 1.0f) * sp, b >> 31, f, inv_smin);
     }
 }
 
@@ -429,7 +599,11 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
     const float inv_smin = bits_f32((uint32_t)(127 - f.emin + f.man) << 23); /* 1 / 2**(emin - man) */
 #pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN) reduction(+ : bad)
     {
-        float buf[SB], ubuf[UBUF];
+        float buf[SB];
+        uint8_t ubuf[UBUF];
+        uint16_t tie[TIE_WORDS];
+        ties_t ties;
+        ties.n = 0;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             int64_t r = t / chunks, c = t % chunks, a = c * chunk;
@@ -453,9 +627,13 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
             for (int64_t s = 0; s < n; s += SB) {
                 int64_t m = n - s < SB ? n - s : SB;
                 const float *p = as_f32(xr, dt, a + s, m, buf);
-                const float *u = stochastic ? stream_uniforms(key, pos + (uint64_t)s, m, ubuf) : 0;
-                fp8_codes(p, codes + s, m, up, f, inv_smin, u);
+                const uint8_t *u = stochastic ? stream_bytes(key, pos + (uint64_t)s, m, ubuf) : 0;
+                fp8_codes(p, codes + s, m, up, f, inv_smin, u, tie);
+                if (!stochastic) continue;
+                fp8_ties(p, s, m, up, f, inv_smin, tie, &ties);
+                if (ties.n >= 64) tie_flush(&ties, key, pos, codes);
             }
+            if (stochastic) tie_flush(&ties, key, pos, codes);
         }
     }
     return bad;
