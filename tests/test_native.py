@@ -24,7 +24,8 @@ def test_library_builds_and_reports_its_path() -> None:
 
 
 def _run(env_extra: dict[str, str], tmp_path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "MIXPREC_CACHE_DIR": str(tmp_path), **env_extra}
+    env = {k: v for k, v in os.environ.items() if k not in ("MIXPREC_NATIVE", "CC")}
+    env.update({"MIXPREC_CACHE_DIR": str(tmp_path), **env_extra})
     code = (
         "import warnings, mixprec.native as n\n"
         "with warnings.catch_warnings(record=True) as w:\n"
