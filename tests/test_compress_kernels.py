@@ -181,3 +181,11 @@ def test_fp8_stochastic_codes_are_the_same_on_both_paths() -> None:
     with native.disabled():
         q.encode_rows(x, ref, key=77, offset=9, row_stride=6000)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("codec", [MinMaxUInt8, ScaledFP8])
+def test_encode_of_strided_and_expanded_tensors_equals_contiguous(codec: type) -> None:
+    q = codec(chunk_size=64)
+    base = torch.randn(128, generator=torch.Generator().manual_seed(5))
+    for x in (base[::2], base.view(8, 16).t(), torch.tensor(1.5).expand(10_000)):
+        assert torch.equal(q.encode(x), q.encode(x.contiguous()))

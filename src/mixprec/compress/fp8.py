@@ -96,7 +96,7 @@ class ScaledFP8(ChunkedCompressor):
             raise TypeError(
                 f"tensor is already {tensor.dtype}: pass the fp32/fp16/bf16 values, ScaledFP8 chooses the scales"
             )
-        x = check_tensor("tensor", tensor, FLOAT_DTYPES).reshape(1, -1)
+        x = check_tensor("tensor", tensor, FLOAT_DTYPES).contiguous().view(1, -1)  # the kernel reads it flat
         self.check_generator_device(x.device)
         numel = x.shape[1]
         out = self._check_buffer("out", out, numel, x.device, allocate=True)

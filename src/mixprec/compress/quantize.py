@@ -347,7 +347,7 @@ class MinMaxUInt8(ChunkedCompressor):
                 as in ``"flag"`` mode).
             ValueError: stochastic rounding with a ``generator`` on another device than the tensor.
         """
-        x = check_tensor("tensor", tensor, FLOAT_DTYPES).reshape(1, -1)
+        x = check_tensor("tensor", tensor, FLOAT_DTYPES).contiguous().view(1, -1)  # the kernel reads it flat
         self.check_generator_device(x.device)
         numel = x.shape[1]
         out = self._check_buffer("out", out, numel, x.device, allocate=True)
