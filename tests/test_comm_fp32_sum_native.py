@@ -80,3 +80,12 @@ def test_the_torch_path_runs_without_the_library() -> None:
         sum_shards_into(out, shards, average=True, rounding="nearest", generator=None)
     reference = (shards.float()[0] + shards.float()[1] + shards.float()[2]) / 3
     assert torch.equal(out.view(torch.int16), reference.to(torch.bfloat16).view(torch.int16))
+
+
+def test_sum_into_a_tensor_saved_for_backward_makes_backward_raise() -> None:
+    a = torch.randn(8, requires_grad=True)
+    out = torch.randn(8)
+    y = (a * out).sum()
+    sum_shards_into(out, torch.randn(3, 8), average=False, rounding="nearest", generator=None)
+    with pytest.raises(RuntimeError, match="inplace operation"):
+        y.backward()

@@ -273,3 +273,16 @@ def test_emulated_linear_is_unchanged_by_the_kernels(mode: str) -> None:
 
     for got, want in zip(run(), torch_path(run), strict=True):
         assert_same_bits(got, want)
+
+
+@pytest.mark.parametrize("how", ["round_to_", "out"])
+def test_in_place_rounding_of_a_saved_tensor_makes_backward_raise(how: str) -> None:
+    a = torch.randn(5, requires_grad=True)
+    x = torch.randn(5)
+    y = (a * x).sum()  # saves x for backward
+    if how == "round_to_":
+        round_to_(x, "fp8_e4m3")
+    else:
+        round_to(x, "fp8_e4m3", out=x)
+    with pytest.raises(RuntimeError, match="inplace operation"):
+        y.backward()

@@ -72,6 +72,7 @@ def _sum_compiled(output: torch.Tensor, shards: torch.Tensor, average: bool, fac
         output.data_ptr(), _DTYPE_CODES[output.dtype], int(average), int(factor is not None),
         0.0 if factor is None else factor, num_threads(),
     )  # fmt: skip
+    torch.autograd.graph.increment_version(output)  # a raw-pointer write: tell autograd, as an in-place op would
     return nans == 0
 
 

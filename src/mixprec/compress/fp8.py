@@ -258,7 +258,7 @@ class ScaledFP8(ChunkedCompressor):
         table = self._tables.get(buf.device)
         if table is None:
             table = self._tables[buf.device] = self._code_values(buf.device)
-        return lib.decode_fp8(
+        n_bad = lib.decode_fp8(
             buf.data_ptr(),
             buf.shape[0],
             length,
@@ -271,6 +271,8 @@ class ScaledFP8(ChunkedCompressor):
             int(reduce),
             native.num_threads(),
         )
+        torch.autograd.graph.increment_version(out)  # a raw-pointer write: tell autograd, as an in-place op would
+        return n_bad
 
     def _decode_rows_torch(self, buf: torch.Tensor, length: int, out: torch.Tensor, reduce: bool) -> int:
         """The torch implementation of :meth:`_decode_rows`."""

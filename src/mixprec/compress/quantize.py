@@ -600,7 +600,7 @@ class MinMaxUInt8(ChunkedCompressor):
         kernels = _kernels() if buf.device.type == "cpu" else None
         if kernels is None:
             return self._decode_rows_torch(buf, length, out, reduce)
-        return kernels.decode(
+        n_bad = kernels.decode(
             buf.data_ptr(),
             buf.shape[0],
             length,
@@ -612,6 +612,8 @@ class MinMaxUInt8(ChunkedCompressor):
             int(reduce),
             native.num_threads(),
         )
+        torch.autograd.graph.increment_version(out)  # a raw-pointer write: tell autograd, as an in-place op would
+        return n_bad
 
     def _decode_rows_torch(self, buf: torch.Tensor, length: int, out: torch.Tensor, reduce: bool) -> int:
         """The torch implementation of :meth:`_decode_rows`."""

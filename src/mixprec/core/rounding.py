@@ -208,6 +208,9 @@ def _native_round_nearest(lib: ctypes.CDLL, src: torch.Tensor, dst: torch.Tensor
         status = lib.mixprec_round_nearest(src.data_ptr(), _NATIVE_SRC[src.dtype], dst.data_ptr(), *args)
     if status != 0:
         raise RuntimeError(f"the compiled rounding kernel rejected format {fmt!r} (status {status}): a bug in mixprec")
+    # a raw-pointer write is invisible to autograd: bump the version counter as an in-place torch op would, so
+    # backward through a graph that saved ``dst`` raises instead of using the new values
+    torch.autograd.graph.increment_version(dst)
 
 
 def _round_to_native(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor | None) -> torch.Tensor | None:
