@@ -4,6 +4,8 @@ payload), odd lengths, strided rows, every pair of wire and output dtypes, avera
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -89,3 +91,9 @@ def test_sum_into_a_tensor_saved_for_backward_makes_backward_raise() -> None:
     sum_shards_into(out, torch.randn(3, 8), average=False, rounding="nearest", generator=None)
     with pytest.raises(RuntimeError, match="inplace operation"):
         y.backward()
+
+
+def test_zero_shards_raise_on_both_paths() -> None:
+    for ctx in (native.disabled, contextlib.nullcontext):
+        with ctx(), pytest.raises(ValueError, match="shards"):
+            sum_shards_into(torch.empty(10), torch.empty(0, 10), average=False, rounding="nearest", generator=None)

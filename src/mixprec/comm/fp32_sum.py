@@ -97,6 +97,8 @@ def sum_shards_into(
     if rounding == "stochastic" and generator is None and output.dtype != torch.float32:
         generator = rank_generator(DEFAULT_STOCHASTIC_SEED, output.device)
     world_size, shard = shards.shape
+    if world_size == 0:
+        raise ValueError("shards must have at least one row (one per rank); got 0 rows")
     if (rounding == "nearest" or output.dtype == torch.float32) and _sum_compiled(output, shards, average, factor):
         return
     out_flat = output.view(-1)
