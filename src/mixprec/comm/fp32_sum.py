@@ -16,7 +16,7 @@ import torch
 from mixprec.core.dtypes import Rounding
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rank_generator
 from mixprec.core.stochastic import round_into_
-from mixprec.native import library, num_threads
+from mixprec.native import can_run, library, num_threads
 
 __all__ = ["sum_shards_into"]
 
@@ -54,8 +54,7 @@ def _sum_compiled(output: torch.Tensor, shards: torch.Tensor, average: bool, fac
     """The one-pass kernel for round-to-nearest on CPU; False (nothing usable written) when it does not apply
     or a result is NaN, whose payload the torch path decides."""
     if (
-        output.device.type != "cpu"
-        or shards.device.type != "cpu"
+        not can_run(output, shards)
         or output.dtype not in _DTYPE_CODES
         or shards.dtype not in _DTYPE_CODES
         or not output.is_contiguous()

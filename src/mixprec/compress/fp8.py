@@ -177,7 +177,7 @@ class ScaledFP8(ChunkedCompressor):
         return torch.where(torch.isfinite(a), k, torch.full_like(k, math.nan))
 
     def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, key: int, offset: int, row_stride: int) -> int:
-        lib = _kernels() if x.device.type == "cpu" else None
+        lib = _kernels() if native.can_run(x, out) else None
         if lib is None:
             return self._encode_rows_torch(x, out, key, offset, row_stride)
         rows, length = x.shape
@@ -252,7 +252,7 @@ class ScaledFP8(ChunkedCompressor):
         return torch.arange(256, dtype=torch.uint8, device=device).view(self.dtype).float()
 
     def _decode_rows(self, buf: torch.Tensor, length: int, out: torch.Tensor, reduce: bool) -> int:
-        lib = _kernels() if buf.device.type == "cpu" else None
+        lib = _kernels() if native.can_run(buf, out) else None
         if lib is None:
             return self._decode_rows_torch(buf, length, out, reduce)
         table = self._tables.get(buf.device)

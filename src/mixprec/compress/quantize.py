@@ -207,7 +207,7 @@ class ChunkedCompressor(abc.ABC):
     ) -> torch.Tensor:
         """[rows, length] uint8 primary bytes of the stream ``key`` (row r at ``offset + r * row_stride``): the
         compiled generator when there is one, else :func:`mixprec.core.philox.byte_rows` (the same bits)."""
-        kernels = _kernels() if device.type == "cpu" else None
+        kernels = _kernels() if device.type == "cpu" and native.can_run() else None
         if kernels is None:
             return philox.byte_rows(key, offset, row_stride, rows, length, device)
         out = torch.empty(rows, length, dtype=torch.uint8)
@@ -482,7 +482,7 @@ class MinMaxUInt8(ChunkedCompressor):
     def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, key: int, offset: int, row_stride: int) -> int:
         """:meth:`encode_rows` on checked arguments: the compiled kernel when there is one, else torch."""
         stochastic = self.rounding == "stochastic"
-        kernels = _kernels() if x.device.type == "cpu" else None
+        kernels = _kernels() if native.can_run(x, out) else None
         if kernels is not None:
             rows, length = x.shape
             return kernels.encode(
@@ -597,7 +597,7 @@ class MinMaxUInt8(ChunkedCompressor):
 
     def _decode_rows(self, buf: torch.Tensor, length: int, out: torch.Tensor, reduce: bool) -> int:
         """:meth:`decode_rows` on checked arguments: the compiled kernel when there is one, else torch."""
-        kernels = _kernels() if buf.device.type == "cpu" else None
+        kernels = _kernels() if native.can_run(buf, out) else None
         if kernels is None:
             return self._decode_rows_torch(buf, length, out, reduce)
         n_bad = kernels.decode(

@@ -184,11 +184,7 @@ def _native_lib() -> ctypes.CDLL | None:
 def _native_ok(x: torch.Tensor) -> bool:
     """The compiled kernel may serve ``x``: a CPU tensor with memory behind it (not traced by torch.compile), and
     no autograd graph to record (the torch path's result tracks ``x``'s graph, a raw-pointer kernel's cannot)."""
-    return (
-        x.device.type == "cpu"
-        and not (x.requires_grad and torch.is_grad_enabled())
-        and not torch.compiler.is_compiling()
-    )
+    return native.can_run(x) and not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling()
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

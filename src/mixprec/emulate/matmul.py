@@ -253,7 +253,7 @@ def matmul_with_model(a: torch.Tensor, b: torch.Tensor, model: MatmulModel, *, r
     n = b.shape[-1]
     with torch.autocast(device_type=a.device.type, enabled=False), torch.no_grad():
         nbatch = math.prod(batch)
-        lib = _native_library(a, model, nbatch * m * n * k)
+        lib = _native_library(a, b, model, nbatch * m * n * k)
         if lib is not None:
             ar, br = _native_operands(a, b, model, rounded)
             y = _native_accumulate(lib, ar, br, batch, model)
@@ -282,10 +282,10 @@ _ROUND_FP32, _ROUND_FP16, _ROUND_GENERIC = 0, 1, 2
 _BOUND: dict[int, tuple[ctypes.CDLL, Any]] = {}
 
 
-def _native_library(a: torch.Tensor, model: MatmulModel, work: int) -> ctypes.CDLL | None:
+def _native_library(a: torch.Tensor, b: torch.Tensor, model: MatmulModel, work: int) -> ctypes.CDLL | None:
     """The compiled kernel library when it can run this product: CPU, no alignment model, non-empty (and a
     k_group that fits the kernel's C int)."""
-    if a.device.type != "cpu" or model.align_bits is not None or work == 0 or model.k_group >= 1 << 30:
+    if not native.can_run(a, b) or model.align_bits is not None or work == 0 or model.k_group >= 1 << 30:
         return None
     return native.library()
 

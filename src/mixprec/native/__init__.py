@@ -29,8 +29,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch  # first: the kernels then link the libgomp.so.1 that torch loaded
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["NativeKernelWarning", "describe", "disabled", "library", "num_threads"]
+__all__ = ["NativeKernelWarning", "can_run", "describe", "disabled", "library", "num_threads"]
 
 _CSRC = Path(__file__).with_name("csrc")
 # -O3 without -ffast-math: the kernels must round exactly as IEEE fp32/fp64 arithmetic does; -ffp-contract=off
@@ -160,6 +162,15 @@ def disabled() -> Iterator[None]:
         yield
     finally:
         _disabled_depth -= 1
+
+
+def can_run(*tensors: torch.Tensor) -> bool:
+    """Whether a kernel may read and write ``tensors`` through their data pointers: CPU tensors with memory
+    behind them (not fake or meta tensors, whose pointer is 0), and no torch dispatch mode (FakeTensorMode, a
+    tracer, a debug mode) active that must see every op, including the buffers the caller would allocate."""
+    if _get_current_dispatch_mode() is not None:
+        return False
+    return all(t.device.type == "cpu" and not isinstance(t, FakeTensor) for t in tensors)
 
 
 def num_threads() -> int:
