@@ -12,7 +12,7 @@
 
 static inline float widen(const void *base, ptrdiff_t i, int dt) {
     if (dt == 1) return bits_f32((uint32_t)((const uint16_t *)base)[i] << 16);
-    if (dt == 2) return (float)((const _Float16 *)base)[i];
+    if (dt == 2) return f16_to_f32(((const uint16_t *)base)[i]);
     return ((const float *)base)[i];
 }
 
@@ -24,7 +24,7 @@ static inline void store(void *out, ptrdiff_t i, float acc, int dt) {
         /* ties to even on the 16 dropped bits; carries into the exponent give inf past the largest bf16 */
         ((uint16_t *)out)[i] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
     } else if (dt == 2) {
-        ((_Float16 *)out)[i] = (_Float16)acc; /* IEEE conversion, round to nearest even */
+        ((uint16_t *)out)[i] = f32_to_f16(acc); /* round to nearest even */
     } else {
         ((float *)out)[i] = acc;
     }

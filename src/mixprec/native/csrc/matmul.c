@@ -164,7 +164,7 @@ enum { DT_FP32 = 0, DT_FP16 = 1, DT_BF16 = 2 };
 static inline __attribute__((always_inline)) double load_elem(const void *p, int64_t idx, int dt) {
     if (dt == DT_FP32) return (double)((const float *)p)[idx];
     if (dt == DT_BF16) return (double)bits_f32((uint32_t)((const uint16_t *)p)[idx] << 16);
-    return (double)((const _Float16 *)p)[idx];
+    return (double)f16_to_f32(((const uint16_t *)p)[idx]);
 }
 
 /* dst[0..count) = src[idx..idx+count) widened to fp64; vector conversions (no scalar chain through a merged

@@ -46,35 +46,6 @@ static inline grid_t grid_of(float mn, float mx) {
     return g;
 }
 
-static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
-
-/* IEEE half <-> fp32 on the bits (no _Float16: older compilers lack it, and one failed build would cost
- * every kernel of the library). Widening is exact; narrowing rounds to nearest even, overflow to +-inf. */
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-    if (e == 0x1F) return bits_f32(sign | 0x7F800000u | (man << 13)); /* inf, NaN */
-    if (e == 0) return bits_f32(sign | f32_bits((float)man * 0x1p-24f)); /* zero, subnormal: exact */
-    return bits_f32(sign | ((e + 112u) << 23) | (man << 13));
-}
-
-static inline uint16_t f32_to_f16(float f) {
-    uint32_t u = f32_bits(f), sign = (u >> 16) & 0x8000u, b = u & 0x7FFFFFFFu;
-    float a = bits_f32(b);
-    if (a != a) return (uint16_t)(sign | 0x7E00u | ((b >> 13) & 0x1FFu)); /* NaN stays NaN (quiet) */
-    if (a >= 65520.0f) return (uint16_t)(sign | 0x7C00u); /* at or beyond the midpoint above 65504 */
-    if (a < 0x1p-14f) /* subnormal half: a multiple of 2**-24, rounded half to even (1024 = smallest normal) */
-        return (uint16_t)(sign | (uint32_t)((a * 0x1p24f + MAGIC) - MAGIC));
-    b = b + 0xFFFu + ((b >> 13) & 1u); /* round the 23-bit fraction to 10 bits, half to even */
-    return (uint16_t)(sign | ((b >> 13) - (112u << 10)));
-}
-
-/* Round to nearest even, as torch's fp32 -> bf16 cast; NaN -> a quiet NaN. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u = f32_bits(f);
-    if (f != f) return (uint16_t)0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* Elements [i, i + n) of row `x` as fp32: the row itself (fp32) or `buf` (exact widening of fp16/bf16). */
 static inline const float *as_f32(const void *x, int dt, int64_t i, int64_t n, float *buf) {
     if (dt == DT_F32) return (const float *)x + i;
