@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -61,3 +62,13 @@ def test_compiler_error_falls_back(tmp_path) -> None:
     assert done.stdout.splitlines()[0] == "True 1"
     assert "failed: boom" in done.stdout
     assert not list(tmp_path.glob("*.so"))  # no half-built library left for the next process
+
+
+def test_compiler_with_arguments(tmp_path) -> None:
+    """$CC may be a command with arguments (``CC="ccache gcc"``): here ``env gcc``."""
+    if shutil.which("env") is None or shutil.which("gcc") is None:
+        pytest.skip("needs env and gcc")
+    done = _run({"CC": "env gcc"}, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == "False 0"
+    assert "compiled (env gcc" in done.stdout

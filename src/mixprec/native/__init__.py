@@ -20,6 +20,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -69,9 +70,14 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC") or "gcc"
-    return shutil.which(cc) or (shutil.which("cc") if "CC" not in os.environ else None)
+def _compiler() -> list[str] | None:
+    """The compiler command as words: $CC may hold arguments (``CC="ccache gcc"``); its first word must exist."""
+    try:
+        words = shlex.split(os.environ.get("CC", "")) or ["gcc"]
+    except ValueError:  # unbalanced quotes
+        return None
+    first = shutil.which(words[0]) or (shutil.which("cc") if "CC" not in os.environ else None)
+    return None if first is None else [first, *words[1:]]
 
 
 def _build() -> tuple[ctypes.CDLL | None, str]:
@@ -85,9 +91,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     sources = sorted(_CSRC.glob("*.c"))
     headers = sorted(_CSRC.glob("*.h"))
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"{cc} --version failed: {exc}"
+        return None, f"{shlex.join(cc)} --version failed: {exc}"
+    name = " ".join([os.path.basename(cc[0]), *cc[1:]])
     digest = hashlib.sha256()
     for part in (*[p.read_bytes() for p in sources + headers], " ".join(_FLAGS).encode(), version.encode()):
         digest.update(part)
@@ -101,20 +108,23 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             # Build beside the target and rename: ranks that build at once never load a half-written file.
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
             os.close(fd)
-            cmd = [cc, *_FLAGS, "-I", str(_CSRC), *map(str, sources), "-o", tmp, "-lm"]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                os.unlink(tmp)
-                first = (done.stderr.strip().splitlines() or ["(no output)"])[0]
-                return None, f"{os.path.basename(cc)} failed: {first}"
-            os.replace(tmp, target)
+            try:
+                cmd = [*cc, *_FLAGS, "-I", str(_CSRC), *map(str, sources), "-o", tmp, "-lm"]
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                if done.returncode != 0:
+                    first = (done.stderr.strip().splitlines() or ["(no output)"])[0]
+                    return None, f"{name} failed: {first}"
+                os.replace(tmp, target)
+            finally:  # also on a timeout or KeyboardInterrupt: no half-built file left in the cache
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
         except (OSError, subprocess.SubprocessError) as exc:
             return None, f"building the kernels in {cache} failed: {exc}"
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as exc:
         return None, f"loading {target} failed: {exc}"
-    return lib, f"compiled ({os.path.basename(cc)} {version.splitlines()[0].split()[-1] if version else ''}, {target})"
+    return lib, f"compiled ({name} {version.splitlines()[0].split()[-1] if version else ''}, {target})"
 
 
 def library() -> ctypes.CDLL | None:
