@@ -4,6 +4,7 @@ pool, and one small end-to-end loss-scale section."""
 from __future__ import annotations
 
 import copy
+import multiprocessing
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from mixprec.lab.compare import load_run
 from mixprec.lab.config import TrainConfig
 from mixprec.lab.corpus import load_corpus
 from mixprec.lab.launch import launch
+from mixprec.lab.metrics import SUMMARY_NAME
 from mixprec.lab.pool import train_all
 from mixprec.lab.scale_study import measure_flush, run_scale_study
 from mixprec.lab.simulate import SimulatedRanks
@@ -106,6 +108,18 @@ def test_worker_pool_gives_the_runs_trained_alone(tmp_path) -> None:
         assert load_run(cfg.training.out_dir).loss == load_run(alone.training.out_dir).loss
     with pytest.raises(ValueError, match="nproc"):
         train_all([tiny(tmp_path, "n", nproc=2)])
+
+
+def test_worker_pool_ends_its_runs_at_the_first_error(tmp_path) -> None:
+    (tmp_path / "file").write_text("")
+    broken = tiny(tmp_path / "file", "run")  # refused in its worker: not a failed run, it propagates
+    queued = [tiny(tmp_path, f"q{k}", simulate_dp=2, steps=400) for k in range(6)]
+    with pytest.raises(ValueError, match="out_dir"):
+        train_all([broken, *queued], workers=2)
+    assert not multiprocessing.active_children()
+    # the runs started beside it were ended, not finished; the queued ones never started
+    assert not any((tmp_path / f"q{k}" / SUMMARY_NAME).exists() for k in range(6))
+    assert not (tmp_path / "q5").exists()
 
 
 def test_loss_scale_section_states_a_verdict_per_broken_configuration(tmp_path) -> None:
