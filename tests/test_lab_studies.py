@@ -18,7 +18,7 @@ from mixprec.lab.metrics import SUMMARY_NAME
 from mixprec.lab.pool import train_all
 from mixprec.lab.scale_study import measure_flush, run_scale_study
 from mixprec.lab.simulate import SimulatedRanks
-from mixprec.lab.uint8_study import _adamw_update, measure_shadow
+from mixprec.lab.uint8_study import _adamw_update, measure_shadow, offset_verdict
 
 TINY = {
     "n_layer": 1,
@@ -97,6 +97,17 @@ def test_uint8_shadow_is_unbiased_and_close(tmp_path) -> None:
     assert stats.steps == 2
     assert 0.99 < stats.grad_cosine <= 1 and 0.98 < stats.projection < 1.02
     assert 0.5 < stats.update_norm_ratio < 1.5
+
+    assert stats.projection_sd >= 0
+
+
+def test_offset_verdict_claims_only_what_was_tested() -> None:
+    same_sign = offset_verdict([0.01, 0.03], step_change=False, bias=False)
+    assert "chaos" not in same_sign and "not distinguishable from the seed-to-seed spread with 2 seed" in same_sign
+    assert "chaos" in offset_verdict([0.01, -0.03, 0.02], step_change=False, bias=False)
+    assert "perturbation" not in same_sign and "no bias" not in same_sign
+    systematic = offset_verdict([0.1, 0.1001, 0.0999], step_change=False, bias=True)
+    assert systematic.startswith("a property of the compression") and "bias along the gradient" in systematic
 
 
 def test_worker_pool_gives_the_runs_trained_alone(tmp_path) -> None:
