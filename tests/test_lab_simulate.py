@@ -160,6 +160,8 @@ def test_simulated_run_resumes_bit_for_bit(tmp_path, common: tuple[str, ...]) ->
         (("--simulate-dp", "2", "--reduce", "fp8"), "reduce"),
         (("--simulate-dp", "2", "--reduce", "fp32_accumulate", "--parallel.rounding", "stochastic"), "stochastic"),
         (("--simulate-dp", "2", "--sharded-optimizer"), "sharded_optimizer"),
+        (("--simulate-dp", "1", "--reduce", "uint8"), "simulate_dp 1"),
+        (("--simulate-dp", "1", "--reduce", "uint8_hierarchical"), "simulate_dp 1"),
         (("--simulate-dp", "4", "--reduce", "uint8_hierarchical", "--parallel.ranks-per-node", "3"), "ranks_per_node"),
         (("--simulate-dp", "2", "--simulate-algorithm", "butterfly"), "simulate_algorithm"),
         (("--simulate-dp", "2", "--device", "cuda"), "CPU"),

@@ -371,6 +371,11 @@ class ParallelConfig:
             raise ValueError(f"simulate_dp runs every rank in one process; nproc must be 1, got {self.nproc}")
         if self.reduce not in SIMULATED_REDUCTIONS:
             raise ValueError(f"simulate_dp models reduce {', '.join(SIMULATED_REDUCTIONS)}; got {self.reduce!r}")
+        if self.simulate_dp == 1 and self.reduce.startswith("uint8"):
+            raise ValueError(
+                f"simulate_dp 1 with reduce {self.reduce!r} would quantize, but a one-process run has no data-parallel "
+                "reduction; use simulate_dp >= 2 or nproc 1 without simulate_dp"
+            )
         if self.rounding != "nearest" and not self.reduce.startswith("uint8"):
             raise ValueError(
                 "simulate_dp models rounding='stochastic' for the uint8 reductions only (fp32_accumulate's "
