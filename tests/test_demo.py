@@ -56,6 +56,8 @@ def test_quick_demo_writes_a_generated_report(tmp_path, capsys) -> None:
         (["--steps", "0"], "steps"),
         (["--nproc", "0"], "nproc"),
         (["--full"], "--quick and --full exclude each other"),
+        (["--seed", str(2**64 - 1)], "seed must be at most"),  # the uint8 study trains seed + 1
+        (["--seed", str(2**64)], "seed must be at most"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_run(tmp_path, monkeypatch, capsys, argv, message) -> None:

@@ -28,7 +28,7 @@ import torch
 from mixprec.lab.band import band_verdicts, false_alarms, format_band_table, replica_configs
 from mixprec.lab.build import build_parts
 from mixprec.lab.compare import RunLog, load_run
-from mixprec.lab.config import TrainConfig
+from mixprec.lab.config import MAX_SEED, TrainConfig
 from mixprec.lab.corpus import load_corpus
 from mixprec.lab.pool import train_all
 from mixprec.lab.simulate import SimulatedRanks
@@ -215,6 +215,12 @@ def _final_eval(run: RunLog) -> float:
 def plan_uint8_study(out_dir: str, seed: int, setting: dict[str, Any]) -> list[TrainConfig]:
     """Every configuration the study trains (each checked): the shadow run, the seed pairs (with error feedback
     when the setting asks), the band's replicas."""
+    last = seed + setting["seeds"] - 1
+    if last > MAX_SEED:
+        raise ValueError(
+            f"seed must be at most {MAX_SEED - setting['seeds'] + 1}: the uint8 study trains seeds {seed} to {last}, "
+            f"and torch takes seeds up to {MAX_SEED}"
+        )
     where = os.path.join(out_dir, "uint8-offset")
     configs = [_config(setting, seed, os.path.join(where, "shadow"), steps=setting["shadow_steps"])]
     for s in range(seed, seed + setting["seeds"]):
