@@ -68,6 +68,14 @@ def test_bad_arguments_are_refused_before_any_run(tmp_path, monkeypatch, capsys,
     assert not (tmp_path / "d").exists()
 
 
+def test_dp_band_flag_says_it_is_no_longer_needed(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(demo, "launch", lambda *a, **k: pytest.fail("a run started"))
+    # --steps 0 stops it at the checks: the notice comes first, then the refusal
+    assert main(["demo", "--quick", "--dp-band", "--steps", "0", "--out-dir", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "--dp-band does nothing" in err[0] and "default demo" in err[0]
+
+
 def test_out_dir_that_is_a_file_is_refused(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setattr(demo, "launch", lambda *a, **k: pytest.fail("a run started"))
     (tmp_path / "f").write_text("")
