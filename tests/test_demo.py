@@ -56,6 +56,8 @@ def test_quick_demo_writes_a_generated_report(tmp_path, capsys) -> None:
         (["--steps", "0"], "steps"),
         (["--nproc", "0"], "nproc"),
         (["--full"], "--quick and --full exclude each other"),
+        (["--seed", str(2**64 - 1)], "seed must be at most"),  # the uint8 study trains seed + 1
+        (["--seed", str(2**64)], "seed must be at most"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_run(tmp_path, monkeypatch, capsys, argv, message) -> None:
@@ -64,6 +66,14 @@ def test_bad_arguments_are_refused_before_any_run(tmp_path, monkeypatch, capsys,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
     assert not (tmp_path / "d").exists()
+
+
+def test_dp_band_flag_says_it_is_no_longer_needed(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(demo, "launch", lambda *a, **k: pytest.fail("a run started"))
+    # --steps 0 stops it at the checks: the notice comes first, then the refusal
+    assert main(["demo", "--quick", "--dp-band", "--steps", "0", "--out-dir", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "--dp-band does nothing" in err[0] and "default demo" in err[0]
 
 
 def test_out_dir_that_is_a_file_is_refused(tmp_path, monkeypatch, capsys) -> None:

@@ -40,6 +40,16 @@ def _gloo_all_reduce(rank: int, world: int, n: int, dtype: torch.dtype) -> tuple
     return mine, x
 
 
+def _gloo_all_reduce_marked(rank: int, world: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # Element i is 1 on rank i mod P and half an ulp of 1 elsewhere: its sum is 1 + ulp exactly when the rank
+    # holding the 1 adds last (e.g. at P = 3, rank c for chunk c), else 1: the result shows which chunk it is in.
+    half_ulp = torch.finfo(dtype).eps / 2
+    x = torch.where(torch.arange(n) % world == rank, 1.0, half_ulp).to(dtype)
+    mine = x.clone()
+    dist.all_reduce(x)
+    return mine, x
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_model_is_gloos_all_reduce_bit_for_bit(world: int) -> None:
     for dtype in (torch.bfloat16, torch.float16, torch.float64):
@@ -47,6 +57,12 @@ def test_ring_model_is_gloos_all_reduce_bit_for_bit(world: int) -> None:
             results = run_distributed(_gloo_all_reduce, world, n, dtype)
             rows = torch.stack([mine for mine, _ in results])
             model = gloo_ring_sum(rows)
+            assert torch.equal(model, results[0][1]), (dtype, n)
+    if world == 3:
+        # Above 2P MiB gloo caps a segment at 1 MiB: 9 segments, not 6, and neither size divides evenly.
+        for dtype, n in ((torch.bfloat16, 3_500_001), (torch.float64, 1_000_001)):
+            results = run_distributed(_gloo_all_reduce_marked, world, n, dtype)
+            model = gloo_ring_sum(torch.stack([mine for mine, _ in results]))
             assert torch.equal(model, results[0][1]), (dtype, n)
             # Every chunk's order differs, so at P >= 3 some element must disagree with a plain rank-order sum.
     if world >= 3:
@@ -144,6 +160,8 @@ def test_simulated_run_resumes_bit_for_bit(tmp_path, common: tuple[str, ...]) ->
         (("--simulate-dp", "2", "--reduce", "fp8"), "reduce"),
         (("--simulate-dp", "2", "--reduce", "fp32_accumulate", "--parallel.rounding", "stochastic"), "stochastic"),
         (("--simulate-dp", "2", "--sharded-optimizer"), "sharded_optimizer"),
+        (("--simulate-dp", "1", "--reduce", "uint8"), "simulate_dp 1"),
+        (("--simulate-dp", "1", "--reduce", "uint8_hierarchical"), "simulate_dp 1"),
         (("--simulate-dp", "4", "--reduce", "uint8_hierarchical", "--parallel.ranks-per-node", "3"), "ranks_per_node"),
         (("--simulate-dp", "2", "--simulate-algorithm", "butterfly"), "simulate_algorithm"),
         (("--simulate-dp", "2", "--device", "cuda"), "CPU"),

@@ -4,6 +4,7 @@ pool, and one small end-to-end loss-scale section."""
 from __future__ import annotations
 
 import copy
+import multiprocessing
 
 import pytest
 import torch
@@ -13,10 +14,11 @@ from mixprec.lab.compare import load_run
 from mixprec.lab.config import TrainConfig
 from mixprec.lab.corpus import load_corpus
 from mixprec.lab.launch import launch
+from mixprec.lab.metrics import SUMMARY_NAME
 from mixprec.lab.pool import train_all
 from mixprec.lab.scale_study import measure_flush, run_scale_study
 from mixprec.lab.simulate import SimulatedRanks
-from mixprec.lab.uint8_study import _adamw_update, measure_shadow
+from mixprec.lab.uint8_study import _adamw_update, measure_shadow, offset_verdict
 
 TINY = {
     "n_layer": 1,
@@ -96,6 +98,17 @@ def test_uint8_shadow_is_unbiased_and_close(tmp_path) -> None:
     assert 0.99 < stats.grad_cosine <= 1 and 0.98 < stats.projection < 1.02
     assert 0.5 < stats.update_norm_ratio < 1.5
 
+    assert stats.projection_sd >= 0
+
+
+def test_offset_verdict_claims_only_what_was_tested() -> None:
+    same_sign = offset_verdict([0.01, 0.03], step_change=False, bias=False)
+    assert "chaos" not in same_sign and "not distinguishable from the seed-to-seed spread with 2 seed" in same_sign
+    assert "chaos" in offset_verdict([0.01, -0.03, 0.02], step_change=False, bias=False)
+    assert "perturbation" not in same_sign and "no bias" not in same_sign
+    systematic = offset_verdict([0.1, 0.1001, 0.0999], step_change=False, bias=True)
+    assert systematic.startswith("a property of the compression") and "bias along the gradient" in systematic
+
 
 def test_worker_pool_gives_the_runs_trained_alone(tmp_path) -> None:
     configs = [tiny(tmp_path, f"p{k}", simulate_dp=2, perturb=k) for k in range(2)]
@@ -106,6 +119,18 @@ def test_worker_pool_gives_the_runs_trained_alone(tmp_path) -> None:
         assert load_run(cfg.training.out_dir).loss == load_run(alone.training.out_dir).loss
     with pytest.raises(ValueError, match="nproc"):
         train_all([tiny(tmp_path, "n", nproc=2)])
+
+
+def test_worker_pool_ends_its_runs_at_the_first_error(tmp_path) -> None:
+    (tmp_path / "file").write_text("")
+    broken = tiny(tmp_path / "file", "run")  # refused in its worker: not a failed run, it propagates
+    queued = [tiny(tmp_path, f"q{k}", simulate_dp=2, steps=400) for k in range(6)]
+    with pytest.raises(ValueError, match="out_dir"):
+        train_all([broken, *queued], workers=2)
+    assert not multiprocessing.active_children()
+    # the runs started beside it were ended, not finished; the queued ones never started
+    assert not any((tmp_path / f"q{k}" / SUMMARY_NAME).exists() for k in range(6))
+    assert not (tmp_path / "q5").exists()
 
 
 def test_loss_scale_section_states_a_verdict_per_broken_configuration(tmp_path) -> None:

@@ -140,6 +140,10 @@ def check_linear_mode_file(path: str) -> None:
         raise ValueError(f"linear_mode: {' '.join(str(exc).split())}") from None
 
 
+# torch.manual_seed takes seeds below 2**64 (the initial weights are seeded with training.seed itself).
+MAX_SEED: int = 2**64 - 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """The GPT (GPTConfig's arguments; the vocabulary comes from the corpus) and the precision it runs in."""
@@ -371,6 +375,11 @@ class ParallelConfig:
             raise ValueError(f"simulate_dp runs every rank in one process; nproc must be 1, got {self.nproc}")
         if self.reduce not in SIMULATED_REDUCTIONS:
             raise ValueError(f"simulate_dp models reduce {', '.join(SIMULATED_REDUCTIONS)}; got {self.reduce!r}")
+        if self.simulate_dp == 1 and self.reduce.startswith("uint8"):
+            raise ValueError(
+                f"simulate_dp 1 with reduce {self.reduce!r} would quantize, but a one-process run has no data-parallel "
+                "reduction; use simulate_dp >= 2 or nproc 1 without simulate_dp"
+            )
         if self.rounding != "nearest" and not self.reduce.startswith("uint8"):
             raise ValueError(
                 "simulate_dp models rounding='stochastic' for the uint8 reductions only (fp32_accumulate's "
@@ -440,6 +449,8 @@ class TrainingConfig:
             "perturb",
         ):
             check_positive_int(name, getattr(self, name), minimum=0)
+        if self.seed > MAX_SEED:
+            raise ValueError(f"seed must be at most {MAX_SEED} (torch's seed range); got {self.seed}")
         check_choice("device", self.device, DEVICES)
         check_positive_float("clip_grad_norm", self.clip_grad_norm, allow_zero=True)
         if not self.out_dir:

@@ -3,7 +3,7 @@
 A simulated run computes on one thread (mixprec.lab.simulate), so on a machine with C cores up to C of them run
 at once in spawned worker processes; the numbers are those of the run trained alone (one thread either way).
 A run that fails as runs do (divergence, a loss-scale floor) is reported by its message; anything else is a bug
-and propagates.
+and propagates at once, as does Ctrl-C: the queued runs are cancelled and the running ones ended.
 """
 
 from __future__ import annotations
@@ -53,5 +53,23 @@ def train_all(configs: Sequence[TrainConfig], *, workers: int | None = None, lab
     print(f"{prefix} {len(configs)} run(s), {max(workers, 1)} at a time", flush=True)
     if workers <= 1:
         return [_train_one(cfg) for cfg in configs]
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        return list(pool.map(_train_one, configs))
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
+    try:
+        results = list(pool.map(_train_one, configs))
+    except BaseException:
+        # Ctrl-C or a failed run: the queued runs (minutes each) are not waited for, the running ones are ended.
+        _stop(pool)
+        raise
+    pool.shutdown()
+    return results
+
+
+def _stop(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Cancel the queued runs and end the worker processes now (the executor has no public call for the latter)."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in processes:
+        proc.join(timeout=10)

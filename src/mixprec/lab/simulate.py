@@ -58,20 +58,27 @@ def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() + b.float()).to(a.dtype)
 
 
-def ring_chunk(numel: int, world: int) -> int:
-    """Elements per chunk of gloo's ring: 2 segments of ceil(numel / 2P) elements."""
-    return 2 * -(-numel // (2 * world))
+_GLOO_MAX_SEGMENT_BYTES = 1 << 20  # gloo's allreduce.cc: kMaxSegmentSize
+
+
+def ring_chunk(numel: int, world: int, itemsize: int) -> int:
+    """Elements per chunk of gloo's ring: S / P segments of ceil(numel / S) elements, where the segment count
+    S = roundUp(max(ceil(bytes / 1 MiB), 2P), P) (gloo caps a segment at 1 MiB)."""
+    max_bytes = itemsize * max(1, _GLOO_MAX_SEGMENT_BYTES // itemsize)
+    segments = max(-(-numel * itemsize // max_bytes), 2 * world)
+    segments = -(-segments // world) * world
+    return segments // world * -(-numel // segments)
 
 
 def gloo_ring_sum(rows: torch.Tensor) -> torch.Tensor:
     """gloo's ring all-reduce (SUM) of ``rows[r]`` = rank r's tensor, bit for bit, in the rows' dtype.
 
-    gloo cuts the n elements into 2P segments of ceil(n / 2P) elements, two per rank; chunk c (segments 2c,
-    2c+1) starts at rank c-1 and travels down the ring, each rank adding its own value and rounding:
+    gloo cuts the n elements into S segments of ceil(n / S) elements (S: :func:`ring_chunk`), S / P consecutive
+    ones per rank; chunk c starts at rank c-1 and travels down the ring, each rank adding its own value and rounding:
     ``((x[c-1] + x[c-2]) + ...) + x[c]`` (indices mod P). Measured against torch 2.13's gloo for P = 2-4.
     """
     world, n = rows.shape
-    padded = rows.new_zeros(world, world * ring_chunk(n, world))
+    padded = rows.new_zeros(world, world * ring_chunk(n, world, rows.element_size()))
     padded[:, :n] = rows
     return _ring_sum_padded(padded, n)
 
@@ -136,7 +143,7 @@ class _Reduction:
         self.rank = 0
         self.feedback = feedback
         if reduce == "native":
-            width = world * ring_chunk(numel, world) if algorithm == "ring" else numel
+            width = world * ring_chunk(numel, world, dtype.itemsize) if algorithm == "ring" else numel
             self.rows = torch.zeros(world, width, dtype=dtype)
         else:
             self.acc = torch.empty(numel, dtype=torch.float32)

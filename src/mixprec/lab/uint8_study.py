@@ -28,7 +28,7 @@ import torch
 from mixprec.lab.band import band_verdicts, false_alarms, format_band_table, replica_configs
 from mixprec.lab.build import build_parts
 from mixprec.lab.compare import RunLog, load_run
-from mixprec.lab.config import TrainConfig
+from mixprec.lab.config import MAX_SEED, TrainConfig
 from mixprec.lab.corpus import load_corpus
 from mixprec.lab.pool import train_all
 from mixprec.lab.simulate import SimulatedRanks
@@ -129,6 +129,7 @@ class ShadowStats:
     update_cosine: float
     update_norm_ratio: float
     update_norm_ratio_sd: float
+    projection_sd: float = 0.0
 
 
 def _adamw_update(
@@ -196,6 +197,7 @@ def measure_shadow(cfg: TrainConfig) -> ShadowStats:
         len(rows),
         *[statistics.fmean(c) for c in cols],
         update_norm_ratio_sd=statistics.stdev(cols[5]) if len(rows) > 1 else 0.0,
+        projection_sd=statistics.stdev(cols[2]) if len(rows) > 1 else 0.0,
     )
 
 
@@ -213,6 +215,12 @@ def _final_eval(run: RunLog) -> float:
 def plan_uint8_study(out_dir: str, seed: int, setting: dict[str, Any]) -> list[TrainConfig]:
     """Every configuration the study trains (each checked): the shadow run, the seed pairs (with error feedback
     when the setting asks), the band's replicas."""
+    last = seed + setting["seeds"] - 1
+    if last > MAX_SEED:
+        raise ValueError(
+            f"seed must be at most {MAX_SEED - setting['seeds'] + 1}: the uint8 study trains seeds {seed} to {last}, "
+            f"and torch takes seeds up to {MAX_SEED}"
+        )
     where = os.path.join(out_dir, "uint8-offset")
     configs = [_config(setting, seed, os.path.join(where, "shadow"), steps=setting["shadow_steps"])]
     for s in range(seed, seed + setting["seeds"]):
@@ -275,17 +283,21 @@ def run_uint8_study(
         f"{stats.update_norm_ratio_sd:.5f}).",
     ]
     summary = []
-    # A change of step size: the update norm off 1 by more than 1% and by more than 3 standard errors.
-    off = abs(stats.update_norm_ratio - 1)
-    step_change = off > 0.01 and off > 3 * stats.update_norm_ratio_sd / math.sqrt(stats.steps)
+    # A change of step size: the update norm off 1 by more than 1% and by more than 3 standard errors; a bias
+    # along the gradient: the projection <u,g>/|g|^2 off 1 likewise.
+    step_change = _off_one(stats.update_norm_ratio, stats.update_norm_ratio_sd, stats.steps)
+    bias = _off_one(stats.projection, stats.projection_sd, stats.steps)
     summary.append(
         f"mechanism: projection <u,g>/|g|^2 = {stats.projection:.4f}, AdamW update-norm ratio "
         f"{stats.update_norm_ratio:.4f}, update cosine {stats.update_cosine:.4f}: "
         + (
-            "an effective change of step size"
-            if step_change
-            else "no bias and no significant change of step size (the ratio within 1% of 1, or within 3 standard "
-            "errors); what remains is noise, about "
+            "; ".join(
+                (["an effective change of step size (update-norm ratio)"] if step_change else [])
+                + (["a bias along the gradient (projection)"] if bias else [])
+            )
+            if step_change or bias
+            else "neither a significant bias along the gradient (projection) nor a significant change of step size "
+            "(update-norm ratio): each within 1% of 1, or within 3 standard errors; what remains is noise, about "
             f"{math.sqrt(max(0.0, 2 * (1 - stats.grad_cosine))):.1%} of the gradient's norm per step"
         )
     )
@@ -339,20 +351,43 @@ def run_uint8_study(
             for v in verdicts:
                 out = "stays inside" if v.leaves_at is None else f"leaves it ({v.side}) at step {v.leaves_at}"
                 summary.append(f"uint8 {out} the one-ulp fp32 band on the {what} (final z = {v.z_final:+.1f})")
-    if systematic and step_change:
-        verdict = "a property of the compression: a systematic offset with a measured change of step size"
-    elif systematic:
-        verdict = (
-            "a property of the compression: a systematic offset, though the update is unbiased in norm and "
-            "direction on average; its noise is the candidate"
-        )
-    else:
-        verdict = (
-            "chaos: the sign and size of the uint8 run's offset change with the seed"
-            + ("" if step_change else ", and the reduction neither biases the gradient nor changes the step size")
-            + "; an offset like the demo's is the spread that a perturbation of this size grows into, not an effect "
-            "of the compression"
-        )
+    verdict = offset_verdict(diffs, step_change=step_change, bias=bias)
     summary.append("verdict: " + verdict)
     lines += ["", "Verdicts:", "", *[f"- {s}" for s in summary]]
     return "\n".join(lines) + "\n", summary
+
+
+def _off_one(mean: float, sd: float, steps: int) -> bool:
+    """``mean`` differs from 1 by more than 1% and by more than 3 standard errors."""
+    off = abs(mean - 1)
+    return off > 0.01 and off > 3 * sd / math.sqrt(steps)
+
+
+def offset_verdict(diffs: list[float], *, step_change: bool, bias: bool) -> str:
+    """The verdict on the uint8 - fp32 final-loss differences over the seeds, worded by what was tested."""
+    mean = statistics.fmean(diffs)
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.inf
+    same_sign = all(d < 0 for d in diffs) or all(d > 0 for d in diffs)
+    mechanism = "a measured " + " and ".join(
+        (["change of step size"] if step_change else []) + (["bias along the gradient"] if bias else [])
+    )
+    if abs(mean) > 3 * se and same_sign:
+        if step_change or bias:
+            return f"a property of the compression: a systematic offset with {mechanism}"
+        return (
+            "a property of the compression: a systematic offset, though neither a bias along the gradient nor a "
+            "change of step size was measured; its noise is the candidate"
+        )
+    if same_sign:
+        head = (
+            f"not distinguishable from the seed-to-seed spread with {len(diffs)} seed(s): the offsets share a sign "
+            "but their mean is within 3 standard errors"
+        )
+    else:
+        head = "chaos: the sign and size of the uint8 run's offset change with the seed"
+    if step_change or bias:
+        return head + f", though the reduction shows {mechanism}"
+    return (
+        head + ", and the reduction shows neither a bias along the gradient nor a change of step size; no evidence "
+        "that the offset is an effect of the compression"
+    )
