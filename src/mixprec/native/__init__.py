@@ -30,8 +30,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch  # first: the kernels then link the libgomp.so.1 that torch loaded
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+try:  # private torch names (present since torch 1.13); if a release moves them, the kernels are not offered
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+except ImportError:  # pragma: no cover - depends on the torch release
+    FakeTensor = None  # type: ignore[assignment,misc]
+    _get_current_dispatch_mode = None  # type: ignore[assignment]
 
 __all__ = ["NativeKernelWarning", "can_run", "describe", "disabled", "library", "num_threads"]
 
@@ -178,7 +183,7 @@ def can_run(*tensors: torch.Tensor) -> bool:
     """Whether a kernel may read and write ``tensors`` through their data pointers: CPU tensors with memory
     behind them (not fake or meta tensors, whose pointer is 0), and no torch dispatch mode (FakeTensorMode, a
     tracer, a debug mode) active that must see every op, including the buffers the caller would allocate."""
-    if _get_current_dispatch_mode() is not None:
+    if FakeTensor is None or _get_current_dispatch_mode is None or _get_current_dispatch_mode() is not None:
         return False
     return all(t.device.type == "cpu" and not isinstance(t, FakeTensor) for t in tensors)
 
