@@ -21,7 +21,7 @@ from mixprec.lab.pool import train_all
 
 __all__ = ["DP_BAND_DEFAULT", "DP_BAND_FULL", "DP_BAND_QUICK", "plan_dp_band", "run_dp_band"]
 
-_BASE: dict[str, Any] = {
+STUDY_BASE: dict[str, Any] = {
     "n_layer": 1,
     "n_head": 2,
     "n_embd": 32,
@@ -60,7 +60,7 @@ def plan_dp_band(out_dir: str, seed: int, setting: dict[str, Any]) -> list[tuple
     plan = []
     for size in setting["sizes"]:
         base = {
-            **_BASE,
+            **STUDY_BASE,
             "global_batch_size": setting.get("batches", {}).get(size, setting["global_batch_size"]),
             "steps": setting["steps"],
             "seed": seed,
@@ -110,10 +110,10 @@ def run_dp_band(
     lines = [
         "## Reduction precision at simulated data-parallel sizes",
         "",
-        f"A GPT of {_BASE['n_layer']} layer, width {_BASE['n_embd']}, global batch ({batches}) sequences of "
-        f"{_BASE['block_size']}, micro batch 1, {setting['steps']} steps, trained with `--simulate-dp P` (bit-exact "
-        f"models of the reductions). Bands of {setting['replicas']} replicas, differing only in one ulp of the "
-        "initial weights: bf16 with the fp32-accumulate reduction (its replica 0 is the bf16-fp32acc variant; "
+        f"A GPT of {STUDY_BASE['n_layer']} layer, width {STUDY_BASE['n_embd']}, global batch ({batches}) sequences "
+        f"of {STUDY_BASE['block_size']}, micro batch 1, {setting['steps']} steps, trained with `--simulate-dp P` "
+        f"(bit-exact models of the reductions). Bands of {setting['replicas']} replicas, differing only in one ulp "
+        "of the initial weights: bf16 with the fp32-accumulate reduction (its replica 0 is the bf16-fp32acc variant; "
         "against this band the native run, gloo's ring rounding to bf16 at each of its P - 1 hops, differs from it "
         "in the reduction alone)"
         + (

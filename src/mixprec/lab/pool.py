@@ -8,7 +8,6 @@ and propagates at once, as does Ctrl-C: the queued runs are cancelled and the ru
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import multiprocessing as mp
 import os
@@ -53,23 +52,16 @@ def train_all(configs: Sequence[TrainConfig], *, workers: int | None = None, lab
     print(f"{prefix} {len(configs)} run(s), {max(workers, 1)} at a time", flush=True)
     if workers <= 1:
         return [_train_one(cfg) for cfg in configs]
-    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
+    # multiprocessing.Pool, not concurrent.futures: its terminate() ends the running workers at once, and imap
+    # hands out one run at a time (chunksize 1), so no queued run has started when an error stops the pool.
+    pool = mp.get_context("spawn").Pool(workers)
     try:
-        results = list(pool.map(_train_one, configs))
+        results = list(pool.imap(_train_one, configs, chunksize=1))  # raises at the first failure, in order
     except BaseException:
-        # Ctrl-C or a failed run: the queued runs (minutes each) are not waited for, the running ones are ended.
-        _stop(pool)
+        # Ctrl-C or a bug in a run: the queued runs (minutes each) are not waited for, the running ones are ended.
+        pool.terminate()
+        pool.join()
         raise
-    pool.shutdown()
+    pool.close()
+    pool.join()
     return results
-
-
-def _stop(pool: concurrent.futures.ProcessPoolExecutor) -> None:
-    """Cancel the queued runs and end the worker processes now (the executor has no public call for the latter)."""
-    processes = list((getattr(pool, "_processes", None) or {}).values())
-    pool.shutdown(wait=False, cancel_futures=True)
-    for proc in processes:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in processes:
-        proc.join(timeout=10)

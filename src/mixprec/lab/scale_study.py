@@ -28,6 +28,7 @@ from mixprec.lab.compare import load_run
 from mixprec.lab.config import TrainConfig
 from mixprec.lab.corpus import Corpus, load_corpus
 from mixprec.lab.data import train_microbatches
+from mixprec.lab.dp_band import STUDY_BASE
 from mixprec.lab.metrics import METRICS_NAME, read_rows
 from mixprec.lab.pool import train_all
 
@@ -41,16 +42,9 @@ __all__ = [
     "run_scale_study",
 ]
 
+# The DP-band study's small GPT and run settings: the demo's studies train one model.
 _BASE: dict[str, Any] = {
-    "n_layer": 1,
-    "n_head": 2,
-    "n_embd": 32,
-    "block_size": 16,
-    "micro_batch_size": 1,
-    "eval_interval": 0,
-    "checkpoint_interval": 0,
-    "lr": 0.01,
-    "device": "cpu",
+    **STUDY_BASE,
     "precision": "fp16",
     "reduce": "fp32_accumulate",
     "loss_scaler": "static",
