@@ -390,18 +390,24 @@ static inline grid_t header_grid(const uint8_t *row, int64_t chunks, int64_t c) 
     return grid_of(mn, mx);
 }
 
+/* Chunks flagged non-finite: both wires store a NaN first header word (uint8's min, fp8's scale) for them. */
+static int64_t count_flagged(const uint8_t *buf, int64_t rows, int64_t chunks, int64_t buf_stride) {
+    int64_t bad = 0;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < chunks; c++) {
+            float first;
+            memcpy(&first, buf + r * buf_stride + 4 * c, 4);
+            bad += first != first;
+        }
+    return bad;
+}
+
 /* Decode `rows` buffers (row r at buf + r * buf_stride bytes) of `length` elements each into out (row r at
  * out + r * out_stride elements of dtype dt), or, with reduce, their fp32 sum in row order into out (fp32).
  * Returns the number of flagged (NaN) chunks over all rows. */
 int64_t mixprec_quant_decode_u8(const uint8_t *buf, int64_t rows, int64_t length, int64_t buf_stride, void *out, int dt,
                                 int64_t out_stride, int64_t chunk, int reduce, int nthreads) {
-    int64_t chunks = (length + chunk - 1) / chunk, bad = 0;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < chunks; c++) {
-            float mn;
-            memcpy(&mn, buf + r * buf_stride + 4 * c, 4);
-            bad += mn != mn;
-        }
+    int64_t chunks = (length + chunk - 1) / chunk, bad = count_flagged(buf, rows, chunks, buf_stride);
     int64_t tasks = reduce ? chunks : rows * chunks;
     size_t esize = dt == DT_F32 ? 4 : 2;
 #pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN)
@@ -620,13 +626,7 @@ static void fp8_values(const uint8_t *restrict cd, int64_t m, const float *restr
 int64_t mixprec_quant_decode_fp8(const uint8_t *buf, int64_t rows, int64_t length, int64_t buf_stride, void *out,
                                  int dt, int64_t out_stride, int64_t chunk, const float *table, int reduce,
                                  int nthreads) {
-    int64_t chunks = (length + chunk - 1) / chunk, bad = 0;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < chunks; c++) {
-            float sc;
-            memcpy(&sc, buf + r * buf_stride + 4 * c, 4);
-            bad += sc != sc;
-        }
+    int64_t chunks = (length + chunk - 1) / chunk, bad = count_flagged(buf, rows, chunks, buf_stride);
     int64_t tasks = reduce ? chunks : rows * chunks;
     size_t esize = dt == DT_F32 ? 4 : 2;
 #pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN)
