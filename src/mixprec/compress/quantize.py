@@ -29,6 +29,7 @@ from mixprec.compress._scratch import Scratch
 from mixprec.core import philox
 from mixprec.core.dtypes import LOW_PRECISION_DTYPES, ROUNDINGS, Rounding
 from mixprec.core.validate import check_bool, check_choice, check_dtype, check_positive_int, check_tensor
+from mixprec.native import gpu
 
 __all__ = ["HEADER_BYTES_PER_CHUNK", "ChunkedCompressor", "MinMaxUInt8", "NonFiniteError"]
 
@@ -500,7 +501,43 @@ class MinMaxUInt8(ChunkedCompressor):
                 row_stride,
                 native.num_threads(),
             )
-        return self._encode_rows_torch(x, out, (key, offset, row_stride) if stochastic else None)
+        stream = (key, offset, row_stride) if stochastic else None
+        if gpu.can_run(x, out):
+            stats = gpu.quant_encode_u8(x, out, self.chunk_size, stochastic, key, offset, row_stride)
+            n_bad, n_wide = stats.tolist()  # the one synchronization
+            if n_wide:
+                rows, length = x.shape
+                hb = HEADER_BYTES_PER_CHUNK * self.num_chunks(length)
+                hdr = out[:, :hb].contiguous().view(torch.float32).view(rows, 2, -1)
+                rng, wide = self._scalars(hdr[:, 0], hdr[:, 1])  # flagged chunks hold NaN: neither
+                self._encode_wide(x, out[:, hb:], hdr[:, 0], rng, wide, stream)
+            return int(n_bad)
+        return self._encode_rows_torch(x, out, stream)
+
+    def _encode_wide(
+        self,
+        x: torch.Tensor,
+        codes: torch.Tensor,
+        mins: torch.Tensor,
+        rng: torch.Tensor,
+        wide: torch.Tensor,
+        stream: tuple[int, int, int] | None,
+    ) -> None:
+        """Codes of the chunks whose range needs float64 arithmetic (rare), chunk by chunk: one division."""
+        length = x.shape[1]
+        for r, chunk in wide.nonzero().tolist():
+            a, b = self._chunk_bounds(chunk, length)
+            q = (x[r, a:b].double() - mins[r, chunk].double()) * (255.0 / float(rng[r, chunk]))
+            if stream is not None:
+                key, offset, row_stride = stream
+                first = offset + r * row_stride + a
+                primary = philox.stream_bytes(key, first, b - a, x.device)
+                fl = q.floor()
+                positions = first + torch.arange(b - a, device=x.device)
+                q = fl + philox.round_up(key, primary, q - fl, positions).double()
+            else:
+                q = q.round()
+            codes[r, a:b].copy_(q.clamp_(0.0, 255.0))
 
     def _encode_rows_torch(self, x: torch.Tensor, out: torch.Tensor, stream: tuple[int, int, int] | None) -> int:
         """The torch implementation (the fallback, and the oracle of the compiled kernel).
@@ -575,20 +612,7 @@ class MinMaxUInt8(ChunkedCompressor):
 
         # Rare paths, chunk by chunk: float64 arithmetic for extreme ranges; zero codes for flagged chunks.
         codes = out[:, HEADER_BYTES_PER_CHUNK * chunks :]
-        for r, chunk in (wide & finite).nonzero().tolist():
-            a, b = self._chunk_bounds(chunk, length)
-            q = (x[r, a:b].double() - mins[r, chunk].double()) * (255.0 / float(rng[r, chunk]))  # one division
-            if primary is not None:
-                fl = q.floor()
-                q = (
-                    fl
-                    + philox.round_up(
-                        key, primary[r, a:b], q - fl, row_pos[r] + torch.arange(a, b, device=device)
-                    ).double()
-                )
-            else:
-                q = q.round()
-            codes[r, a:b].copy_(q.clamp_(0.0, 255.0))
+        self._encode_wide(x, codes, mins, rng, wide & finite, stream)
         if n_bad:
             for r, chunk in (~finite).nonzero().tolist():
                 a, b = self._chunk_bounds(chunk, length)
@@ -597,6 +621,14 @@ class MinMaxUInt8(ChunkedCompressor):
 
     def _decode_rows(self, buf: torch.Tensor, length: int, out: torch.Tensor, reduce: bool) -> int:
         """:meth:`decode_rows` on checked arguments: the compiled kernel when there is one, else torch."""
+        if gpu.can_run(buf, out):
+            n_bad, n_wide = gpu.quant_decode_u8(buf, length, out, self.chunk_size, reduce).tolist()
+            if n_wide:
+                hb = HEADER_BYTES_PER_CHUNK * self.num_chunks(length)
+                hdr = buf[:, :hb].contiguous().view(torch.float32).view(buf.shape[0], 2, -1)
+                rng, wide, sub, _, zero, step = self.grid(hdr[:, 0], hdr[:, 1])
+                self._decode_wide(buf[:, hb:], length, out, reduce, hdr[:, 0], rng, wide, sub, zero, step)
+            return int(n_bad)
         kernels = _kernels() if native.can_run(buf, out) else None
         if kernels is None:
             return self._decode_rows_torch(buf, length, out, reduce)
@@ -647,8 +679,24 @@ class MinMaxUInt8(ChunkedCompressor):
             elif not direct:
                 ov.copy_(w)
 
-        # Chunks needing float64 arithmetic: recompute them (and, when reducing, their whole sum).
-        codes = buf[:, hb:]
+        self._decode_wide(buf[:, hb:], length, out, reduce, mins, rng, wide, sub, zero, step)
+        return n_bad
+
+    def _decode_wide(
+        self,
+        codes: torch.Tensor,
+        length: int,
+        out: torch.Tensor,
+        reduce: bool,
+        mins: torch.Tensor,
+        rng: torch.Tensor,
+        wide: torch.Tensor,
+        sub: torch.Tensor,
+        zero: torch.Tensor,
+        step: torch.Tensor,
+    ) -> None:
+        """Chunks needing float64 arithmetic: recompute them (and, when reducing, their whole sum)."""
+        rows = codes.shape[0]
         for chunk in sorted({c for _, c in wide.nonzero().tolist()}):
             a, b = self._chunk_bounds(chunk, length)
             decoded = [
@@ -666,7 +714,6 @@ class MinMaxUInt8(ChunkedCompressor):
                 for r in range(rows):
                     if bool(wide[r, chunk]):
                         out[r, a:b].copy_(decoded[r])
-        return n_bad
 
     @staticmethod
     def _decode_chunk_wide(codes: torch.Tensor, chunk_min: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 import mixprec.native as native
 from mixprec.core.formats import FloatFormat, get_format
 from mixprec.core.validate import check_choice, check_tensor
+from mixprec.native import gpu
 
 __all__ = ["ROUNDING_MODES", "Rounding", "round_to", "round_to_"]
 
@@ -182,9 +183,19 @@ def _native_lib() -> ctypes.CDLL | None:
 
 
 def _native_ok(x: torch.Tensor) -> bool:
-    """The compiled kernel may serve ``x``: a CPU tensor with memory behind it (not traced by torch.compile), and
-    no autograd graph to record (the torch path's result tracks ``x``'s graph, a raw-pointer kernel's cannot)."""
-    return native.can_run(x) and not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling()
+    """A kernel may serve ``x``: a CPU tensor with memory behind it (compiled kernels) or a CUDA one (Triton,
+    :mod:`mixprec.native.gpu`), not traced by torch.compile, and no autograd graph to record (the torch path's
+    result tracks ``x``'s graph, a raw-pointer kernel's cannot)."""
+    if (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return False
+    return native.can_run(x) if x.device.type == "cpu" else gpu.can_run(x)
+
+
+def _kernel_lib(x: torch.Tensor) -> ctypes.CDLL | object | None:
+    """What rounds ``x`` to nearest: the compiled library (CPU), the gpu module (CUDA), or None (torch path)."""
+    if not _native_ok(x):
+        return None
+    return _native_lib() if x.device.type == "cpu" else gpu
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -193,9 +204,13 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def _native_round_nearest(lib: ctypes.CDLL, src: torch.Tensor, dst: torch.Tensor, fmt: FloatFormat) -> None:
+def _native_round_nearest(lib: object, src: torch.Tensor, dst: torch.Tensor, fmt: FloatFormat) -> None:
     """Round contiguous ``src`` to nearest into contiguous ``dst`` (``src`` itself or disjoint from it) with the
-    compiled kernel: fp32/fp16/bf16 into fp32, or fp64 into fp64 or fp32."""
+    compiled kernel (``lib`` from :func:`_kernel_lib`): fp32/fp16/bf16 into fp32, or fp64 into fp64 or fp32."""
+    if lib is gpu:
+        (gpu.round_nearest_f64 if src.dtype == torch.float64 else gpu.round_nearest)(src, dst, fmt)
+        return
+    assert isinstance(lib, ctypes.CDLL)
     args = (src.numel(), fmt.exp_bits, fmt.man_bits, int(fmt.has_inf), int(fmt.saturate), int(fmt.subnormals),
             native.num_threads())  # fmt: skip
     if src.dtype == torch.float64:
@@ -212,8 +227,8 @@ def _native_round_nearest(lib: ctypes.CDLL, src: torch.Tensor, dst: torch.Tensor
 def _round_to_native(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor | None) -> torch.Tensor | None:
     """round_to(x, fmt, "nearest", out=out) through the compiled kernel; None when it cannot run here (no
     library, not CPU, autograd), and the torch path must."""
-    lib = _native_lib()
-    if lib is None or not _native_ok(x) or (out is not None and not _native_ok(out)):
+    lib = _kernel_lib(x)
+    if lib is None or (out is not None and (out.device != x.device or not _native_ok(out))):
         return None
     if x.dtype in _NATIVE_SRC or x.dtype == torch.float64:
         src = x.contiguous()
@@ -226,11 +241,11 @@ def _round_to_native(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor | None
         elif out.is_contiguous() and not _overlap(out, src):
             dst = out
         else:
-            dst = torch.empty(x.shape, dtype=out.dtype)
+            dst = torch.empty(x.shape, dtype=out.dtype, device=x.device)
     elif src is not x and src.dtype == torch.float32:
         dst = src  # a temporary of ours: round it in place
     else:
-        dst = torch.empty(x.shape, dtype=torch.float32)
+        dst = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     _native_round_nearest(lib, src, dst, fmt)
     if out is None or dst is out:
         return dst
@@ -318,7 +333,7 @@ def round_to_(
     fmt = get_format(fmt)
     check_choice("rounding", rounding, ROUNDING_MODES)
     _check_generator(generator)
-    if rounding == "nearest" and (lib := _native_lib()) is not None and _native_ok(x):
+    if rounding == "nearest" and (lib := _kernel_lib(x)) is not None:
         if fmt.is_fp32 and x.dtype == torch.float32:
             return x
         w = x if x.is_contiguous() else x.contiguous()

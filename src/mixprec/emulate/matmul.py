@@ -36,6 +36,7 @@ from mixprec.core.rounding import (
     round_to_,
 )
 from mixprec.core.validate import check_choice, check_fraction, check_positive_float, check_positive_int, check_tensor
+from mixprec.native import gpu
 
 __all__ = [
     "MATMUL_PRESETS",
@@ -253,6 +254,12 @@ def matmul_with_model(a: torch.Tensor, b: torch.Tensor, model: MatmulModel, *, r
     n = b.shape[-1]
     with torch.autocast(device_type=a.device.type, enabled=False), torch.no_grad():
         nbatch = math.prod(batch)
+        if _gpu_ok(a, b, model, nbatch * m * n * k):
+            ar, br = _native_operands(a, b, model, rounded)
+            y = _gpu_accumulate(ar, br, batch, model)
+            if model.output is not None:
+                round_to_(y, model.output)
+            return y
         lib = _native_library(a, b, model, nbatch * m * n * k)
         if lib is not None:
             ar, br = _native_operands(a, b, model, rounded)
@@ -308,6 +315,42 @@ def _native_operands(
     return round_to(a, model.inputs), round_to(b, model.inputs)
 
 
+def _gpu_ok(a: torch.Tensor, b: torch.Tensor, model: MatmulModel, work: int) -> bool:
+    """The Triton kernel can run this product: CUDA, no alignment model, a K group it holds in registers."""
+    return gpu.can_run(a, b) and model.align_bits is None and work > 0 and model.k_group <= gpu.MAX_K_GROUP
+
+
+def _batched(ar: torch.Tensor, br: torch.Tensor, batch: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, M, K)`` and ``(B or 1, K, N)`` views of the broadcast operands; a ``b`` shared by the batch
+    is folded into one product with the batch as rows (no copies of ``b``)."""
+    m, k, n = ar.shape[-2], ar.shape[-1], br.shape[-1]
+    nbatch = math.prod(batch)
+    if math.prod(br.shape[:-2]) == 1:
+        return ar.expand(*batch, m, k).reshape(nbatch * m, k).unsqueeze(0), br.reshape(k, n).unsqueeze(0)
+    return ar.expand(*batch, m, k).reshape(nbatch, m, k), br.expand(*batch, k, n).reshape(nbatch, k, n)
+
+
+def _promotion_groups(model: MatmulModel, k: int) -> int:
+    """Groups per promotion into fp32 (0: none); one at or above the group count promotes once, at the end."""
+    groups = -(-k // model.k_group)
+    return 0 if model.promote_every is None else min(model.promote_every // model.k_group, groups)
+
+
+def _overflow_value(fmt: FloatFormat) -> float:
+    return fmt.max_finite if fmt.saturate else (math.inf if fmt.has_inf else math.nan)
+
+
+def _gpu_accumulate(ar: torch.Tensor, br: torch.Tensor, batch: torch.Size, model: MatmulModel) -> torch.Tensor:
+    """The model's product on the Triton kernel (:mod:`mixprec.native.gpu`), same bits as the compiled one."""
+    m, n = ar.shape[-2], br.shape[-1]
+    a3, b3 = _batched(ar, br, batch)
+    acc = model.accumulator
+    mode = 0 if acc.is_fp32 else _ROUND_GENERIC
+    pg = _promotion_groups(model, a3.shape[-1])
+    out = gpu.matmul_model(a3, b3, model.k_group, pg, mode, acc, _overflow_value(acc))
+    return out.reshape(*batch, m, n)
+
+
 def _native_fn(lib: ctypes.CDLL) -> Any:
     bound = _BOUND.get(id(lib))
     if bound is None or bound[0] is not lib:
@@ -326,13 +369,7 @@ def _native_accumulate(
     """The model's product on the compiled kernel (fp32, fp16 or bf16 operands holding input-format values); None
     when the kernel could not allocate its buffers (the torch path then runs)."""
     m, k, n = ar.shape[-2], ar.shape[-1], br.shape[-1]
-    nbatch = math.prod(batch)
-    if math.prod(br.shape[:-2]) == 1:  # b shared by the batch: fold the batch into rows
-        a3 = ar.expand(*batch, m, k).reshape(nbatch * m, k).unsqueeze(0)
-        b3 = br.reshape(k, n).unsqueeze(0)
-    else:
-        a3 = ar.expand(*batch, m, k).reshape(nbatch, m, k)
-        b3 = br.expand(*batch, k, n).reshape(nbatch, k, n)
+    a3, b3 = _batched(ar, br, batch)
     nb, rows = a3.shape[0], a3.shape[1]
     out = torch.empty(nb, rows, n, dtype=torch.float32)
     acc = model.accumulator
@@ -342,10 +379,8 @@ def _native_accumulate(
         mode = _ROUND_FP16
     else:
         mode = _ROUND_GENERIC
-    over = acc.max_finite if acc.saturate else (math.inf if acc.has_inf else math.nan)
-    # promotion every pg groups; pg >= the group count promotes once, after the last group, like pg = groups
-    groups = -(-k // model.k_group)
-    pg = 0 if model.promote_every is None else min(model.promote_every // model.k_group, groups)
+    over = _overflow_value(acc)
+    pg = _promotion_groups(model, k)
     sa, sb = a3.stride(), b3.stride()
     status = _native_fn(lib)(
         a3.data_ptr(), sa[0] if nb > 1 else 0, sa[1], sa[2],

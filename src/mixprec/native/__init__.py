@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - depends on the torch release
     FakeTensor = None  # type: ignore[assignment,misc]
     _get_current_dispatch_mode = None  # type: ignore[assignment]
 
-__all__ = ["NativeKernelWarning", "can_run", "describe", "disabled", "library", "num_threads"]
+__all__ = ["NativeKernelWarning", "can_run", "describe", "disabled", "is_disabled", "library", "num_threads"]
 
 _CSRC = Path(__file__).with_name("csrc")
 # -O3 without -ffast-math: the kernels must round exactly as IEEE fp32/fp64 arithmetic does; -ffp-contract=off
@@ -169,8 +169,9 @@ def describe() -> str:
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
-    """Within the block, :func:`library` returns None in this process: the torch path runs (tests and
-    benchmarks compare both paths with it). Not thread-local: meant for single-threaded test code."""
+    """Within the block, :func:`library` returns None and :func:`mixprec.native.gpu.can_run` False in this
+    process: the torch path runs (tests and benchmarks compare both paths with it). Not thread-local: meant
+    for single-threaded test code."""
     global _disabled_depth
     _disabled_depth += 1
     try:
@@ -179,13 +180,19 @@ def disabled() -> Iterator[None]:
         _disabled_depth -= 1
 
 
-def can_run(*tensors: torch.Tensor) -> bool:
-    """Whether a kernel may read and write ``tensors`` through their data pointers: CPU tensors with memory
-    behind them (not fake or meta tensors, whose pointer is 0), and no torch dispatch mode (FakeTensorMode, a
-    tracer, a debug mode) active that must see every op, including the buffers the caller would allocate."""
+def can_run(*tensors: torch.Tensor, device_type: str = "cpu") -> bool:
+    """Whether a kernel may read and write ``tensors`` through their data pointers: tensors on ``device_type``
+    (CPU for the compiled kernels, "cuda" for :mod:`mixprec.native.gpu`'s) with memory behind them (not fake or
+    meta tensors, whose pointer is 0), and no torch dispatch mode (FakeTensorMode, a tracer, a debug mode)
+    active that must see every op, including the buffers the caller would allocate."""
     if FakeTensor is None or _get_current_dispatch_mode is None or _get_current_dispatch_mode() is not None:
         return False
-    return all(t.device.type == "cpu" and not isinstance(t, FakeTensor) for t in tensors)
+    return all(t.device.type == device_type and not isinstance(t, FakeTensor) for t in tensors)
+
+
+def is_disabled() -> bool:
+    """True inside :func:`disabled`: every kernel (CPU and GPU) steps aside for the torch path."""
+    return _disabled_depth > 0
 
 
 def num_threads() -> int:
