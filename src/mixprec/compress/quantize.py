@@ -10,9 +10,10 @@ range, ``step = R / 255``, ``M`` its largest magnitude, ``u = 2**-24``, ``k = 1/
 ``encode``/``decode`` work on one tensor; the row API (:meth:`MinMaxUInt8.encode_rows`,
 :meth:`MinMaxUInt8.decode_rows`, :meth:`MinMaxUInt8.check_generator_device`) on the rows of a 2-D view, which
 is what the compressed collectives are built from. Both run the compiled kernel of
-``mixprec/native/csrc/quantize.c`` when :func:`mixprec.native.library` has one (CPU tensors), else the torch
-code here, with the same bits. The wire format, the arithmetic (offset first; a float64 path near the fp32
-limits), the Philox streams of stochastic rounding, the bound and the speed tricks: ``docs/compress.md``.
+``mixprec/native/csrc/quantize.c`` when :func:`mixprec.native.library` has one (CPU tensors), its Triton twin
+(:mod:`mixprec.native.gpu`) on CUDA tensors, else the torch code here, with the same bits. The wire format, the
+arithmetic (offset first; a float64 path near the fp32 limits), the Philox streams of stochastic rounding, the
+bound and the speed tricks: ``docs/compress.md``.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ directly from fp64. Modes: ``"nearest"`` (ties to even), ``"toward_zero"`` and `
 Overflow: nearest and stochastic give +-max if ``fmt.saturate``, else +-inf (NaN for formats without inf);
 toward_zero sends finite inputs to +-max. ``fmt.subnormals=False`` flushes results below the smallest normal.
 
-Round to nearest on CPU tensors runs as one compiled pass (``mixprec.native``'s ``rounding.c``) when the kernels
-are available, else as the torch ops below, which stay the fallback and the oracle (same bits; docs/native.md).
+Round to nearest runs as one compiled pass when a kernel is available (``mixprec.native``'s ``rounding.c`` on
+CPU tensors, its Triton twin on CUDA ones), else as the torch ops below, which stay the fallback and the oracle
+(same bits; docs/native.md).
 The in-place work-tensor primitives (``round_nearest_grid_``, ``apply_overflow_``, ``flush_subnormals_``,
 ``round_directed_``) are public for the matmul emulator's hot loop. How each rounding is computed (the integer
 trick, the "magic constant" addition, stochastic draws) is derived in ``docs/emulate.md``.

@@ -9,8 +9,9 @@ the result. ``align_bits=F`` adds a tensor-core alignment model (Fasi et al. 202
 
 ``matmul`` is the user entry point; ``matmul_with_model`` is the same product for callers that already hold a
 :class:`MatmulModel` (EmulatedLinear, ``mixprec.kernels``' CPU fallback). ``bounds`` gives Higham's deterministic
-and Higham & Mary's probabilistic error bounds. On CPU tensors a compiled kernel (``mixprec.native``) computes
-the model with the same bits as the torch code here, which stays as the fallback. The exactness argument of the
+and Higham & Mary's probabilistic error bounds. On CPU tensors a compiled kernel (``mixprec.native``), on CUDA
+tensors a Triton one (``mixprec.native.gpu``; models without alignment), computes the model with the same bits
+as the torch code here, which stays as the fallback. The exactness argument of the
 fp64 group sums, the kernel, the hardware comparison and the cost model are in ``docs/emulate.md``.
 """
 
