@@ -137,30 +137,59 @@ static inline const uint8_t *stream_bytes(uint64_t key, uint64_t p, int64_t n, u
         for (uint32_t b_ = (masks)[w_], k; b_ && (k = 16 * (uint32_t)w_ + (uint32_t)__builtin_ctz(b_), 1);             \
              b_ &= b_ - 1)
 
-/* Pending ties of one chunk: code index k (stream position pos + k), the remainder 256 frac - f8 (exact)
- * and the code if rounded up. Resolved in batches of 32 (tie_flush), at least 64 ties at a time. */
-#define TIE_CAP (SB + 64)
+/* Pending ties of one thread: where the code is, its stream position, the remainder 256 frac - f8 (exact)
+ * and the code if rounded up. Kept across chunks and resolved 32 at a time (tie_flush), so that the
+ * secondary words of a batch share the 10 rounds' multiply latency; a sub-block adds at most SB ties. */
+#define TIE_CAP (SB + 32)
 typedef struct {
     int64_t n;
-    int64_t k[TIE_CAP];
-    int32_t j[TIE_CAP]; /* index within the sub-block, as the vector loop stores it (then moved to k) */
+    uint8_t *dst[TIE_CAP];
+    uint64_t e[TIE_CAP];
     float rem[TIE_CAP];
     int32_t up[TIE_CAP];
 } ties_t;
 
-/* Resolve the pending ties: up when the secondary word w < rem 2**32 (both exact in double). */
-static void tie_flush(ties_t *t, uint64_t key, uint64_t pos, uint8_t *codes) {
-    for (int64_t i = 0; i < t->n; i += 32) {
+static inline void tie_push(ties_t *t, uint8_t *dst, uint64_t e, float rem, int32_t up) {
+    t->dst[t->n] = dst;
+    t->e[t->n] = e;
+    t->rem[t->n] = rem;
+    t->up[t->n++] = up;
+}
+
+/* Resolve pending ties, up when the secondary word w < rem 2**32 (both exact in double): every batch of 32,
+ * and with `all` the rest too (the end of a thread's work). What is left moves to the front. The choice is
+ * a coin flip, so it is made without a branch (a mispredicted one per two ties cost more than the words). */
+static void tie_flush(ties_t *t, uint64_t key, int all) {
+    int64_t i = 0;
+    for (; i + 32 <= t->n || (all && i < t->n); i += 32) {
+        int cnt = t->n - i < 32 ? (int)(t->n - i) : 32;
         uint64_t e[32];
-        uint32_t w[32];
-        for (int j = 0; j < 32; j++) e[j] = pos + t->k[i + j < t->n ? i + j : i];
+        uint32_t w[32], up = 0;
+        for (int j = 0; j < 32; j++) e[j] = t->e[i + (j < cnt ? j : 0)];
         mixprec_philox_tie_words32(key, e, w);
-        for (int j = 0; j < 32 && i + j < t->n; j++) {
-            uint8_t *c = codes + t->k[i + j];
-            *c = (double)w[j] < (double)t->rem[i + j] * 0x1p32 ? (uint8_t)t->up[i + j] : *c;
+#if defined(__AVX512F__)
+        for (int b = 0; b < 32; b += 8) {
+            __mmask8 live = (__mmask8)(cnt - b >= 8 ? 0xFF : (cnt > b ? (1u << (cnt - b)) - 1 : 0));
+            __m512d wd = _mm512_cvtepu32_pd(_mm256_loadu_si256((const __m256i *)(w + b)));
+            __m512d rd = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_maskz_loadu_ps(live, t->rem + i + b)),
+                                       _mm512_set1_pd(0x1p32));
+            up |= (uint32_t)_mm512_mask_cmp_pd_mask(live, wd, rd, _CMP_LT_OQ) << b;
+        }
+#else
+        for (int j = 0; j < cnt; j++) up |= (uint32_t)((double)w[j] < (double)t->rem[i + j] * 0x1p32) << j;
+#endif
+        for (int j = 0; j < cnt; j++) {
+            uint8_t *c = t->dst[i + j];
+            uint32_t take = 0u - ((up >> j) & 1u);
+            *c = (uint8_t)(*c ^ ((*c ^ (uint32_t)t->up[i + j]) & take));
         }
     }
-    t->n = 0;
+    int64_t left = i < t->n ? t->n - i : 0;
+    memmove(t->dst, t->dst + i, (size_t)left * sizeof t->dst[0]);
+    memmove(t->e, t->e + i, (size_t)left * sizeof t->e[0]);
+    memmove(t->rem, t->rem + i, (size_t)left * sizeof t->rem[0]);
+    memmove(t->up, t->up + i, (size_t)left * sizeof t->up[0]);
+    t->n = left;
 }
 
 /* The tie rule (docs/compress.md): 256 frac = s, f8 = floor(s), the primary byte equal to f8; up when the
@@ -184,90 +213,121 @@ static inline float floor24(float q) {
     return t > q ? t - 1.0f : t;
 }
 
+/* The grid coordinate q = (x - sub) scale + zero of 16 elements, rounded as the torch path does. */
 #if defined(__AVX512F__)
-/* 16 stochastic codes from their q and primary bytes B (int32 lanes). S = floor(256 q) = 256 floor(q) + f8
- * (256 q is exact), in one conversion rounding down; with D = S - B, floor(q) + up = (D + 255) >> 8 and a
- * tie is D = 0 mod 256: then the index (k + lane), remainder and rounded-up code go to the queue. (For q a
- * few ulps below 0, f8 is taken as 255 here, and the plain loop may see no tie: the code is 0 either way.) */
-static inline int64_t codes16(__m512 q, __m512i B, uint8_t *c, int64_t k, ties_t *ties, int64_t n) {
-    const __m512i c255 = _mm512_set1_epi32(255), nil = _mm512_setzero_si512();
+static inline __m512 grid_q16(const float *p, __m512 sub, __m512 scale, __m512 zero) {
+    return _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(p), sub), scale), zero);
+}
+
+/* Raw stochastic codes of 16 elements from their q and primary bytes B (int32 lanes), and their tie mask.
+ * S = floor(256 q) = 256 floor(q) + f8 (256 q is exact), in one conversion rounding down; with D = S - B,
+ * floor(q) + up = (D + 255) >> 8, in [-1, 256] (the stores clamp it), and a tie is D = 0 mod 256. (For q a
+ * few ulps below 0, f8 is taken as 255 here, and the plain loop may see no tie: the code is 0 either way.)
+ * No branch on the ties: 1 vector in 16 has one, at random, so a branch would mispredict that often. */
+static inline __m512i codes16(__m512 q, __m512i B, __mmask16 *tie) {
+    const __m512i c255 = _mm512_set1_epi32(255);
     __m512 s = _mm512_mul_ps(q, _mm512_set1_ps(256.0f));
-    __m512i S = _mm512_cvt_roundps_epi32(s, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512i d = _mm512_sub_epi32(S, B);
-    __mmask16 tie = _mm512_testn_epi32_mask(d, c255);
-    __m512i code = _mm512_srai_epi32(_mm512_add_epi32(d, c255), 8); /* in [-1, 256] */
-    _mm_storeu_si128((__m128i *)c, _mm512_cvtusepi32_epi8(_mm512_max_epi32(code, nil)));
-    if (__builtin_expect(tie != 0, 0)) { /* 1 in 16 vectors */
-        const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        __m512i up = _mm512_add_epi32(_mm512_srai_epi32(S, 8), _mm512_set1_epi32(1)); /* floor(q) + 1 */
-        up = _mm512_min_epi32(_mm512_max_epi32(up, nil), c255);
-        __m512 rem = _mm512_sub_ps(s, _mm512_cvtepi32_ps(S)); /* exact */
-        _mm512_mask_compressstoreu_epi32(ties->j + n, tie, _mm512_add_epi32(iota, _mm512_set1_epi32((int)k)));
-        _mm512_mask_compressstoreu_ps(ties->rem + n, tie, rem);
-        _mm512_mask_compressstoreu_epi32(ties->up + n, tie, up);
-        n += __builtin_popcount(tie);
-    }
-    return n;
+    __m512i d = _mm512_sub_epi32(_mm512_cvt_roundps_epi32(s, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), B);
+    *tie = _mm512_testn_epi32_mask(d, c255);
+    return _mm512_srai_epi32(_mm512_add_epi32(d, c255), 8);
+}
+
+/* Four vectors of raw codes (elements 0..63) stored as 64 bytes clamped to [0, 255]: the two saturating
+ * packs clamp -1 to 0 and 256 to 255 (3 ops for 64 codes, where vpmaxsd + vpmovusdb take 3 per 16), but
+ * interleave within 128-bit lanes (lane L holds a, b, c, d [4 L .. 4 L + 3]): one dword permutation
+ * restores the order. */
+static inline void store_codes64(uint8_t *c, __m512i a, __m512i b, __m512i cc, __m512i d) {
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    __m512i bytes = _mm512_packus_epi16(_mm512_packus_epi32(a, b), _mm512_packus_epi32(cc, d));
+    _mm512_storeu_si512((void *)c, _mm512_permutexvar_epi32(order, bytes));
 }
 #endif
 
-/* Stochastic codes of elements [k, m) on the fp32 grid from their primary bytes u: up when u[k] < f8 =
- * floor(256 frac(q)). Ties (u[k] == f8) are queued in `ties` (index within the block in j, remainder,
- * rounded-up code) for tie_flush. Spelled out in AVX-512 with integer codes (gcc turns the float clamps of
- * the plain loop into mask spills); both loops give the same codes. */
+/* Stochastic codes of elements [k, m) of a sub-block on the fp32 grid from their primary bytes u: up when
+ * u[k] < f8 = floor(256 frac(q)). The vector loop flags its ties in tie (bit k % 16 of word k / 16; words
+ * up to the next multiple of 64 elements are written, zero past the vector loop) for queue_ties; the plain
+ * loop queues its own (code c + k, stream position e0 + k). Both loops give the same codes. */
 static void codes_stochastic(const float *restrict p, uint8_t *restrict c, int64_t k, int64_t m, float sub,
-                             float scale, float zero, const uint8_t *restrict u, ties_t *restrict ties) {
-    int64_t n = ties->n;
+                             float scale, float zero, const uint8_t *restrict u, uint16_t *restrict tie, ties_t *ties,
+                             uint64_t e0) {
 #if defined(__AVX512F__)
     const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale), vzero = _mm512_set1_ps(zero);
     for (; k + 16 <= m; k += 16) {
-        __m512 q = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(p + k), vsub), vscale), vzero);
-        n = codes16(q, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u + k))), c + k, k, ties, n);
+        __mmask16 t;
+        __m512i B = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u + k)));
+        __m512i code = codes16(grid_q16(p + k, vsub, vscale, vzero), B, &t);
+        _mm_storeu_si128((__m128i *)(c + k), _mm512_cvtusepi32_epi8(_mm512_max_epi32(code, _mm512_setzero_si512())));
+        tie[k >> 4] = (uint16_t)t;
     }
 #endif
+    for (int64_t w = k >> 4; w < ((m + 63) >> 6) << 2; w++) tie[w] = 0;
     for (; k < m; k++) {
         float q = (p[k] - sub) * scale;
         q = q + zero;
         float f = floor24(q), sc = (q - f) * 256.0f; /* exact product */
         int32_t f8 = (int32_t)sc, b = (int32_t)u[k]; /* truncation = floor */
         c[k] = code_of(f, b < f8 ? 1.0f : 0.0f);
-        if (b == f8) {
-            ties->j[n] = (int32_t)k;
-            ties->rem[n] = sc - (float)f8;
-            ties->up[n++] = code_of(f, 1.0f);
-        }
+        if (b == f8) tie_push(ties, c + k, e0 + (uint64_t)k, sc - (float)f8, code_of(f, 1.0f));
     }
-    ties->n = n;
 }
 
-/* codes_stochastic for a block (m <= SB elements) whose first stream position e0 is a multiple of 256: the
- * primary bytes are taken from the Philox words in registers (byte b of word j of group i is 16 elements
- * at 256 i + 64 b + 16 j: a shift and a mask), never stored. Returns the first element left undone (the
- * last m % 16, for codes_stochastic). */
+/* codes_stochastic for the whole 64-element groups of a sub-block (m <= SB elements) whose first stream
+ * position e0 is a multiple of 256: the primary bytes come from the Philox words in registers (byte b of
+ * word j of group i is the 16 elements at 256 i + 64 b + 16 j: one vpshufb), never stored. Returns the
+ * number of elements done (m rounded down to a multiple of 64); their ties are flagged in tie. */
 static int64_t codes_stochastic_aligned(const float *restrict p, uint8_t *restrict c, int64_t m, float sub,
-                                        float scale, float zero, uint64_t key, uint64_t e0, ties_t *restrict ties) {
+                                        float scale, float zero, uint64_t key, uint64_t e0, uint16_t *restrict tie,
+                                        const char *ahead, int64_t ahead_step) {
 #if defined(__AVX512F__)
     const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale), vzero = _mm512_set1_ps(zero);
-    const __m512i c255 = _mm512_set1_epi32(255);
+    /* vpshufb control: byte b of each dword into its low byte, zeros above (bit 7 set: zero) */
+    const __m512i pick = _mm512_set4_epi32((int)0x8080800C, (int)0x80808008, (int)0x80808004, (int)0x80808000);
+    int64_t groups = m >> 6;
+    if (groups == 0) return 0;
     __m512i w[16];
-    int64_t n = ties->n, full = m & ~(int64_t)15;
     mixprec_philox_words1024(key, e0 >> 8, w);
-    for (int i = 0; i < 4; i++)
-        for (int b = 0; b < 4; b++)
-            for (int j = 0; j < 4; j++) {
-                int64_t k = 256 * i + 64 * b + 16 * j;
-                if (k >= full) goto done;
-                __m512 q = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(p + k), vsub), vscale), vzero);
-                __m512i B = _mm512_and_si512(_mm512_srli_epi32(w[4 * i + j], 8 * b), c255);
-                n = codes16(q, B, c + k, k, ties, n);
-            }
-done:
-    ties->n = n;
-    return full;
+    for (int64_t g = 0; g < groups; g++) {
+        const int i = (int)(g >> 2);
+        const __m512i sel = _mm512_add_epi32(pick, _mm512_set1_epi32((int)(g & 3)));
+        const float *x = p + 64 * g;
+        for (int64_t b = 0; b < ahead_step; b += 64) _mm_prefetch(ahead + ahead_step * g + b, _MM_HINT_T0);
+        __m512i r[4];
+        __mmask16 t[4];
+        for (int j = 0; j < 4; j++)
+            r[j] = codes16(grid_q16(x + 16 * j, vsub, vscale, vzero), _mm512_shuffle_epi8(w[4 * i + j], sel), &t[j]);
+        store_codes64(c + 64 * g, r[0], r[1], r[2], r[3]);
+        for (int j = 0; j < 4; j++) tie[4 * g + j] = (uint16_t)t[j];
+    }
+    return 64 * groups;
 #else
-    (void)p, (void)c, (void)m, (void)sub, (void)scale, (void)zero, (void)key, (void)e0, (void)ties;
+    (void)p, (void)c, (void)m, (void)sub, (void)scale, (void)zero, (void)key, (void)e0, (void)tie, (void)ahead;
+    (void)ahead_step;
     return 0;
 #endif
+}
+
+/* Queue the ties flagged in tie for the sub-block p[0, m) (codes c, first stream position e0), their
+ * remainder and rounded-up code recomputed as codes16 does (same fp32 operations). About m / 256 of them. */
+static void queue_ties(const float *p, int64_t m, float sub, float scale, float zero, const uint16_t *tie, uint8_t *c,
+                       uint64_t e0, ties_t *ties) {
+    /* One loop trip per tie, none per empty 64-element word: nz flags the words that still hold ties. */
+    uint64_t words[TIE_WORDS / 4];
+    uint32_t nz = 0;
+    int64_t nw = (m + 63) >> 6;
+    memcpy(words, tie, (size_t)nw * 8);
+    for (int64_t w = 0; w < nw; w++) nz |= (uint32_t)(words[w] != 0) << w;
+    while (nz) {
+        int w = __builtin_ctz(nz);
+        uint64_t bits = words[w];
+        int64_t k = 64 * w + __builtin_ctzll(bits);
+        words[w] = bits &= bits - 1;
+        nz ^= (uint32_t)(bits == 0) << w;
+        float q = (p[k] - sub) * scale;
+        q = q + zero;
+        float s = q * 256.0f, fs = floorf(s);
+        int32_t up = ((int32_t)fs >> 8) + 1; /* floor(q) + 1 */
+        tie_push(ties, c + k, e0 + (uint64_t)k, s - fs, up < 0 ? 0 : (up > 255 ? 255 : up));
+    }
 }
 
 static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *codes, grid_t g, int stochastic,
@@ -295,11 +355,16 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
             }
         } else if (stochastic) {
             const float sub = g.sub, scale = g.scale, zero = g.zero;
-            int64_t n0 = ties->n, k = 0;
-            if ((e0 & 255) == 0) k = codes_stochastic_aligned(p, c, m, sub, scale, zero, key, e0, ties);
-            if (k < m) codes_stochastic(p, c, k, m, sub, scale, zero, stream_bytes(key, e0, m, ubuf), ties);
-            for (int64_t i = n0; i < ties->n; i++) ties->k[i] = s + ties->j[i];
-            if (ties->n >= 64) tie_flush(ties, key, pos, codes);
+            uint16_t tie[TIE_WORDS];
+            int64_t k = 0;
+            size_t esize = dt == DT_F32 ? 4 : 2;
+            const char *ahead = (const char *)x + (size_t)(a + n + s) * esize;
+            if ((e0 & 255) == 0)
+                k = codes_stochastic_aligned(p, c, m, sub, scale, zero, key, e0, tie, ahead, 64 * (int64_t)esize);
+            if (k < m)
+                codes_stochastic(p, c, k, m, sub, scale, zero, stream_bytes(key, e0, m, ubuf), tie, ties, e0);
+            queue_ties(p, m, sub, scale, zero, tie, c, e0, ties);
+            if (ties->n >= 32) tie_flush(ties, key, 0);
         } else {
             const float sub = g.sub, scale = g.scale, zero = g.zero;
             for (int64_t k = 0; k < m; k++) {
@@ -309,7 +374,6 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
             }
         }
     }
-    if (stochastic && !g.wide) tie_flush(ties, key, pos, codes);
 }
 
 /* Encode `rows` rows of `length` elements (row r at x + r * x_stride elements) into out (row r at
@@ -347,6 +411,7 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
             uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
             encode_chunk(xr, dt, a, n, o + 8 * chunks + a, g, stochastic, key, pos, buf, ubuf, &ties);
         }
+        if (stochastic) tie_flush(&ties, key, 1);
     }
     return bad;
 }
@@ -554,16 +619,14 @@ static void fp8_codes(const float *restrict p, uint8_t *restrict cd, int64_t m, 
     }
 }
 
-/* The ties of fp8_codes (codes cd = codes + s of the chunk): remainder and rounded-up code, for tie_flush. */
-static void fp8_ties(const float *p, int64_t s, int64_t m, float up, fp8fmt_t f, float inv_smin, const uint16_t *tie,
-                     ties_t *ties) {
+/* The ties of fp8_codes (codes cd, first stream position e0): remainder and rounded-up code, for tie_flush. */
+static void fp8_ties(const float *p, uint8_t *cd, uint64_t e0, int64_t m, float up, fp8fmt_t f, float inv_smin,
+                     const uint16_t *tie, ties_t *ties) {
     FOR_EACH_TIE(k, tie, m) {
         uint32_t b;
         float sp, q = fp8_units(p[k] * up, f, &b, &sp);
         float lo = (float)(int32_t)q, sc = (q - lo) * 256.0f;
-        ties->k[ties->n] = s + (int64_t)k;
-        ties->rem[ties->n] = sc - (float)(int32_t)sc;
-        ties->up[ties->n++] = fp8_code((lo + 1.0f) * sp, b >> 31, f, inv_smin);
+        tie_push(ties, cd + k, e0 + k, sc - (float)(int32_t)sc, fp8_code((lo + 1.0f) * sp, b >> 31, f, inv_smin));
     }
 }
 
@@ -607,11 +670,11 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
                 const uint8_t *u = stochastic ? stream_bytes(key, pos + (uint64_t)s, m, ubuf) : 0;
                 fp8_codes(p, codes + s, m, up, f, inv_smin, u, tie);
                 if (!stochastic) continue;
-                fp8_ties(p, s, m, up, f, inv_smin, tie, &ties);
-                if (ties.n >= 64) tie_flush(&ties, key, pos, codes);
+                fp8_ties(p, codes + s, pos + (uint64_t)s, m, up, f, inv_smin, tie, &ties);
+                if (ties.n >= 32) tie_flush(&ties, key, 0);
             }
-            if (stochastic) tie_flush(&ties, key, pos, codes);
         }
+        if (stochastic) tie_flush(&ties, key, 1);
     }
     return bad;
 }
