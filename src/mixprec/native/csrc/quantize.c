@@ -15,6 +15,12 @@
 #include "philox.h"
 
 enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+/* Stochastic codes from Philox words in registers at stream positions on the 256 grid (vpermt2b: VBMI) */
+#if defined(__AVX512F__) && defined(__AVX512VBMI__)
+#define ALIGNED_PATH 1
+#else
+#define ALIGNED_PATH 0
+#endif
 #define SB 1024 /* elements per sub-block: 4 KiB of fp32 scratch per thread */
 #define MAGIC 8388608.0f /* 2**23: bits(fl32(q + 2**23)) & 0xFF = rne(q) for 0 <= q < 256 */
 
@@ -64,9 +70,25 @@ static inline const float *as_f32(const void *x, int dt, int64_t i, int64_t n, f
     return buf;
 }
 
+/* Philox words that chunk_minmax computes on the side: those of the first `subs` sub-blocks of a chunk
+ * whose first stream position e0 is a multiple of 256, 16 vectors per sub-block (philox.h's layout). */
+#define PRE_SUBS 4 /* 4 KiB per thread: the whole of a 4096-element chunk */
+typedef struct {
+    uint64_t e0;
+    int64_t subs;
+#if ALIGNED_PATH
+    __m512i kv[20]; /* the round keys (philox.h) */
+    __m512i w[16 * PRE_SUBS];
+#endif
+} pre_words_t;
+
 /* min, max over the chunk; returns 1 when it holds NaN or +-Inf. Lane-wise (vminps/vmaxps semantics): the
- * sign of a zero bound is unspecified, as it is for torch.amin/amax. */
-static int chunk_minmax(const void *x, int dt, int64_t a, int64_t n, float *pmn, float *pmx, float *buf) {
+ * sign of a zero bound is unspecified, as it is for torch.amin/amax. With pre (stochastic rounding), the
+ * Philox words of the chunk's first sub-blocks too: the min/max loop waits on memory or on the latency of
+ * vminps, and the rounds' independent multiplies fill the idle ports (the codes pass would pay for them). */
+static int chunk_minmax(const void *x, int dt, int64_t a, int64_t n, float *pmn, float *pmx, float *buf,
+                        pre_words_t *pre) {
+    (void)pre; /* unused without the aligned path */
     float mn[16], mx[16];
     uint32_t nan[16];
     float first = as_f32(x, dt, a, 1, buf)[0];
@@ -83,7 +105,14 @@ static int chunk_minmax(const void *x, int dt, int64_t a, int64_t n, float *pmn,
         { /* the same lane-wise operations as the loop below, spelled out: gcc does not vectorize that one */
             __m512 vmn = _mm512_loadu_ps(mn), vmx = _mm512_loadu_ps(mx);
             __mmask16 vnan = 0;
+#if ALIGNED_PATH
+            __m512i *w = pre && s / SB < pre->subs ? pre->w + 16 * (s / SB) : 0;
+#endif
             for (; k + 16 <= m; k += 16) {
+#if ALIGNED_PATH
+                if (w && (k & 255) == 0) /* one group of 256 elements per 16 vectors */
+                    mixprec_philox_words256(pre->kv, (pre->e0 + (uint64_t)(s + k)) >> 8, w + (k >> 6));
+#endif
                 __m512 v = _mm512_loadu_ps(p + k);
                 vmn = _mm512_min_ps(v, vmn); /* v < mn ? v : mn */
                 vmx = _mm512_max_ps(v, vmx); /* v > mx ? v : mx */
@@ -213,54 +242,49 @@ static inline float floor24(float q) {
     return t > q ? t - 1.0f : t;
 }
 
-/* The grid coordinate q = (x - sub) scale + zero of 16 elements, rounded as the torch path does. */
+/* Queue the tie of element k of a sub-block (codes c, first stream position e0): its remainder
+ * 256 q - floor(256 q) and rounded-up code, on the vector loops' fp32 operations. */
+static inline void queue_tie(ties_t *ties, const float *p, int64_t k, float sub, float scale, float zero, uint8_t *c,
+                             uint64_t e0) {
+    float q = (p[k] - sub) * scale;
+    q = q + zero;
+    float s = q * 256.0f, fs = floorf(s);
+    int32_t up = ((int32_t)fs >> 8) + 1; /* floor(q) + 1 */
+    tie_push(ties, c + k, e0 + (uint64_t)k, s - fs, up < 0 ? 0 : (up > 255 ? 255 : up));
+}
+
 #if defined(__AVX512F__)
+/* The grid coordinate q = (x - sub) scale + zero of 16 elements, rounded as the torch path does. */
 static inline __m512 grid_q16(const float *p, __m512 sub, __m512 scale, __m512 zero) {
     return _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(p), sub), scale), zero);
 }
 
-/* Raw stochastic codes of 16 elements from their q and primary bytes B (int32 lanes), and their tie mask.
- * S = floor(256 q) = 256 floor(q) + f8 (256 q is exact), in one conversion rounding down; with D = S - B,
- * floor(q) + up = (D + 255) >> 8, in [-1, 256] (the stores clamp it), and a tie is D = 0 mod 256. (For q a
- * few ulps below 0, f8 is taken as 255 here, and the plain loop may see no tie: the code is 0 either way.)
- * No branch on the ties: 1 vector in 16 has one, at random, so a branch would mispredict that often. */
-static inline __m512i codes16(__m512 q, __m512i B, __mmask16 *tie) {
-    const __m512i c255 = _mm512_set1_epi32(255);
-    __m512 s = _mm512_mul_ps(q, _mm512_set1_ps(256.0f));
-    __m512i d = _mm512_sub_epi32(_mm512_cvt_roundps_epi32(s, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), B);
-    *tie = _mm512_testn_epi32_mask(d, c255);
-    return _mm512_srai_epi32(_mm512_add_epi32(d, c255), 8);
-}
-
-/* Four vectors of raw codes (elements 0..63) stored as 64 bytes clamped to [0, 255]: the two saturating
- * packs clamp -1 to 0 and 256 to 255 (3 ops for 64 codes, where vpmaxsd + vpmovusdb take 3 per 16), but
- * interleave within 128-bit lanes (lane L holds a, b, c, d [4 L .. 4 L + 3]): one dword permutation
- * restores the order. */
-static inline void store_codes64(uint8_t *c, __m512i a, __m512i b, __m512i cc, __m512i d) {
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    __m512i bytes = _mm512_packus_epi16(_mm512_packus_epi32(a, b), _mm512_packus_epi32(cc, d));
-    _mm512_storeu_si512((void *)c, _mm512_permutexvar_epi32(order, bytes));
+/* S = floor(256 q) = 256 floor(q) + f8 of 16 elements (256 q is exact), in one conversion rounding down. */
+static inline __m512i floor256(__m512 q) {
+    return _mm512_cvt_roundps_epi32(_mm512_mul_ps(q, _mm512_set1_ps(256.0f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
 }
 #endif
 
 /* Stochastic codes of elements [k, m) of a sub-block on the fp32 grid from their primary bytes u: up when
- * u[k] < f8 = floor(256 frac(q)). The vector loop flags its ties in tie (bit k % 16 of word k / 16; words
- * up to the next multiple of 64 elements are written, zero past the vector loop) for queue_ties; the plain
- * loop queues its own (code c + k, stream position e0 + k). Both loops give the same codes. */
+ * u[k] < f8 = floor(256 frac(q)); ties (u[k] == f8) are queued (code c + k, stream position e0 + k). For
+ * stream positions off the 256 grid and the last elements of a sub-block: codes_stochastic_aligned does
+ * the rest. The vector loop (D = S - B; floor(q) + up = (D + 255) >> 8, a tie is D = 0 mod 256; for q a
+ * few ulps below 0 it sees f8 = 255, the plain loop maybe no tie: the code is 0 either way) and the plain
+ * loop give the same codes. */
 static void codes_stochastic(const float *restrict p, uint8_t *restrict c, int64_t k, int64_t m, float sub,
-                             float scale, float zero, const uint8_t *restrict u, uint16_t *restrict tie, ties_t *ties,
-                             uint64_t e0) {
+                             float scale, float zero, const uint8_t *restrict u, ties_t *ties, uint64_t e0) {
 #if defined(__AVX512F__)
     const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale), vzero = _mm512_set1_ps(zero);
+    const __m512i c255 = _mm512_set1_epi32(255);
     for (; k + 16 <= m; k += 16) {
-        __mmask16 t;
         __m512i B = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u + k)));
-        __m512i code = codes16(grid_q16(p + k, vsub, vscale, vzero), B, &t);
-        _mm_storeu_si128((__m128i *)(c + k), _mm512_cvtusepi32_epi8(_mm512_max_epi32(code, _mm512_setzero_si512())));
-        tie[k >> 4] = (uint16_t)t;
+        __m512i d = _mm512_sub_epi32(floor256(grid_q16(p + k, vsub, vscale, vzero)), B);
+        __m512i code = _mm512_max_epi32(_mm512_srai_epi32(_mm512_add_epi32(d, c255), 8), _mm512_setzero_si512());
+        _mm_storeu_si128((__m128i *)(c + k), _mm512_cvtusepi32_epi8(code)); /* clamps 256 to 255 */
+        for (uint32_t t = _mm512_testn_epi32_mask(d, c255); t; t &= t - 1)
+            queue_tie(ties, p, k + __builtin_ctz(t), sub, scale, zero, c, e0);
     }
 #endif
-    for (int64_t w = k >> 4; w < ((m + 63) >> 6) << 2; w++) tie[w] = 0;
     for (; k < m; k++) {
         float q = (p[k] - sub) * scale;
         q = q + zero;
@@ -271,67 +295,88 @@ static void codes_stochastic(const float *restrict p, uint8_t *restrict c, int64
     }
 }
 
-/* codes_stochastic for the whole 64-element groups of a sub-block (m <= SB elements) whose first stream
- * position e0 is a multiple of 256: the primary bytes come from the Philox words in registers (byte b of
- * word j of group i is the 16 elements at 256 i + 64 b + 16 j: one vpshufb), never stored. Returns the
- * number of elements done (m rounded down to a multiple of 64); their ties are flagged in tie. */
+#if ALIGNED_PATH
+/* vpermt2b indices for codes_stochastic_aligned. PICK: the primary byte 0 of the dwords of a word pair
+ * (a, b) (b's from 64 on) in the 16-bit lanes where vpackusdw(a, b) puts them (128-bit lane L: a[4 L ..
+ * 4 L + 3], then b[4 L .. 4 L + 3]); adding b picks byte b; the odd bytes are zeroed by the mask. HIGH: the
+ * high bytes of two such 16-bit vectors (elements 0..31, and 32..63 from 64 on) in element order. */
+static const uint8_t PICK[64] __attribute__((aligned(64))) = {
+    0,  0, 4,  0, 8,  0, 12, 0, 64, 0, 68,  0, 72,  0, 76,  0, 16, 0, 20, 0, 24, 0, 28,  0, 80,  0, 84,  0, 88,  0, 92,  0,
+    32, 0, 36, 0, 40, 0, 44, 0, 96, 0, 100, 0, 104, 0, 108, 0, 48, 0, 52, 0, 56, 0, 60, 0, 112, 0, 116, 0, 120, 0, 124, 0};
+static const uint8_t HIGH[64] __attribute__((aligned(64))) = {
+    1,  3,  5,  7,  17, 19, 21, 23, 33, 35, 37,  39,  49,  51,  53,  55,  9,  11, 13, 15, 25,  27,  29,  31,  41,  43,  45,  47,  57,  59,  61,  63,
+    65, 67, 69, 71, 81, 83, 85, 87, 97, 99, 101, 103, 113, 115, 117, 119, 73, 75, 77, 79, 89, 91, 93, 95, 105, 107, 109, 111, 121, 123, 125, 127};
+
+/* Stochastic codes of the whole 64-element groups of a sub-block (m <= SB elements) whose first stream
+ * position is a multiple of 256, from the Philox words w of its groups (philox.h: byte b of word j of group
+ * i is the 16 elements at 256 i + 64 b + 16 j). Returns the number of elements done (m rounded down to a
+ * multiple of 64); the ties of group g are flagged in tie[g] (bit layout: tie_element). scale256 and
+ * zero256 are 256 scale and 256 zero (exact; the caller checks that 256 scale is finite), so that
+ * s = (x - sub) scale256 + zero256 = 256 q exactly (scaling by 2**8 commutes with the rounding; where q
+ * would be subnormal, S below is 0 or -1 either way) and S = floor(256 q) = 256 floor(q) + f8 is one
+ * conversion.
+ *
+ * The rest runs on 32 16-bit lanes per vector: S saturated to [0, 65535] by vpackusdw (S = -1, for q a few
+ * ulps below 0, becomes 0: the code is 0 either way, and so is the rounded-up code queue_tie gives a tie
+ * there); B = the primary bytes in the same lanes (one vpermt2b for 32); a tie is f8 = B, equal low bytes
+ * (one masked vpcmpeqb); with D = S - B saturated at 0, floor(q) + up = min(D + 255, 65535) >> 8 is
+ * already clamped to [0, 255] (D = 0 when S < B, where floor(q) = 0 and f8 < B), and the high bytes of
+ * D + 255 for 64 elements are one vpermt2b away from the stored codes. */
 static int64_t codes_stochastic_aligned(const float *restrict p, uint8_t *restrict c, int64_t m, float sub,
-                                        float scale, float zero, uint64_t key, uint64_t e0, uint16_t *restrict tie,
+                                        float scale256, float zero256, const __m512i *w, uint64_t *restrict tie,
                                         const char *ahead, int64_t ahead_step) {
-#if defined(__AVX512F__)
-    const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale), vzero = _mm512_set1_ps(zero);
-    /* vpshufb control: byte b of each dword into its low byte, zeros above (bit 7 set: zero) */
-    const __m512i pick = _mm512_set4_epi32((int)0x8080800C, (int)0x80808008, (int)0x80808004, (int)0x80808000);
+    const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale256), vzero = _mm512_set1_ps(zero256);
+    const __m512i c255 = _mm512_set1_epi16(255), pick = _mm512_load_si512((const void *)PICK);
+    const __m512i high = _mm512_load_si512((const void *)HIGH);
+    const __mmask64 low = 0x5555555555555555ull;
+    const int down = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC;
     int64_t groups = m >> 6;
-    if (groups == 0) return 0;
-    __m512i w[16];
-    mixprec_philox_words1024(key, e0 >> 8, w);
     for (int64_t g = 0; g < groups; g++) {
-        const int i = (int)(g >> 2);
-        const __m512i sel = _mm512_add_epi32(pick, _mm512_set1_epi32((int)(g & 3)));
+        const __m512i *wg = w + 4 * (g >> 2), sel = _mm512_add_epi8(pick, _mm512_set1_epi8((char)(g & 3)));
         const float *x = p + 64 * g;
         for (int64_t b = 0; b < ahead_step; b += 64) _mm_prefetch(ahead + ahead_step * g + b, _MM_HINT_T0);
-        __m512i r[4];
-        __mmask16 t[4];
-        for (int j = 0; j < 4; j++)
-            r[j] = codes16(grid_q16(x + 16 * j, vsub, vscale, vzero), _mm512_shuffle_epi8(w[4 * i + j], sel), &t[j]);
-        store_codes64(c + 64 * g, r[0], r[1], r[2], r[3]);
-        for (int j = 0; j < 4; j++) tie[4 * g + j] = (uint16_t)t[j];
+        __m512i e[2];
+        __mmask64 t[2];
+        for (int h = 0; h < 2; h++) { /* elements 32 h .. 32 h + 31 */
+            __m512i S = _mm512_packus_epi32(_mm512_cvt_roundps_epi32(grid_q16(x + 32 * h, vsub, vscale, vzero), down),
+                                            _mm512_cvt_roundps_epi32(grid_q16(x + 32 * h + 16, vsub, vscale, vzero), down));
+            __m512i B = _mm512_maskz_permutex2var_epi8(low, wg[2 * h], sel, wg[2 * h + 1]);
+            t[h] = _mm512_mask_cmpeq_epi8_mask(low, S, B);
+            e[h] = _mm512_adds_epu16(_mm512_subs_epu16(S, B), c255);
+        }
+        _mm512_storeu_si512((void *)(c + 64 * g), _mm512_permutex2var_epi8(e[0], high, e[1]));
+        tie[g] = _cvtmask64_u64(_kor_mask64(t[0], _kshiftli_mask64(t[1], 1)));
     }
     return 64 * groups;
-#else
-    (void)p, (void)c, (void)m, (void)sub, (void)scale, (void)zero, (void)key, (void)e0, (void)tie, (void)ahead;
-    (void)ahead_step;
-    return 0;
-#endif
 }
 
-/* Queue the ties flagged in tie for the sub-block p[0, m) (codes c, first stream position e0), their
- * remainder and rounded-up code recomputed as codes16 does (same fp32 operations). About m / 256 of them. */
-static void queue_ties(const float *p, int64_t m, float sub, float scale, float zero, const uint16_t *tie, uint8_t *c,
+/* The element (0 .. 63) of bit t of a group's tie mask: bit 2 u + h is 16-bit lane u of half h, which is
+ * element 32 h + 16 ((u >> 2) & 1) + 4 (u >> 3) + (u & 3) (vpackusdw's order). */
+static inline int64_t tie_element(int t) {
+    int h = t & 1, u = t >> 1;
+    return 32 * h + 16 * ((u >> 2) & 1) + 4 * (u >> 3) + (u & 3);
+}
+
+/* Queue the ties flagged in tie (one word per 64-element group) of a sub-block's first `groups` groups
+ * (codes c, first stream position e0): one loop trip per tie, none per empty group (nz flags the groups
+ * that still hold ties). About 4 per sub-block, at random places. */
+static void queue_ties(const float *p, int64_t groups, float sub, float scale, float zero, uint64_t *tie, uint8_t *c,
                        uint64_t e0, ties_t *ties) {
-    /* One loop trip per tie, none per empty 64-element word: nz flags the words that still hold ties. */
-    uint64_t words[TIE_WORDS / 4];
     uint32_t nz = 0;
-    int64_t nw = (m + 63) >> 6;
-    memcpy(words, tie, (size_t)nw * 8);
-    for (int64_t w = 0; w < nw; w++) nz |= (uint32_t)(words[w] != 0) << w;
+    for (int64_t g = 0; g < groups; g++) nz |= (uint32_t)(tie[g] != 0) << g;
     while (nz) {
-        int w = __builtin_ctz(nz);
-        uint64_t bits = words[w];
-        int64_t k = 64 * w + __builtin_ctzll(bits);
-        words[w] = bits &= bits - 1;
-        nz ^= (uint32_t)(bits == 0) << w;
-        float q = (p[k] - sub) * scale;
-        q = q + zero;
-        float s = q * 256.0f, fs = floorf(s);
-        int32_t up = ((int32_t)fs >> 8) + 1; /* floor(q) + 1 */
-        tie_push(ties, c + k, e0 + (uint64_t)k, s - fs, up < 0 ? 0 : (up > 255 ? 255 : up));
+        int g = __builtin_ctz(nz);
+        uint64_t bits = tie[g];
+        int64_t k = 64 * g + tie_element(__builtin_ctzll(bits));
+        tie[g] = bits &= bits - 1;
+        nz ^= (uint32_t)(bits == 0) << g;
+        queue_tie(ties, p, k, sub, scale, zero, c, e0);
     }
 }
+#endif
 
 static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *codes, grid_t g, int stochastic,
-                         uint64_t key, uint64_t pos, float *buf, uint8_t *ubuf, ties_t *ties) {
+                         uint64_t key, uint64_t pos, float *buf, uint8_t *ubuf, ties_t *ties, const pre_words_t *pre) {
     for (int64_t s = 0; s < n; s += SB) {
         int64_t m = n - s < SB ? n - s : SB;
         const float *p = as_f32(x, dt, a + s, m, buf);
@@ -355,15 +400,23 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
             }
         } else if (stochastic) {
             const float sub = g.sub, scale = g.scale, zero = g.zero;
-            uint16_t tie[TIE_WORDS];
             int64_t k = 0;
-            size_t esize = dt == DT_F32 ? 4 : 2;
-            const char *ahead = (const char *)x + (size_t)(a + n + s) * esize;
-            if ((e0 & 255) == 0)
-                k = codes_stochastic_aligned(p, c, m, sub, scale, zero, key, e0, tie, ahead, 64 * (int64_t)esize);
-            if (k < m)
-                codes_stochastic(p, c, k, m, sub, scale, zero, stream_bytes(key, e0, m, ubuf), tie, ties, e0);
-            queue_ties(p, m, sub, scale, zero, tie, c, e0, ties);
+#if ALIGNED_PATH
+            if ((e0 & 255) == 0 && scale < 0x1p119f) { /* Philox words from chunk_minmax, or computed here */
+                size_t esize = dt == DT_F32 ? 4 : 2;
+                const char *ahead = (const char *)x + (size_t)(a + n + s) * esize;
+                __m512i own[16];
+                uint64_t tie[SB / 64];
+                const __m512i *w = pre && s / SB < pre->subs ? pre->w + 16 * (s / SB) : own;
+                if (w == own) mixprec_philox_words1024(key, e0 >> 8, own);
+                k = codes_stochastic_aligned(p, c, m, sub, scale * 256.0f, zero * 256.0f, w, tie, ahead,
+                                             64 * (int64_t)esize);
+                queue_ties(p, k >> 6, sub, scale, zero, tie, c, e0, ties);
+            }
+#endif
+            if (k < m) /* the rest: positions off the 256 grid, or the last m % 64 elements */
+                codes_stochastic(p + k, c + k, 0, m - k, sub, scale, zero, stream_bytes(key, e0 + (uint64_t)k, m - k, ubuf),
+                                 ties, e0 + (uint64_t)k);
             if (ties->n >= 32) tie_flush(ties, key, 0);
         } else {
             const float sub = g.sub, scale = g.scale, zero = g.zero;
@@ -390,14 +443,25 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
         uint8_t ubuf[UBUF];
         ties_t ties;
         ties.n = 0;
+        pre_words_t pre;
+#if ALIGNED_PATH
+        if (stochastic) mixprec_philox_round_keys(key, pre.kv);
+#endif
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             int64_t r = t / chunks, c = t % chunks, a = c * chunk;
             int64_t n = length - a < chunk ? length - a : chunk;
             const void *xr = (const char *)x + (size_t)(r * x_stride) * esize;
             uint8_t *o = out + r * out_stride;
+            uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
             float mn, mx;
-            if (chunk_minmax(xr, dt, a, n, &mn, &mx, buf)) {
+            pre.e0 = pos;
+#if ALIGNED_PATH
+            pre.subs = stochastic && (pos & 255) == 0 ? PRE_SUBS : 0;
+#else
+            pre.subs = 0;
+#endif
+            if (chunk_minmax(xr, dt, a, n, &mn, &mx, buf, &pre)) {
                 float q = bits_f32(0x7FC00000u);
                 memcpy(o + 4 * c, &q, 4);
                 memcpy(o + 4 * (chunks + c), &q, 4);
@@ -408,8 +472,7 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
             memcpy(o + 4 * c, &mn, 4);
             memcpy(o + 4 * (chunks + c), &mx, 4);
             grid_t g = grid_of(mn, mx);
-            uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
-            encode_chunk(xr, dt, a, n, o + 8 * chunks + a, g, stochastic, key, pos, buf, ubuf, &ties);
+            encode_chunk(xr, dt, a, n, o + 8 * chunks + a, g, stochastic, key, pos, buf, ubuf, &ties, &pre);
         }
         if (stochastic) tie_flush(&ties, key, 1);
     }
@@ -651,7 +714,7 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
             const void *xr = (const char *)x + (size_t)(r * x_stride) * esize;
             uint8_t *o = out + r * out_stride, *codes = o + 4 * chunks + a;
             float mn, mx; /* amax = max(-min, max), exactly; NaN/Inf flag the chunk */
-            int nonfinite = chunk_minmax(xr, dt, a, n, &mn, &mx, buf);
+            int nonfinite = chunk_minmax(xr, dt, a, n, &mn, &mx, buf, 0);
             float amax = -mn > mx ? -mn : mx;
             if (nonfinite) {
                 float q = bits_f32(0x7FC00000u);
