@@ -13,6 +13,9 @@
 
 #include "common.h"
 #include "philox.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
 /* Stochastic codes from Philox words in registers at stream positions on the 256 grid (vpermt2b: VBMI) */
@@ -149,6 +152,71 @@ static int chunk_minmax(const void *x, int dt, int64_t a, int64_t n, float *pmn,
     *pmx = hi;
     return bad || !isfinite(lo) || !isfinite(hi);
 }
+
+#if ALIGNED_PATH
+/* chunk_minmax of an fp32 chunk (with its Philox words, like pre) as a scan that the codes loop of the chunk
+ * before it advances 64 elements at a time (scan_step), finished by scan_finish: the next chunk's loads
+ * then overlap the codes' arithmetic instead of waiting in a pass of their own. Same lane-wise operations
+ * in the same order as chunk_minmax, so the same bounds. */
+typedef struct {
+    const float *p;
+    int64_t n, k; /* elements; the vectors before k are done */
+    __m512 mn, mx;
+    __mmask16 nan;
+    pre_words_t *pre; /* its words (pre->subs sub-blocks), or none */
+} scan_t;
+
+static inline void scan_start(scan_t *sc, const float *p, int64_t n, pre_words_t *pre) {
+    sc->p = p;
+    sc->n = n;
+    sc->k = 0;
+    sc->mn = sc->mx = _mm512_set1_ps(p[0]);
+    sc->nan = 0;
+    sc->pre = pre;
+}
+
+/* The vectors of the scan before element `upto`. */
+static inline void scan_step(scan_t *sc, int64_t upto) {
+    int64_t end = upto < sc->n ? upto : sc->n, k = sc->k, words = sc->pre ? sc->pre->subs * SB : 0;
+    __m512 vmn = sc->mn, vmx = sc->mx;
+    __mmask16 vnan = sc->nan;
+    for (; k + 16 <= end; k += 16) {
+        if ((k & 255) == 0 && k < words) /* one group of 256 elements per 16 vectors */
+            mixprec_philox_words256(sc->pre->kv, (sc->pre->e0 + (uint64_t)k) >> 8, sc->pre->w + (k >> 6));
+        __m512 v = _mm512_loadu_ps(sc->p + k);
+        vmn = _mm512_min_ps(v, vmn);
+        vmx = _mm512_max_ps(v, vmx);
+        vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    sc->k = k;
+    sc->mn = vmn;
+    sc->mx = vmx;
+    sc->nan = vnan;
+}
+
+/* The rest of the scan, and chunk_minmax's result. */
+static int scan_finish(scan_t *sc, float *pmn, float *pmx) {
+    scan_step(sc, sc->n);
+    float mn[16], mx[16];
+    _mm512_storeu_ps(mn, sc->mn);
+    _mm512_storeu_ps(mx, sc->mx);
+    uint32_t bad = sc->nan != 0;
+    for (int64_t k = sc->k; k < sc->n; k++) {
+        float v = sc->p[k];
+        mn[0] = v < mn[0] ? v : mn[0];
+        mx[0] = v > mx[0] ? v : mx[0];
+        bad |= (uint32_t)(v != v);
+    }
+    float lo = mn[0], hi = mx[0];
+    for (int l = 1; l < 16; l++) {
+        lo = mn[l] < lo ? mn[l] : lo;
+        hi = mx[l] > hi ? mx[l] : hi;
+    }
+    *pmn = lo;
+    *pmx = hi;
+    return bad || !isfinite(lo) || !isfinite(hi);
+}
+#endif
 
 /* Primary bytes of stream positions [p, p + n) (n <= SB) into u (UBUF bytes); returns where they start. */
 #define UBUF (2 * 1024) /* SB elements span at most SB / 256 + 1 groups, computed 4 at a time */
@@ -321,10 +389,11 @@ static const uint8_t HIGH[64] __attribute__((aligned(64))) = {
  * there); B = the primary bytes in the same lanes (one vpermt2b for 32); a tie is f8 = B, equal low bytes
  * (one masked vpcmpeqb); with D = S - B saturated at 0, floor(q) + up = min(D + 255, 65535) >> 8 is
  * already clamped to [0, 255] (D = 0 when S < B, where floor(q) = 0 and f8 < B), and the high bytes of
- * D + 255 for 64 elements are one vpermt2b away from the stored codes. */
+ * D + 255 for 64 elements are one vpermt2b away from the stored codes. With next, each group also advances
+ * the next chunk's scan to element base + 64 (g + 1) (base: the sub-block's first element in the chunk). */
 static int64_t codes_stochastic_aligned(const float *restrict p, uint8_t *restrict c, int64_t m, float sub,
                                         float scale256, float zero256, const __m512i *w, uint64_t *restrict tie,
-                                        const char *ahead, int64_t ahead_step) {
+                                        scan_t *next, int64_t base) {
     const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale256), vzero = _mm512_set1_ps(zero256);
     const __m512i c255 = _mm512_set1_epi16(255), pick = _mm512_load_si512((const void *)PICK);
     const __m512i high = _mm512_load_si512((const void *)HIGH);
@@ -334,7 +403,7 @@ static int64_t codes_stochastic_aligned(const float *restrict p, uint8_t *restri
     for (int64_t g = 0; g < groups; g++) {
         const __m512i *wg = w + 4 * (g >> 2), sel = _mm512_add_epi8(pick, _mm512_set1_epi8((char)(g & 3)));
         const float *x = p + 64 * g;
-        for (int64_t b = 0; b < ahead_step; b += 64) _mm_prefetch(ahead + ahead_step * g + b, _MM_HINT_T0);
+        if (next) scan_step(next, base + 64 * (g + 1)); /* 64 elements of the next chunk's scan */
         __m512i e[2];
         __mmask64 t[2];
         for (int h = 0; h < 2; h++) { /* elements 32 h .. 32 h + 31 */
@@ -376,7 +445,9 @@ static void queue_ties(const float *p, int64_t groups, float sub, float scale, f
 #endif
 
 static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *codes, grid_t g, int stochastic,
-                         uint64_t key, uint64_t pos, float *buf, uint8_t *ubuf, ties_t *ties, const pre_words_t *pre) {
+                         uint64_t key, uint64_t pos, float *buf, uint8_t *ubuf, ties_t *ties, const pre_words_t *pre,
+                         void *next) {
+    (void)pre, (void)next; /* unused without the aligned path */
     for (int64_t s = 0; s < n; s += SB) {
         int64_t m = n - s < SB ? n - s : SB;
         const float *p = as_f32(x, dt, a + s, m, buf);
@@ -403,14 +474,11 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
             int64_t k = 0;
 #if ALIGNED_PATH
             if ((e0 & 255) == 0 && scale < 0x1p119f) { /* Philox words from chunk_minmax, or computed here */
-                size_t esize = dt == DT_F32 ? 4 : 2;
-                const char *ahead = (const char *)x + (size_t)(a + n + s) * esize;
                 __m512i own[16];
                 uint64_t tie[SB / 64];
                 const __m512i *w = pre && s / SB < pre->subs ? pre->w + 16 * (s / SB) : own;
                 if (w == own) mixprec_philox_words1024(key, e0 >> 8, own);
-                k = codes_stochastic_aligned(p, c, m, sub, scale * 256.0f, zero * 256.0f, w, tie, ahead,
-                                             64 * (int64_t)esize);
+                k = codes_stochastic_aligned(p, c, m, sub, scale * 256.0f, zero * 256.0f, w, tie, (scan_t *)next, s);
                 queue_ties(p, k >> 6, sub, scale, zero, tie, c, e0, ties);
             }
 #endif
@@ -429,6 +497,50 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
     }
 }
 
+#if ALIGNED_PATH
+/* Tasks [lo, hi) of mixprec_quant_encode_u8 for fp32 rows and stochastic rounding, software-pipelined: the
+ * min/max scan (and Philox words) of task t + 1 runs inside the codes loop of task t (scan_t), so that its
+ * memory traffic overlaps their arithmetic. pre: two word buffers, the round keys set. Returns the number
+ * of flagged chunks. */
+static int64_t encode_u8_pipelined(const float *x, int64_t length, int64_t x_stride, uint8_t *out, int64_t out_stride,
+                                   int64_t chunk, uint64_t key, int64_t offset, int64_t pos_stride, int64_t lo,
+                                   int64_t hi, float *buf, uint8_t *ubuf, ties_t *ties, pre_words_t pre[2]) {
+    int64_t chunks = (length + chunk - 1) / chunk, bad = 0;
+    scan_t sc[2];
+    float mn, mx;
+    int nonfinite = 0, cur = 0;
+    for (int64_t t = lo; t < hi; t++) {
+        for (int64_t u = t == lo ? t : t + 1; u <= t + 1 && u < hi; u++) { /* start the scan of u */
+            int64_t r = u / chunks, a = (u % chunks) * chunk, n = length - a < chunk ? length - a : chunk;
+            uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
+            pre_words_t *pw = &pre[(u - lo) & 1];
+            pw->e0 = pos;
+            pw->subs = (pos & 255) == 0 ? PRE_SUBS : 0;
+            scan_start(&sc[(u - lo) & 1], x + r * x_stride + a, n, pw);
+            if (u == lo) nonfinite = scan_finish(&sc[0], &mn, &mx);
+        }
+        cur = (int)((t - lo) & 1);
+        scan_t *next = t + 1 < hi ? &sc[cur ^ 1] : 0;
+        int64_t r = t / chunks, c = t % chunks, a = c * chunk, n = length - a < chunk ? length - a : chunk;
+        uint8_t *o = out + r * out_stride;
+        if (nonfinite) {
+            float q = bits_f32(0x7FC00000u);
+            memcpy(o + 4 * c, &q, 4);
+            memcpy(o + 4 * (chunks + c), &q, 4);
+            memset(o + 8 * chunks + a, 0, (size_t)n);
+            bad++;
+        } else {
+            memcpy(o + 4 * c, &mn, 4);
+            memcpy(o + 4 * (chunks + c), &mx, 4);
+            encode_chunk(x + r * x_stride, DT_F32, a, n, o + 8 * chunks + a, grid_of(mn, mx), 1, key,
+                         (uint64_t)(offset + r * pos_stride + a), buf, ubuf, ties, &pre[cur], next);
+        }
+        if (next) nonfinite = scan_finish(next, &mn, &mx);
+    }
+    return bad;
+}
+#endif
+
 /* Encode `rows` rows of `length` elements (row r at x + r * x_stride elements) into out (row r at
  * out + r * out_stride bytes: C mins, C maxs, then the codes). Stochastic: element j of row r is stream
  * position offset + r * pos_stride + j of the Philox stream `key`. Returns the number of flagged chunks. */
@@ -446,7 +558,21 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
         pre_words_t pre;
 #if ALIGNED_PATH
         if (stochastic) mixprec_philox_round_keys(key, pre.kv);
+        if (stochastic && dt == DT_F32) {
+            pre_words_t two[2];
+            mixprec_philox_round_keys(key, two[0].kv);
+            memcpy(two[1].kv, two[0].kv, sizeof two[0].kv);
+#ifdef _OPENMP
+            int64_t me = omp_get_thread_num(), nth = omp_get_num_threads();
+#else
+            int64_t me = 0, nth = 1;
 #endif
+            bad += encode_u8_pipelined((const float *)x, length, x_stride, out, out_stride, chunk, key, offset,
+                                       pos_stride, tasks * me / nth, tasks * (me + 1) / nth, buf, ubuf, &ties, two);
+            tie_flush(&ties, key, 1);
+        } else
+#endif
+        {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             int64_t r = t / chunks, c = t % chunks, a = c * chunk;
@@ -472,9 +598,10 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
             memcpy(o + 4 * c, &mn, 4);
             memcpy(o + 4 * (chunks + c), &mx, 4);
             grid_t g = grid_of(mn, mx);
-            encode_chunk(xr, dt, a, n, o + 8 * chunks + a, g, stochastic, key, pos, buf, ubuf, &ties, &pre);
+            encode_chunk(xr, dt, a, n, o + 8 * chunks + a, g, stochastic, key, pos, buf, ubuf, &ties, &pre, 0);
         }
         if (stochastic) tie_flush(&ties, key, 1);
+        }
     }
     return bad;
 }
