@@ -240,6 +240,7 @@ static inline const uint8_t *stream_bytes(uint64_t key, uint64_t p, int64_t n, u
 #define TIE_CAP (SB + 32)
 typedef struct {
     int64_t n;
+    int of_q; /* rem holds the uint8 grid coordinate q; tie_flush derives remainder and rounded-up code */
     uint8_t *dst[TIE_CAP];
     uint64_t e[TIE_CAP];
     float rem[TIE_CAP];
@@ -251,6 +252,22 @@ static inline void tie_push(ties_t *t, uint8_t *dst, uint64_t e, float rem, int3
     t->e[t->n] = e;
     t->rem[t->n] = rem;
     t->up[t->n++] = up;
+}
+
+/* A tie of the uint8 grid by its q (of_q): the arithmetic waits for tie_flush, 8 ties per vector. */
+static inline void tie_push_q(ties_t *t, uint8_t *dst, uint64_t e, float q) {
+    t->dst[t->n] = dst;
+    t->e[t->n] = e;
+    t->rem[t->n++] = q;
+}
+
+/* The remainder 256 q - floor(256 q) and the rounded-up code clamp(floor(q) + 1) of a uint8 tie at q, on
+ * the vector loops' fp32 operations (S = floor(256 q), floor(q) = S >> 8). */
+static inline float tie_of_q(float q, int32_t *up) {
+    float s = q * 256.0f, fs = floorf(s);
+    int32_t u = ((int32_t)fs >> 8) + 1;
+    *up = u < 0 ? 0 : (u > 255 ? 255 : u);
+    return s - fs;
 }
 
 /* Resolve pending ties, up when the secondary word w < rem 2**32 (both exact in double): every batch of 32,
@@ -267,13 +284,25 @@ static void tie_flush(ties_t *t, uint64_t key, int all) {
 #if defined(__AVX512F__)
         for (int b = 0; b < 32; b += 8) {
             __mmask8 live = (__mmask8)(cnt - b >= 8 ? 0xFF : (cnt > b ? (1u << (cnt - b)) - 1 : 0));
+            __m256 rem = _mm256_maskz_loadu_ps(live, t->rem + i + b);
+            if (t->of_q) { /* tie_of_q, 8 at a time */
+                __m256 s8 = _mm256_mul_ps(rem, _mm256_set1_ps(256.0f));
+                __m256 fs = _mm256_round_ps(s8, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+                __m256i u = _mm256_add_epi32(_mm256_srai_epi32(_mm256_cvttps_epi32(fs), 8), _mm256_set1_epi32(1));
+                u = _mm256_min_epi32(_mm256_max_epi32(u, _mm256_setzero_si256()), _mm256_set1_epi32(255));
+                _mm256_storeu_si256((__m256i *)(t->up + i + b), u); /* TIE_CAP leaves room for a batch */
+                rem = _mm256_sub_ps(s8, fs);
+            }
             __m512d wd = _mm512_cvtepu32_pd(_mm256_loadu_si256((const __m256i *)(w + b)));
-            __m512d rd = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_maskz_loadu_ps(live, t->rem + i + b)),
-                                       _mm512_set1_pd(0x1p32));
+            __m512d rd = _mm512_mul_pd(_mm512_cvtps_pd(rem), _mm512_set1_pd(0x1p32));
             up |= (uint32_t)_mm512_mask_cmp_pd_mask(live, wd, rd, _CMP_LT_OQ) << b;
         }
 #else
-        for (int j = 0; j < cnt; j++) up |= (uint32_t)((double)w[j] < (double)t->rem[i + j] * 0x1p32) << j;
+        for (int j = 0; j < cnt; j++) {
+            float rem = t->rem[i + j];
+            if (t->of_q) rem = tie_of_q(rem, &t->up[i + j]);
+            up |= (uint32_t)((double)w[j] < (double)rem * 0x1p32) << j;
+        }
 #endif
         for (int j = 0; j < cnt; j++) {
             uint8_t *c = t->dst[i + j];
@@ -281,11 +310,13 @@ static void tie_flush(ties_t *t, uint64_t key, int all) {
             *c = (uint8_t)(*c ^ ((*c ^ (uint32_t)t->up[i + j]) & take));
         }
     }
-    int64_t left = i < t->n ? t->n - i : 0;
-    memmove(t->dst, t->dst + i, (size_t)left * sizeof t->dst[0]);
-    memmove(t->e, t->e + i, (size_t)left * sizeof t->e[0]);
-    memmove(t->rem, t->rem + i, (size_t)left * sizeof t->rem[0]);
-    memmove(t->up, t->up + i, (size_t)left * sizeof t->up[0]);
+    int64_t left = i < t->n ? t->n - i : 0; /* fewer than 32 */
+    for (int64_t j = 0; j < left; j++) {
+        t->dst[j] = t->dst[i + j];
+        t->e[j] = t->e[i + j];
+        t->rem[j] = t->rem[i + j];
+        t->up[j] = t->up[i + j];
+    }
     t->n = left;
 }
 
@@ -310,15 +341,13 @@ static inline float floor24(float q) {
     return t > q ? t - 1.0f : t;
 }
 
-/* Queue the tie of element k of a sub-block (codes c, first stream position e0): its remainder
- * 256 q - floor(256 q) and rounded-up code, on the vector loops' fp32 operations. */
+/* Queue the tie of element k of a sub-block (codes c, first stream position e0) by its q, on the vector
+ * loops' fp32 operations. */
 static inline void queue_tie(ties_t *ties, const float *p, int64_t k, float sub, float scale, float zero, uint8_t *c,
                              uint64_t e0) {
     float q = (p[k] - sub) * scale;
     q = q + zero;
-    float s = q * 256.0f, fs = floorf(s);
-    int32_t up = ((int32_t)fs >> 8) + 1; /* floor(q) + 1 */
-    tie_push(ties, c + k, e0 + (uint64_t)k, s - fs, up < 0 ? 0 : (up > 255 ? 255 : up));
+    tie_push_q(ties, c + k, e0 + (uint64_t)k, q);
 }
 
 #if defined(__AVX512F__)
@@ -359,7 +388,7 @@ static void codes_stochastic(const float *restrict p, uint8_t *restrict c, int64
         float f = floor24(q), sc = (q - f) * 256.0f; /* exact product */
         int32_t f8 = (int32_t)sc, b = (int32_t)u[k]; /* truncation = floor */
         c[k] = code_of(f, b < f8 ? 1.0f : 0.0f);
-        if (b == f8) tie_push(ties, c + k, e0 + (uint64_t)k, sc - (float)f8, code_of(f, 1.0f));
+        if (b == f8) tie_push_q(ties, c + k, e0 + (uint64_t)k, q); /* tie_of_q: sc - f8, code_of(f, 1) */
     }
 }
 
@@ -378,7 +407,8 @@ static const uint8_t HIGH[64] __attribute__((aligned(64))) = {
 /* Stochastic codes of the whole 64-element groups of a sub-block (m <= SB elements) whose first stream
  * position is a multiple of 256, from the Philox words w of its groups (philox.h: byte b of word j of group
  * i is the 16 elements at 256 i + 64 b + 16 j). Returns the number of elements done (m rounded down to a
- * multiple of 64); the ties of group g are flagged in tie[g] (bit layout: tie_element). scale256 and
+ * multiple of 64); the ties of group g are flagged in tie[g] (bit layout: tie_element), and bit g of *nz
+ * says whether there are any. scale256 and
  * zero256 are 256 scale and 256 zero (exact; the caller checks that 256 scale is finite), so that
  * s = (x - sub) scale256 + zero256 = 256 q exactly (scaling by 2**8 commutes with the rounding; where q
  * would be subnormal, S below is 0 or -1 either way) and S = floor(256 q) = 256 floor(q) + f8 is one
@@ -393,13 +423,14 @@ static const uint8_t HIGH[64] __attribute__((aligned(64))) = {
  * the next chunk's scan to element base + 64 (g + 1) (base: the sub-block's first element in the chunk). */
 static int64_t codes_stochastic_aligned(const float *restrict p, uint8_t *restrict c, int64_t m, float sub,
                                         float scale256, float zero256, const __m512i *w, uint64_t *restrict tie,
-                                        scan_t *next, int64_t base) {
+                                        uint32_t *nz, scan_t *next, int64_t base) {
     const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale256), vzero = _mm512_set1_ps(zero256);
     const __m512i c255 = _mm512_set1_epi16(255), pick = _mm512_load_si512((const void *)PICK);
     const __m512i high = _mm512_load_si512((const void *)HIGH);
     const __mmask64 low = 0x5555555555555555ull;
     const int down = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC;
     int64_t groups = m >> 6;
+    uint32_t any = 0;
     for (int64_t g = 0; g < groups; g++) {
         const __m512i *wg = w + 4 * (g >> 2), sel = _mm512_add_epi8(pick, _mm512_set1_epi8((char)(g & 3)));
         const float *x = p + 64 * g;
@@ -414,8 +445,11 @@ static int64_t codes_stochastic_aligned(const float *restrict p, uint8_t *restri
             e[h] = _mm512_adds_epu16(_mm512_subs_epu16(S, B), c255);
         }
         _mm512_storeu_si512((void *)(c + 64 * g), _mm512_permutex2var_epi8(e[0], high, e[1]));
-        tie[g] = _cvtmask64_u64(_kor_mask64(t[0], _kshiftli_mask64(t[1], 1)));
+        uint64_t bits = _cvtmask64_u64(_kor_mask64(t[0], _kshiftli_mask64(t[1], 1)));
+        tie[g] = bits;
+        any |= (uint32_t)(bits != 0) << g; /* scalar ports, idle in this loop */
     }
+    *nz = any;
     return 64 * groups;
 }
 
@@ -429,10 +463,8 @@ static inline int64_t tie_element(int t) {
 /* Queue the ties flagged in tie (one word per 64-element group) of a sub-block's first `groups` groups
  * (codes c, first stream position e0): one loop trip per tie, none per empty group (nz flags the groups
  * that still hold ties). About 4 per sub-block, at random places. */
-static void queue_ties(const float *p, int64_t groups, float sub, float scale, float zero, uint64_t *tie, uint8_t *c,
+static inline void queue_ties(const float *p, uint32_t nz, float sub, float scale, float zero, uint64_t *tie, uint8_t *c,
                        uint64_t e0, ties_t *ties) {
-    uint32_t nz = 0;
-    for (int64_t g = 0; g < groups; g++) nz |= (uint32_t)(tie[g] != 0) << g;
     while (nz) {
         int g = __builtin_ctz(nz);
         uint64_t bits = tie[g];
@@ -478,8 +510,9 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
                 uint64_t tie[SB / 64];
                 const __m512i *w = pre && s / SB < pre->subs ? pre->w + 16 * (s / SB) : own;
                 if (w == own) mixprec_philox_words1024(key, e0 >> 8, own);
-                k = codes_stochastic_aligned(p, c, m, sub, scale * 256.0f, zero * 256.0f, w, tie, (scan_t *)next, s);
-                queue_ties(p, k >> 6, sub, scale, zero, tie, c, e0, ties);
+                uint32_t nz;
+                k = codes_stochastic_aligned(p, c, m, sub, scale * 256.0f, zero * 256.0f, w, tie, &nz, (scan_t *)next, s);
+                queue_ties(p, nz, sub, scale, zero, tie, c, e0, ties);
             }
 #endif
             if (k < m) /* the rest: positions off the 256 grid, or the last m % 64 elements */
@@ -555,6 +588,7 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
         uint8_t ubuf[UBUF];
         ties_t ties;
         ties.n = 0;
+        ties.of_q = 1;
         pre_words_t pre;
 #if ALIGNED_PATH
         if (stochastic) mixprec_philox_round_keys(key, pre.kv);
@@ -834,6 +868,7 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
         uint16_t tie[TIE_WORDS];
         ties_t ties;
         ties.n = 0;
+        ties.of_q = 0;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             int64_t r = t / chunks, c = t % chunks, a = c * chunk;
