@@ -279,8 +279,9 @@ static void tie_flush(ties_t *t, uint64_t key, int all) {
         int cnt = t->n - i < 32 ? (int)(t->n - i) : 32;
         uint64_t e[32];
         uint32_t w[32], up = 0;
-        for (int j = 0; j < 32; j++) e[j] = t->e[i + (j < cnt ? j : 0)];
-        mixprec_philox_tie_words32(key, e, w);
+        if (cnt < 32) /* a partial batch: repeat its first position */
+            for (int j = 0; j < 32; j++) e[j] = t->e[i + (j < cnt ? j : 0)];
+        mixprec_philox_tie_words32(key, cnt < 32 ? e : t->e + i, w);
 #if defined(__AVX512F__)
         for (int b = 0; b < 32; b += 8) {
             __mmask8 live = (__mmask8)(cnt - b >= 8 ? 0xFF : (cnt > b ? (1u << (cnt - b)) - 1 : 0));
@@ -445,7 +446,7 @@ static int64_t codes_stochastic_aligned(const float *restrict p, uint8_t *restri
             e[h] = _mm512_adds_epu16(_mm512_subs_epu16(S, B), c255);
         }
         _mm512_storeu_si512((void *)(c + 64 * g), _mm512_permutex2var_epi8(e[0], high, e[1]));
-        uint64_t bits = _cvtmask64_u64(_kor_mask64(t[0], _kshiftli_mask64(t[1], 1)));
+        uint64_t bits = _cvtmask64_u64(t[0]) | _cvtmask64_u64(t[1]) << 1; /* scalar ports, not k-mask ops */
         tie[g] = bits;
         any |= (uint32_t)(bits != 0) << g; /* scalar ports, idle in this loop */
     }
@@ -464,15 +465,20 @@ static inline int64_t tie_element(int t) {
  * (codes c, first stream position e0): one loop trip per tie, none per empty group (nz flags the groups
  * that still hold ties). About 4 per sub-block, at random places. */
 static inline void queue_ties(const float *p, uint32_t nz, float sub, float scale, float zero, uint64_t *tie, uint8_t *c,
-                       uint64_t e0, ties_t *ties) {
+                              uint64_t e0, ties_t *ties) {
+    int64_t n = ties->n; /* in a register: the stores below could alias it as far as the compiler knows */
     while (nz) {
         int g = __builtin_ctz(nz);
         uint64_t bits = tie[g];
         int64_t k = 64 * g + tie_element(__builtin_ctzll(bits));
         tie[g] = bits &= bits - 1;
         nz ^= (uint32_t)(bits == 0) << g;
-        queue_tie(ties, p, k, sub, scale, zero, c, e0);
+        float q = (p[k] - sub) * scale;
+        ties->dst[n] = c + k;
+        ties->e[n] = e0 + (uint64_t)k;
+        ties->rem[n++] = q + zero; /* tie_push_q */
     }
+    ties->n = n;
 }
 #endif
 
