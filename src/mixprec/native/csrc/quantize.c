@@ -7,7 +7,9 @@
  * the same precision (-ffp-contract=off: no fused multiply-add): docs/compress.md says why each step rounds
  * where it does. Stochastic rounding takes its random bits from Philox4x32-10 (philox.h) at the element's
  * stream position, so the result does not depend on the thread count or the blocking: one primary byte per
- * element in the vectorized loop, and a secondary word for the few ties (1 in 256) in a sparse fix-up. */
+ * element in the vectorized loop, and a secondary word for the few ties (1 in 256) in a batched fix-up. For
+ * fp32 input each thread pipelines its chunks (encode_u8_pipelined): the next chunk's min/max scan and
+ * Philox words run inside the current chunk's codes loop, so its loads overlap the stochastic arithmetic. */
 #include <float.h>
 #include <math.h>
 
