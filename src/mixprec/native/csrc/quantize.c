@@ -463,22 +463,23 @@ static inline int64_t tie_element(int t) {
     return 32 * h + 16 * ((u >> 2) & 1) + 4 * (u >> 3) + (u & 3);
 }
 
-/* Queue the ties flagged in tie (one word per 64-element group) of a sub-block's first `groups` groups
- * (codes c, first stream position e0): one loop trip per tie, none per empty group (nz flags the groups
- * that still hold ties). About 4 per sub-block, at random places. */
+/* Queue the ties flagged in tie (one word per 64-element group) of a sub-block (codes c, first stream
+ * position e0): one loop trip per tie, none per empty group (nz flags the groups that hold ties). About 4
+ * per sub-block, at random places. */
 static inline void queue_ties(const float *p, uint32_t nz, float sub, float scale, float zero, uint64_t *tie, uint8_t *c,
                               uint64_t e0, ties_t *ties) {
     int64_t n = ties->n; /* in a register: the stores below could alias it as far as the compiler knows */
-    while (nz) {
-        int g = __builtin_ctz(nz);
+    for (; nz; nz &= nz - 1) { /* the groups with ties; short loop-carried chains */
+        int64_t g = __builtin_ctz(nz);
         uint64_t bits = tie[g];
-        int64_t k = 64 * g + tie_element(__builtin_ctzll(bits));
-        tie[g] = bits &= bits - 1;
-        nz ^= (uint32_t)(bits == 0) << g;
-        float q = (p[k] - sub) * scale;
-        ties->dst[n] = c + k;
-        ties->e[n] = e0 + (uint64_t)k;
-        ties->rem[n++] = q + zero; /* tie_push_q */
+        do { /* mostly once */
+            int64_t k = 64 * g + tie_element(__builtin_ctzll(bits));
+            float q = (p[k] - sub) * scale;
+            ties->dst[n] = c + k;
+            ties->e[n] = e0 + (uint64_t)k;
+            ties->rem[n++] = q + zero; /* tie_push_q */
+            bits &= bits - 1;
+        } while (bits);
     }
     ties->n = n;
 }
