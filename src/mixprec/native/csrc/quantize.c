@@ -183,8 +183,8 @@ static inline void scan_step(scan_t *sc, int64_t upto) {
     __m512 vmn = sc->mn, vmx = sc->mx;
     __mmask16 vnan = sc->nan;
     for (; k + 16 <= end; k += 16) {
-        if ((k & 255) == 0 && k < words) /* one group of 256 elements per 16 vectors */
-            mixprec_philox_words256(sc->pre->kv, (sc->pre->e0 + (uint64_t)k) >> 8, sc->pre->w + (k >> 6));
+        if ((k & 1023) == 0 && k < words) /* the 4 groups of a sub-block: 8 chains, measured faster here */
+            mixprec_philox_words(sc->pre->kv, (sc->pre->e0 + (uint64_t)k) >> 8, 8, sc->pre->w + (k >> 6));
         __m512 v = _mm512_loadu_ps(sc->p + k);
         vmn = _mm512_min_ps(v, vmn);
         vmx = _mm512_max_ps(v, vmx);
