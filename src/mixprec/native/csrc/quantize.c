@@ -75,6 +75,16 @@ static inline const float *as_f32(const void *x, int dt, int64_t i, int64_t n, f
     return buf;
 }
 
+#if defined(__AVX512F__)
+/* One step of chunk_minmax's lane-wise min, max and NaN check (vminps/vmaxps: v < mn ? v : mn). */
+static inline void minmax16(const float *p, __m512 *vmn, __m512 *vmx, __mmask16 *vnan) {
+    __m512 v = _mm512_loadu_ps(p);
+    *vmn = _mm512_min_ps(v, *vmn);
+    *vmx = _mm512_max_ps(v, *vmx);
+    *vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+}
+#endif
+
 /* Philox words that chunk_minmax computes on the side: those of the first `subs` sub-blocks of a chunk
  * whose first stream position e0 is a multiple of 256, 16 vectors per sub-block (philox.h's layout). */
 #define PRE_SUBS 4 /* 4 KiB per thread: the whole of a 4096-element chunk */
@@ -113,16 +123,15 @@ static int chunk_minmax(const void *x, int dt, int64_t a, int64_t n, float *pmn,
 #if ALIGNED_PATH
             __m512i *w = pre && s / SB < pre->subs ? pre->w + 16 * (s / SB) : 0;
 #endif
-            for (; k + 16 <= m; k += 16) {
 #if ALIGNED_PATH
-                if (w && (k & 255) == 0) /* one group of 256 elements per 16 vectors */
-                    mixprec_philox_words256(pre->kv, (pre->e0 + (uint64_t)(s + k)) >> 8, w + (k >> 6));
+            if (w) /* a loop of its own: a test in the plain loop below slows the nearest encode */
+                for (; k + 16 <= m; k += 16) {
+                    if ((k & 255) == 0) /* one group of 256 elements per 16 vectors */
+                        mixprec_philox_words256(pre->kv, (pre->e0 + (uint64_t)(s + k)) >> 8, w + (k >> 6));
+                    minmax16(p + k, &vmn, &vmx, &vnan);
+                }
 #endif
-                __m512 v = _mm512_loadu_ps(p + k);
-                vmn = _mm512_min_ps(v, vmn); /* v < mn ? v : mn */
-                vmx = _mm512_max_ps(v, vmx); /* v > mx ? v : mx */
-                vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            }
+            for (; k + 16 <= m; k += 16) minmax16(p + k, &vmn, &vmx, &vnan);
             _mm512_storeu_ps(mn, vmn);
             _mm512_storeu_ps(mx, vmx);
             nan[0] |= vnan != 0;
