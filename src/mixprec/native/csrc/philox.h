@@ -32,39 +32,68 @@ static inline void mixprec_philox4x32_10(const uint32_t ctr[4], const uint32_t k
 #endif
 
 #if defined(__AVX512F__)
-/* The 64 counters of groups g .. g + 3 (16 each): w[4 i + j] holds word j of counter 16 (g + i) + l in lane
- * l. Four groups at once: their rounds are independent, which hides the latency of the multiplies. */
-static inline void mixprec_philox_words1024(uint64_t key, uint64_t g, __m512i w[16]) {
+/* The round keys of `key` in every lane, kv[2 r] = k0 + r W0 and kv[2 r + 1] = k1 + r W1: computed once
+ * per key and read from memory by the rounds (a broadcast from a register takes a shuffle-port uop). */
+static inline void mixprec_philox_round_keys(uint64_t key, __m512i kv[20]) {
     uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
-    /* One counter per 64-bit lane, its words in the low halves: vpmuludq reads only those, so the high
-     * halves may hold garbage until the words are packed at the end. 8 chains of 8 counters. */
+    for (int r = 0; r < 10; r++) {
+        kv[2 * r] = _mm512_set1_epi64(k0);
+        kv[2 * r + 1] = _mm512_set1_epi64(k1);
+        k0 += MIXPREC_PHILOX_W0;
+        k1 += MIXPREC_PHILOX_W1;
+    }
+}
+
+/* The 10 rounds on n chains of 8 counters each, one counter per 64-bit lane with its words in the low
+ * halves: vpmuludq reads only those, so the high halves may hold garbage until the words are packed. The
+ * chains are independent, which hides the latency of the multiplies. */
+static inline void mixprec_philox_rounds(const __m512i kv[20], int n, __m512i x0[], __m512i x1[], __m512i x2[],
+                                         __m512i x3[]) {
+    const __m512i m0 = _mm512_set1_epi64(MIXPREC_PHILOX_M0), m1 = _mm512_set1_epi64(MIXPREC_PHILOX_M1);
+    for (int r = 0; r < 10; r++) {
+        for (int i = 0; i < n; i++) {
+            __m512i p0 = _mm512_mul_epu32(x0[i], m0), p1 = _mm512_mul_epu32(x2[i], m1);
+            /* hi(p) to the low half by vpshufd (port 5) rather than vpsrlq, which shares port 0 with vpmuludq */
+            __m512i h0 = _mm512_shuffle_epi32(p0, _MM_SHUFFLE(3, 3, 1, 1));
+            __m512i h1 = _mm512_shuffle_epi32(p1, _MM_SHUFFLE(3, 3, 1, 1));
+            x0[i] = _mm512_ternarylogic_epi64(h1, x1[i], kv[2 * r], 0x96); /* three-way xor */
+            x2[i] = _mm512_ternarylogic_epi64(h0, x3[i], kv[2 * r + 1], 0x96);
+            x1[i] = p1; /* low word: the product's low half */
+            x3[i] = p0;
+        }
+    }
+}
+
+/* The words of n / 2 groups from g (16 counters each) after the rounds on n chains: w[4 i + j] holds word j
+ * of counter 16 (g + i) + l in lane l. One vpermt2d joins the low dwords of two chains (vpmovqd +
+ * vinserti64x4 take 5 uops). */
+static inline void mixprec_philox_words(const __m512i kv[20], uint64_t g, int n, __m512i w[]) {
     __m512i x0[8], x1[8], x2[8], x3[8];
     const __m512i iota = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < n; i++) {
         uint64_t c = ((g + (uint64_t)(i >> 1)) << 4) + (uint64_t)(8 * (i & 1)); /* + lane: no carry */
         x0[i] = _mm512_add_epi64(_mm512_set1_epi64((long long)(uint32_t)c), iota);
         x1[i] = _mm512_set1_epi64((long long)(c >> 32));
         x2[i] = x3[i] = _mm512_setzero_si512();
     }
-    const __m512i m0 = _mm512_set1_epi64(MIXPREC_PHILOX_M0), m1 = _mm512_set1_epi64(MIXPREC_PHILOX_M1);
-    for (int r = 0; r < 10; r++) {
-        const __m512i ka = _mm512_set1_epi64(k0), kb = _mm512_set1_epi64(k1);
-        for (int i = 0; i < 8; i++) {
-            __m512i p0 = _mm512_mul_epu32(x0[i], m0), p1 = _mm512_mul_epu32(x2[i], m1);
-            x0[i] = _mm512_ternarylogic_epi64(_mm512_srli_epi64(p1, 32), x1[i], ka, 0x96); /* three-way xor */
-            x2[i] = _mm512_ternarylogic_epi64(_mm512_srli_epi64(p0, 32), x3[i], kb, 0x96);
-            x1[i] = p1; /* low word: the product's low half */
-            x3[i] = p0;
-        }
-        k0 += MIXPREC_PHILOX_W0;
-        k1 += MIXPREC_PHILOX_W1;
-    }
-    for (int i = 0; i < 8; i += 2) {
+    mixprec_philox_rounds(kv, n, x0, x1, x2, x3);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    for (int i = 0; i < n; i += 2) {
         __m512i *x[4] = {x0, x1, x2, x3};
-        for (int j = 0; j < 4; j++)
-            w[2 * i + j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(x[j][i])),
-                                              _mm512_cvtepi64_epi32(x[j][i + 1]), 1);
+        for (int j = 0; j < 4; j++) w[2 * i + j] = _mm512_permutex2var_epi32(x[j][i], even, x[j][i + 1]);
     }
+}
+
+/* The words of group g (256 elements): w[j] holds word j of counter 16 g + l in lane l. */
+static inline void mixprec_philox_words256(const __m512i kv[20], uint64_t g, __m512i w[4]) {
+    mixprec_philox_words(kv, g, 2, w);
+}
+
+/* The words of groups g .. g + 3 (1024 elements), 8 chains side by side. */
+static inline void mixprec_philox_words1024(uint64_t key, uint64_t g, __m512i w[16]) {
+    __m512i kv[20];
+    mixprec_philox_round_keys(key, kv);
+    mixprec_philox_words(kv, g, 8, w);
 }
 #endif
 
@@ -113,7 +142,6 @@ static inline uint32_t mixprec_philox_tie_word(uint64_t key, uint64_t e) {
 /* The secondary words of 32 stream positions at once: four chains of 8 independent lanes, so that the
  * multiply latency of the 10 rounds is paid once per batch of ties rather than once per tie. */
 static inline void mixprec_philox_tie_words32(uint64_t key, const uint64_t e[32], uint32_t out[32]) {
-    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
 #if defined(__AVX512F__)
     __m512i x0[4], x1[4], x2[4], x3[4];
     for (int i = 0; i < 4; i++) {
@@ -123,24 +151,12 @@ static inline void mixprec_philox_tie_words32(uint64_t key, const uint64_t e[32]
         x2[i] = _mm512_set1_epi64(1);
         x3[i] = _mm512_setzero_si512();
     }
-    const __m512i m0 = _mm512_set1_epi64(MIXPREC_PHILOX_M0), m1 = _mm512_set1_epi64(MIXPREC_PHILOX_M1);
-    for (int r = 0; r < 10; r++) {
-        const __m512i ka = _mm512_set1_epi64(k0), kb = _mm512_set1_epi64(k1);
-        for (int i = 0; i < 4; i++) {
-            __m512i p0 = _mm512_mul_epu32(x0[i], m0), p1 = _mm512_mul_epu32(x2[i], m1);
-            x0[i] = _mm512_ternarylogic_epi64(_mm512_srli_epi64(p1, 32), x1[i], ka, 0x96);
-            x2[i] = _mm512_ternarylogic_epi64(_mm512_srli_epi64(p0, 32), x3[i], kb, 0x96);
-            x1[i] = p1;
-            x3[i] = p0;
-        }
-        k0 += MIXPREC_PHILOX_W0;
-        k1 += MIXPREC_PHILOX_W1;
-    }
+    __m512i kv[20];
+    mixprec_philox_round_keys(key, kv);
+    mixprec_philox_rounds(kv, 4, x0, x1, x2, x3);
     for (int i = 0; i < 4; i++) _mm256_storeu_si256((__m256i *)(out + 8 * i), _mm512_cvtepi64_epi32(x0[i]));
 #else
     for (int l = 0; l < 32; l++) out[l] = mixprec_philox_tie_word(key, e[l]);
-    (void)k0;
-    (void)k1;
 #endif
 }
 #endif

@@ -7,14 +7,25 @@
  * the same precision (-ffp-contract=off: no fused multiply-add): docs/compress.md says why each step rounds
  * where it does. Stochastic rounding takes its random bits from Philox4x32-10 (philox.h) at the element's
  * stream position, so the result does not depend on the thread count or the blocking: one primary byte per
- * element in the vectorized loop, and a secondary word for the few ties (1 in 256) in a sparse fix-up. */
+ * element in the vectorized loop, and a secondary word for the few ties (1 in 256) in a batched fix-up. For
+ * fp32 input each thread pipelines its chunks (encode_u8_pipelined): the next chunk's min/max scan and
+ * Philox words run inside the current chunk's codes loop, so its loads overlap the stochastic arithmetic. */
 #include <float.h>
 #include <math.h>
 
 #include "common.h"
 #include "philox.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+/* Stochastic codes from Philox words in registers at stream positions on the 256 grid (vpermt2b: VBMI) */
+#if defined(__AVX512F__) && defined(__AVX512VBMI__)
+#define ALIGNED_PATH 1
+#else
+#define ALIGNED_PATH 0
+#endif
 #define SB 1024 /* elements per sub-block: 4 KiB of fp32 scratch per thread */
 #define MAGIC 8388608.0f /* 2**23: bits(fl32(q + 2**23)) & 0xFF = rne(q) for 0 <= q < 256 */
 
@@ -64,9 +75,35 @@ static inline const float *as_f32(const void *x, int dt, int64_t i, int64_t n, f
     return buf;
 }
 
+#if defined(__AVX512F__)
+/* One step of chunk_minmax's lane-wise min, max and NaN check (vminps/vmaxps: v < mn ? v : mn). */
+static inline void minmax16(const float *p, __m512 *vmn, __m512 *vmx, __mmask16 *vnan) {
+    __m512 v = _mm512_loadu_ps(p);
+    *vmn = _mm512_min_ps(v, *vmn);
+    *vmx = _mm512_max_ps(v, *vmx);
+    *vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+}
+#endif
+
+/* Philox words that chunk_minmax computes on the side: those of the first `subs` sub-blocks of a chunk
+ * whose first stream position e0 is a multiple of 256, 16 vectors per sub-block (philox.h's layout). */
+#define PRE_SUBS 4 /* 4 KiB per thread: the whole of a 4096-element chunk */
+typedef struct {
+    uint64_t e0;
+    int64_t subs;
+#if ALIGNED_PATH
+    __m512i kv[20]; /* the round keys (philox.h) */
+    __m512i w[16 * PRE_SUBS];
+#endif
+} pre_words_t;
+
 /* min, max over the chunk; returns 1 when it holds NaN or +-Inf. Lane-wise (vminps/vmaxps semantics): the
- * sign of a zero bound is unspecified, as it is for torch.amin/amax. */
-static int chunk_minmax(const void *x, int dt, int64_t a, int64_t n, float *pmn, float *pmx, float *buf) {
+ * sign of a zero bound is unspecified, as it is for torch.amin/amax. With pre (stochastic rounding), the
+ * Philox words of the chunk's first sub-blocks too: the min/max loop waits on memory or on the latency of
+ * vminps, and the rounds' independent multiplies fill the idle ports (the codes pass would pay for them). */
+static int chunk_minmax(const void *x, int dt, int64_t a, int64_t n, float *pmn, float *pmx, float *buf,
+                        pre_words_t *pre) {
+    (void)pre; /* unused without the aligned path */
     float mn[16], mx[16];
     uint32_t nan[16];
     float first = as_f32(x, dt, a, 1, buf)[0];
@@ -83,12 +120,18 @@ static int chunk_minmax(const void *x, int dt, int64_t a, int64_t n, float *pmn,
         { /* the same lane-wise operations as the loop below, spelled out: gcc does not vectorize that one */
             __m512 vmn = _mm512_loadu_ps(mn), vmx = _mm512_loadu_ps(mx);
             __mmask16 vnan = 0;
-            for (; k + 16 <= m; k += 16) {
-                __m512 v = _mm512_loadu_ps(p + k);
-                vmn = _mm512_min_ps(v, vmn); /* v < mn ? v : mn */
-                vmx = _mm512_max_ps(v, vmx); /* v > mx ? v : mx */
-                vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            }
+#if ALIGNED_PATH
+            __m512i *w = pre && s / SB < pre->subs ? pre->w + 16 * (s / SB) : 0;
+#endif
+#if ALIGNED_PATH
+            if (w) /* a loop of its own: a test in the plain loop below slows the nearest encode */
+                for (; k + 16 <= m; k += 16) {
+                    if ((k & 255) == 0) /* one group of 256 elements per 16 vectors */
+                        mixprec_philox_words256(pre->kv, (pre->e0 + (uint64_t)(s + k)) >> 8, w + (k >> 6));
+                    minmax16(p + k, &vmn, &vmx, &vnan);
+                }
+#endif
+            for (; k + 16 <= m; k += 16) minmax16(p + k, &vmn, &vmx, &vnan);
             _mm512_storeu_ps(mn, vmn);
             _mm512_storeu_ps(mx, vmx);
             nan[0] |= vnan != 0;
@@ -121,6 +164,71 @@ static int chunk_minmax(const void *x, int dt, int64_t a, int64_t n, float *pmn,
     return bad || !isfinite(lo) || !isfinite(hi);
 }
 
+#if ALIGNED_PATH
+/* chunk_minmax of an fp32 chunk (with its Philox words, like pre) as a scan that the codes loop of the chunk
+ * before it advances 64 elements at a time (scan_step), finished by scan_finish: the next chunk's loads
+ * then overlap the codes' arithmetic instead of waiting in a pass of their own. Same lane-wise operations
+ * in the same order as chunk_minmax, so the same bounds. */
+typedef struct {
+    const float *p;
+    int64_t n, k; /* elements; the vectors before k are done */
+    __m512 mn, mx;
+    __mmask16 nan;
+    pre_words_t *pre; /* its words (pre->subs sub-blocks), or none */
+} scan_t;
+
+static inline void scan_start(scan_t *sc, const float *p, int64_t n, pre_words_t *pre) {
+    sc->p = p;
+    sc->n = n;
+    sc->k = 0;
+    sc->mn = sc->mx = _mm512_set1_ps(p[0]);
+    sc->nan = 0;
+    sc->pre = pre;
+}
+
+/* The vectors of the scan before element `upto`. */
+static inline void scan_step(scan_t *sc, int64_t upto) {
+    int64_t end = upto < sc->n ? upto : sc->n, k = sc->k, words = sc->pre ? sc->pre->subs * SB : 0;
+    __m512 vmn = sc->mn, vmx = sc->mx;
+    __mmask16 vnan = sc->nan;
+    for (; k + 16 <= end; k += 16) {
+        if ((k & 1023) == 0 && k < words) /* the 4 groups of a sub-block: 8 chains, measured faster here */
+            mixprec_philox_words(sc->pre->kv, (sc->pre->e0 + (uint64_t)k) >> 8, 8, sc->pre->w + (k >> 6));
+        __m512 v = _mm512_loadu_ps(sc->p + k);
+        vmn = _mm512_min_ps(v, vmn);
+        vmx = _mm512_max_ps(v, vmx);
+        vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    sc->k = k;
+    sc->mn = vmn;
+    sc->mx = vmx;
+    sc->nan = vnan;
+}
+
+/* The rest of the scan, and chunk_minmax's result. */
+static int scan_finish(scan_t *sc, float *pmn, float *pmx) {
+    scan_step(sc, sc->n);
+    float mn[16], mx[16];
+    _mm512_storeu_ps(mn, sc->mn);
+    _mm512_storeu_ps(mx, sc->mx);
+    uint32_t bad = sc->nan != 0;
+    for (int64_t k = sc->k; k < sc->n; k++) {
+        float v = sc->p[k];
+        mn[0] = v < mn[0] ? v : mn[0];
+        mx[0] = v > mx[0] ? v : mx[0];
+        bad |= (uint32_t)(v != v);
+    }
+    float lo = mn[0], hi = mx[0];
+    for (int l = 1; l < 16; l++) {
+        lo = mn[l] < lo ? mn[l] : lo;
+        hi = mx[l] > hi ? mx[l] : hi;
+    }
+    *pmn = lo;
+    *pmx = hi;
+    return bad || !isfinite(lo) || !isfinite(hi);
+}
+#endif
+
 /* Primary bytes of stream positions [p, p + n) (n <= SB) into u (UBUF bytes); returns where they start. */
 #define UBUF (2 * 1024) /* SB elements span at most SB / 256 + 1 groups, computed 4 at a time */
 static inline const uint8_t *stream_bytes(uint64_t key, uint64_t p, int64_t n, uint8_t *u) {
@@ -137,30 +245,91 @@ static inline const uint8_t *stream_bytes(uint64_t key, uint64_t p, int64_t n, u
         for (uint32_t b_ = (masks)[w_], k; b_ && (k = 16 * (uint32_t)w_ + (uint32_t)__builtin_ctz(b_), 1);             \
              b_ &= b_ - 1)
 
-/* Pending ties of one chunk: code index k (stream position pos + k), the remainder 256 frac - f8 (exact)
- * and the code if rounded up. Resolved in batches of 32 (tie_flush), at least 64 ties at a time. */
-#define TIE_CAP (SB + 64)
+/* Pending ties of one thread: where the code is, its stream position, the remainder 256 frac - f8 (exact)
+ * and the code if rounded up. Kept across chunks and resolved 32 at a time (tie_flush), so that the
+ * secondary words of a batch share the 10 rounds' multiply latency; a sub-block adds at most SB ties. */
+#define TIE_CAP (SB + 32)
 typedef struct {
     int64_t n;
-    int64_t k[TIE_CAP];
-    int32_t j[TIE_CAP]; /* index within the sub-block, as the vector loop stores it (then moved to k) */
+    int of_q; /* rem holds the uint8 grid coordinate q; tie_flush derives remainder and rounded-up code */
+    uint8_t *dst[TIE_CAP];
+    uint64_t e[TIE_CAP];
     float rem[TIE_CAP];
     int32_t up[TIE_CAP];
 } ties_t;
 
-/* Resolve the pending ties: up when the secondary word w < rem 2**32 (both exact in double). */
-static void tie_flush(ties_t *t, uint64_t key, uint64_t pos, uint8_t *codes) {
-    for (int64_t i = 0; i < t->n; i += 32) {
+static inline void tie_push(ties_t *t, uint8_t *dst, uint64_t e, float rem, int32_t up) {
+    t->dst[t->n] = dst;
+    t->e[t->n] = e;
+    t->rem[t->n] = rem;
+    t->up[t->n++] = up;
+}
+
+/* A tie of the uint8 grid by its q (of_q): the arithmetic waits for tie_flush, 8 ties per vector. */
+static inline void tie_push_q(ties_t *t, uint8_t *dst, uint64_t e, float q) {
+    t->dst[t->n] = dst;
+    t->e[t->n] = e;
+    t->rem[t->n++] = q;
+}
+
+/* The remainder 256 q - floor(256 q) and the rounded-up code clamp(floor(q) + 1) of a uint8 tie at q, on
+ * the vector loops' fp32 operations (S = floor(256 q), floor(q) = S >> 8). */
+static inline float tie_of_q(float q, int32_t *up) {
+    float s = q * 256.0f, fs = floorf(s);
+    int32_t u = ((int32_t)fs >> 8) + 1;
+    *up = u < 0 ? 0 : (u > 255 ? 255 : u);
+    return s - fs;
+}
+
+/* Resolve pending ties, up when the secondary word w < rem 2**32 (both exact in double): every batch of 32,
+ * and with `all` the rest too (the end of a thread's work). What is left moves to the front. The choice is
+ * a coin flip, so it is made without a branch (a mispredicted one per two ties cost more than the words). */
+static void tie_flush(ties_t *t, uint64_t key, int all) {
+    int64_t i = 0;
+    for (; i + 32 <= t->n || (all && i < t->n); i += 32) {
+        int cnt = t->n - i < 32 ? (int)(t->n - i) : 32;
         uint64_t e[32];
-        uint32_t w[32];
-        for (int j = 0; j < 32; j++) e[j] = pos + t->k[i + j < t->n ? i + j : i];
-        mixprec_philox_tie_words32(key, e, w);
-        for (int j = 0; j < 32 && i + j < t->n; j++) {
-            uint8_t *c = codes + t->k[i + j];
-            *c = (double)w[j] < (double)t->rem[i + j] * 0x1p32 ? (uint8_t)t->up[i + j] : *c;
+        uint32_t w[32], up = 0;
+        if (cnt < 32) /* a partial batch: repeat its first position */
+            for (int j = 0; j < 32; j++) e[j] = t->e[i + (j < cnt ? j : 0)];
+        mixprec_philox_tie_words32(key, cnt < 32 ? e : t->e + i, w);
+#if defined(__AVX512F__)
+        for (int b = 0; b < 32; b += 8) {
+            __mmask8 live = (__mmask8)(cnt - b >= 8 ? 0xFF : (cnt > b ? (1u << (cnt - b)) - 1 : 0));
+            __m256 rem = _mm256_maskz_loadu_ps(live, t->rem + i + b);
+            if (t->of_q) { /* tie_of_q, 8 at a time */
+                __m256 s8 = _mm256_mul_ps(rem, _mm256_set1_ps(256.0f));
+                __m256 fs = _mm256_round_ps(s8, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+                __m256i u = _mm256_add_epi32(_mm256_srai_epi32(_mm256_cvttps_epi32(fs), 8), _mm256_set1_epi32(1));
+                u = _mm256_min_epi32(_mm256_max_epi32(u, _mm256_setzero_si256()), _mm256_set1_epi32(255));
+                _mm256_storeu_si256((__m256i *)(t->up + i + b), u); /* TIE_CAP leaves room for a batch */
+                rem = _mm256_sub_ps(s8, fs);
+            }
+            __m512d wd = _mm512_cvtepu32_pd(_mm256_loadu_si256((const __m256i *)(w + b)));
+            __m512d rd = _mm512_mul_pd(_mm512_cvtps_pd(rem), _mm512_set1_pd(0x1p32));
+            up |= (uint32_t)_mm512_mask_cmp_pd_mask(live, wd, rd, _CMP_LT_OQ) << b;
+        }
+#else
+        for (int j = 0; j < cnt; j++) {
+            float rem = t->rem[i + j];
+            if (t->of_q) rem = tie_of_q(rem, &t->up[i + j]);
+            up |= (uint32_t)((double)w[j] < (double)rem * 0x1p32) << j;
+        }
+#endif
+        for (int j = 0; j < cnt; j++) {
+            uint8_t *c = t->dst[i + j];
+            uint32_t take = 0u - ((up >> j) & 1u);
+            *c = (uint8_t)(*c ^ ((*c ^ (uint32_t)t->up[i + j]) & take));
         }
     }
-    t->n = 0;
+    int64_t left = i < t->n ? t->n - i : 0; /* fewer than 32 */
+    for (int64_t j = 0; j < left; j++) {
+        t->dst[j] = t->dst[i + j];
+        t->e[j] = t->e[i + j];
+        t->rem[j] = t->rem[i + j];
+        t->up[j] = t->up[i + j];
+    }
+    t->n = left;
 }
 
 /* The tie rule (docs/compress.md): 256 frac = s, f8 = floor(s), the primary byte equal to f8; up when the
@@ -184,45 +353,45 @@ static inline float floor24(float q) {
     return t > q ? t - 1.0f : t;
 }
 
+/* Queue the tie of element k of a sub-block (codes c, first stream position e0) by its q, on the vector
+ * loops' fp32 operations. */
+static inline void queue_tie(ties_t *ties, const float *p, int64_t k, float sub, float scale, float zero, uint8_t *c,
+                             uint64_t e0) {
+    float q = (p[k] - sub) * scale;
+    q = q + zero;
+    tie_push_q(ties, c + k, e0 + (uint64_t)k, q);
+}
+
 #if defined(__AVX512F__)
-/* 16 stochastic codes from their q and primary bytes B (int32 lanes). S = floor(256 q) = 256 floor(q) + f8
- * (256 q is exact), in one conversion rounding down; with D = S - B, floor(q) + up = (D + 255) >> 8 and a
- * tie is D = 0 mod 256: then the index (k + lane), remainder and rounded-up code go to the queue. (For q a
- * few ulps below 0, f8 is taken as 255 here, and the plain loop may see no tie: the code is 0 either way.) */
-static inline int64_t codes16(__m512 q, __m512i B, uint8_t *c, int64_t k, ties_t *ties, int64_t n) {
-    const __m512i c255 = _mm512_set1_epi32(255), nil = _mm512_setzero_si512();
-    __m512 s = _mm512_mul_ps(q, _mm512_set1_ps(256.0f));
-    __m512i S = _mm512_cvt_roundps_epi32(s, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512i d = _mm512_sub_epi32(S, B);
-    __mmask16 tie = _mm512_testn_epi32_mask(d, c255);
-    __m512i code = _mm512_srai_epi32(_mm512_add_epi32(d, c255), 8); /* in [-1, 256] */
-    _mm_storeu_si128((__m128i *)c, _mm512_cvtusepi32_epi8(_mm512_max_epi32(code, nil)));
-    if (__builtin_expect(tie != 0, 0)) { /* 1 in 16 vectors */
-        const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        __m512i up = _mm512_add_epi32(_mm512_srai_epi32(S, 8), _mm512_set1_epi32(1)); /* floor(q) + 1 */
-        up = _mm512_min_epi32(_mm512_max_epi32(up, nil), c255);
-        __m512 rem = _mm512_sub_ps(s, _mm512_cvtepi32_ps(S)); /* exact */
-        _mm512_mask_compressstoreu_epi32(ties->j + n, tie, _mm512_add_epi32(iota, _mm512_set1_epi32((int)k)));
-        _mm512_mask_compressstoreu_ps(ties->rem + n, tie, rem);
-        _mm512_mask_compressstoreu_epi32(ties->up + n, tie, up);
-        n += __builtin_popcount(tie);
-    }
-    return n;
+/* The grid coordinate q = (x - sub) scale + zero of 16 elements, rounded as the torch path does. */
+static inline __m512 grid_q16(const float *p, __m512 sub, __m512 scale, __m512 zero) {
+    return _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(p), sub), scale), zero);
+}
+
+/* S = floor(256 q) = 256 floor(q) + f8 of 16 elements (256 q is exact), in one conversion rounding down. */
+static inline __m512i floor256(__m512 q) {
+    return _mm512_cvt_roundps_epi32(_mm512_mul_ps(q, _mm512_set1_ps(256.0f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
 }
 #endif
 
-/* Stochastic codes of elements [k, m) on the fp32 grid from their primary bytes u: up when u[k] < f8 =
- * floor(256 frac(q)). Ties (u[k] == f8) are queued in `ties` (index within the block in j, remainder,
- * rounded-up code) for tie_flush. Spelled out in AVX-512 with integer codes (gcc turns the float clamps of
- * the plain loop into mask spills); both loops give the same codes. */
+/* Stochastic codes of elements [k, m) of a sub-block on the fp32 grid from their primary bytes u: up when
+ * u[k] < f8 = floor(256 frac(q)); ties (u[k] == f8) are queued (code c + k, stream position e0 + k). For
+ * stream positions off the 256 grid and the last elements of a sub-block: codes_stochastic_aligned does
+ * the rest. The vector loop (D = S - B; floor(q) + up = (D + 255) >> 8, a tie is D = 0 mod 256; for q a
+ * few ulps below 0 it sees f8 = 255, the plain loop maybe no tie: the code is 0 either way) and the plain
+ * loop give the same codes. */
 static void codes_stochastic(const float *restrict p, uint8_t *restrict c, int64_t k, int64_t m, float sub,
-                             float scale, float zero, const uint8_t *restrict u, ties_t *restrict ties) {
-    int64_t n = ties->n;
+                             float scale, float zero, const uint8_t *restrict u, ties_t *ties, uint64_t e0) {
 #if defined(__AVX512F__)
     const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale), vzero = _mm512_set1_ps(zero);
+    const __m512i c255 = _mm512_set1_epi32(255);
     for (; k + 16 <= m; k += 16) {
-        __m512 q = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(p + k), vsub), vscale), vzero);
-        n = codes16(q, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u + k))), c + k, k, ties, n);
+        __m512i B = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u + k)));
+        __m512i d = _mm512_sub_epi32(floor256(grid_q16(p + k, vsub, vscale, vzero)), B);
+        __m512i code = _mm512_max_epi32(_mm512_srai_epi32(_mm512_add_epi32(d, c255), 8), _mm512_setzero_si512());
+        _mm_storeu_si128((__m128i *)(c + k), _mm512_cvtusepi32_epi8(code)); /* clamps 256 to 255 */
+        for (uint32_t t = _mm512_testn_epi32_mask(d, c255); t; t &= t - 1)
+            queue_tie(ties, p, k + __builtin_ctz(t), sub, scale, zero, c, e0);
     }
 #endif
     for (; k < m; k++) {
@@ -231,47 +400,104 @@ static void codes_stochastic(const float *restrict p, uint8_t *restrict c, int64
         float f = floor24(q), sc = (q - f) * 256.0f; /* exact product */
         int32_t f8 = (int32_t)sc, b = (int32_t)u[k]; /* truncation = floor */
         c[k] = code_of(f, b < f8 ? 1.0f : 0.0f);
-        if (b == f8) {
-            ties->j[n] = (int32_t)k;
-            ties->rem[n] = sc - (float)f8;
-            ties->up[n++] = code_of(f, 1.0f);
+        if (b == f8) tie_push_q(ties, c + k, e0 + (uint64_t)k, q); /* tie_of_q: sc - f8, code_of(f, 1) */
+    }
+}
+
+#if ALIGNED_PATH
+/* vpermt2b indices for codes_stochastic_aligned. PICK: the primary byte 0 of the dwords of a word pair
+ * (a, b) (b's from 64 on) in the 16-bit lanes where vpackusdw(a, b) puts them (128-bit lane L: a[4 L ..
+ * 4 L + 3], then b[4 L .. 4 L + 3]); adding b picks byte b; the odd bytes are zeroed by the mask. HIGH: the
+ * high bytes of two such 16-bit vectors (elements 0..31, and 32..63 from 64 on) in element order. */
+static const uint8_t PICK[64] __attribute__((aligned(64))) = {
+    0,  0, 4,  0, 8,  0, 12, 0, 64, 0, 68,  0, 72,  0, 76,  0, 16, 0, 20, 0, 24, 0, 28,  0, 80,  0, 84,  0, 88,  0, 92,  0,
+    32, 0, 36, 0, 40, 0, 44, 0, 96, 0, 100, 0, 104, 0, 108, 0, 48, 0, 52, 0, 56, 0, 60, 0, 112, 0, 116, 0, 120, 0, 124, 0};
+static const uint8_t HIGH[64] __attribute__((aligned(64))) = {
+    1,  3,  5,  7,  17, 19, 21, 23, 33, 35, 37,  39,  49,  51,  53,  55,  9,  11, 13, 15, 25,  27,  29,  31,  41,  43,  45,  47,  57,  59,  61,  63,
+    65, 67, 69, 71, 81, 83, 85, 87, 97, 99, 101, 103, 113, 115, 117, 119, 73, 75, 77, 79, 89, 91, 93, 95, 105, 107, 109, 111, 121, 123, 125, 127};
+
+/* Stochastic codes of the whole 64-element groups of a sub-block (m <= SB elements) whose first stream
+ * position is a multiple of 256, from the Philox words w of its groups (philox.h: byte b of word j of group
+ * i is the 16 elements at 256 i + 64 b + 16 j). Returns the number of elements done (m rounded down to a
+ * multiple of 64); the ties of group g are flagged in tie[g] (bit layout: tie_element), and bit g of *nz
+ * says whether there are any. scale256 and
+ * zero256 are 256 scale and 256 zero (exact; the caller checks that 256 scale is finite), so that
+ * s = (x - sub) scale256 + zero256 = 256 q exactly (scaling by 2**8 commutes with the rounding; where q
+ * would be subnormal, S below is 0 or -1 either way) and S = floor(256 q) = 256 floor(q) + f8 is one
+ * conversion.
+ *
+ * The rest runs on 32 16-bit lanes per vector: S saturated to [0, 65535] by vpackusdw (S = -1, for q a few
+ * ulps below 0, becomes 0: the code is 0 either way, and so is the rounded-up code queue_tie gives a tie
+ * there); B = the primary bytes in the same lanes (one vpermt2b for 32); a tie is f8 = B, equal low bytes
+ * (one masked vpcmpeqb); with D = S - B saturated at 0, floor(q) + up = min(D + 255, 65535) >> 8 is
+ * already clamped to [0, 255] (D = 0 when S < B, where floor(q) = 0 and f8 < B), and the high bytes of
+ * D + 255 for 64 elements are one vpermt2b away from the stored codes. With next, each group also advances
+ * the next chunk's scan to element base + 64 (g + 1) (base: the sub-block's first element in the chunk). */
+static int64_t codes_stochastic_aligned(const float *restrict p, uint8_t *restrict c, int64_t m, float sub,
+                                        float scale256, float zero256, const __m512i *w, uint64_t *restrict tie,
+                                        uint32_t *nz, scan_t *next, int64_t base) {
+    const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale256), vzero = _mm512_set1_ps(zero256);
+    const __m512i c255 = _mm512_set1_epi16(255), pick = _mm512_load_si512((const void *)PICK);
+    const __m512i high = _mm512_load_si512((const void *)HIGH);
+    const __mmask64 low = 0x5555555555555555ull;
+    const int down = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC;
+    int64_t groups = m >> 6;
+    uint32_t any = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512i *wg = w + 4 * (g >> 2), sel = _mm512_add_epi8(pick, _mm512_set1_epi8((char)(g & 3)));
+        const float *x = p + 64 * g;
+        if (next) scan_step(next, base + 64 * (g + 1)); /* 64 elements of the next chunk's scan */
+        __m512i e[2];
+        __mmask64 t[2];
+        for (int h = 0; h < 2; h++) { /* elements 32 h .. 32 h + 31 */
+            __m512i S = _mm512_packus_epi32(_mm512_cvt_roundps_epi32(grid_q16(x + 32 * h, vsub, vscale, vzero), down),
+                                            _mm512_cvt_roundps_epi32(grid_q16(x + 32 * h + 16, vsub, vscale, vzero), down));
+            __m512i B = _mm512_maskz_permutex2var_epi8(low, wg[2 * h], sel, wg[2 * h + 1]);
+            t[h] = _mm512_mask_cmpeq_epi8_mask(low, S, B);
+            e[h] = _mm512_adds_epu16(_mm512_subs_epu16(S, B), c255);
         }
+        _mm512_storeu_si512((void *)(c + 64 * g), _mm512_permutex2var_epi8(e[0], high, e[1]));
+        uint64_t bits = _cvtmask64_u64(t[0]) | _cvtmask64_u64(t[1]) << 1; /* scalar ports, not k-mask ops */
+        tie[g] = bits;
+        any |= (uint32_t)(bits != 0) << g; /* scalar ports, idle in this loop */
+    }
+    *nz = any;
+    return 64 * groups;
+}
+
+/* The element (0 .. 63) of bit t of a group's tie mask: bit 2 u + h is 16-bit lane u of half h, which is
+ * element 32 h + 16 ((u >> 2) & 1) + 4 (u >> 3) + (u & 3) (vpackusdw's order). */
+static inline int64_t tie_element(int t) {
+    int h = t & 1, u = t >> 1;
+    return 32 * h + 16 * ((u >> 2) & 1) + 4 * (u >> 3) + (u & 3);
+}
+
+/* Queue the ties flagged in tie (one word per 64-element group) of a sub-block (codes c, first stream
+ * position e0): one loop trip per tie, none per empty group (nz flags the groups that hold ties). About 4
+ * per sub-block, at random places. */
+static inline void queue_ties(const float *p, uint32_t nz, float sub, float scale, float zero, uint64_t *tie, uint8_t *c,
+                              uint64_t e0, ties_t *ties) {
+    int64_t n = ties->n; /* in a register: the stores below could alias it as far as the compiler knows */
+    for (; nz; nz &= nz - 1) { /* the groups with ties; short loop-carried chains */
+        int64_t g = __builtin_ctz(nz);
+        uint64_t bits = tie[g];
+        do { /* mostly once */
+            int64_t k = 64 * g + tie_element(__builtin_ctzll(bits));
+            float q = (p[k] - sub) * scale;
+            ties->dst[n] = c + k;
+            ties->e[n] = e0 + (uint64_t)k;
+            ties->rem[n++] = q + zero; /* tie_push_q */
+            bits &= bits - 1;
+        } while (bits);
     }
     ties->n = n;
 }
-
-/* codes_stochastic for a block (m <= SB elements) whose first stream position e0 is a multiple of 256: the
- * primary bytes are taken from the Philox words in registers (byte b of word j of group i is 16 elements
- * at 256 i + 64 b + 16 j: a shift and a mask), never stored. Returns the first element left undone (the
- * last m % 16, for codes_stochastic). */
-static int64_t codes_stochastic_aligned(const float *restrict p, uint8_t *restrict c, int64_t m, float sub,
-                                        float scale, float zero, uint64_t key, uint64_t e0, ties_t *restrict ties) {
-#if defined(__AVX512F__)
-    const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale), vzero = _mm512_set1_ps(zero);
-    const __m512i c255 = _mm512_set1_epi32(255);
-    __m512i w[16];
-    int64_t n = ties->n, full = m & ~(int64_t)15;
-    mixprec_philox_words1024(key, e0 >> 8, w);
-    for (int i = 0; i < 4; i++)
-        for (int b = 0; b < 4; b++)
-            for (int j = 0; j < 4; j++) {
-                int64_t k = 256 * i + 64 * b + 16 * j;
-                if (k >= full) goto done;
-                __m512 q = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(p + k), vsub), vscale), vzero);
-                __m512i B = _mm512_and_si512(_mm512_srli_epi32(w[4 * i + j], 8 * b), c255);
-                n = codes16(q, B, c + k, k, ties, n);
-            }
-done:
-    ties->n = n;
-    return full;
-#else
-    (void)p, (void)c, (void)m, (void)sub, (void)scale, (void)zero, (void)key, (void)e0, (void)ties;
-    return 0;
 #endif
-}
 
 static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *codes, grid_t g, int stochastic,
-                         uint64_t key, uint64_t pos, float *buf, uint8_t *ubuf, ties_t *ties) {
+                         uint64_t key, uint64_t pos, float *buf, uint8_t *ubuf, ties_t *ties, const pre_words_t *pre,
+                         void *next) {
+    (void)pre, (void)next; /* unused without the aligned path */
     for (int64_t s = 0; s < n; s += SB) {
         int64_t m = n - s < SB ? n - s : SB;
         const float *p = as_f32(x, dt, a + s, m, buf);
@@ -295,11 +521,22 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
             }
         } else if (stochastic) {
             const float sub = g.sub, scale = g.scale, zero = g.zero;
-            int64_t n0 = ties->n, k = 0;
-            if ((e0 & 255) == 0) k = codes_stochastic_aligned(p, c, m, sub, scale, zero, key, e0, ties);
-            if (k < m) codes_stochastic(p, c, k, m, sub, scale, zero, stream_bytes(key, e0, m, ubuf), ties);
-            for (int64_t i = n0; i < ties->n; i++) ties->k[i] = s + ties->j[i];
-            if (ties->n >= 64) tie_flush(ties, key, pos, codes);
+            int64_t k = 0;
+#if ALIGNED_PATH
+            if ((e0 & 255) == 0 && scale < 0x1p119f) { /* Philox words from chunk_minmax, or computed here */
+                __m512i own[16];
+                uint64_t tie[SB / 64];
+                const __m512i *w = pre && s / SB < pre->subs ? pre->w + 16 * (s / SB) : own;
+                if (w == own) mixprec_philox_words1024(key, e0 >> 8, own);
+                uint32_t nz;
+                k = codes_stochastic_aligned(p, c, m, sub, scale * 256.0f, zero * 256.0f, w, tie, &nz, (scan_t *)next, s);
+                queue_ties(p, nz, sub, scale, zero, tie, c, e0, ties);
+            }
+#endif
+            if (k < m) /* the rest: positions off the 256 grid, or the last m % 64 elements */
+                codes_stochastic(p + k, c + k, 0, m - k, sub, scale, zero, stream_bytes(key, e0 + (uint64_t)k, m - k, ubuf),
+                                 ties, e0 + (uint64_t)k);
+            if (ties->n >= 32) tie_flush(ties, key, 0);
         } else {
             const float sub = g.sub, scale = g.scale, zero = g.zero;
             for (int64_t k = 0; k < m; k++) {
@@ -309,8 +546,51 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
             }
         }
     }
-    if (stochastic && !g.wide) tie_flush(ties, key, pos, codes);
 }
+
+#if ALIGNED_PATH
+/* Tasks [lo, hi) of mixprec_quant_encode_u8 for fp32 rows and stochastic rounding, software-pipelined: the
+ * min/max scan (and Philox words) of task t + 1 runs inside the codes loop of task t (scan_t), so that its
+ * memory traffic overlaps their arithmetic. pre: two word buffers, the round keys set. Returns the number
+ * of flagged chunks. */
+static int64_t encode_u8_pipelined(const float *x, int64_t length, int64_t x_stride, uint8_t *out, int64_t out_stride,
+                                   int64_t chunk, uint64_t key, int64_t offset, int64_t pos_stride, int64_t lo,
+                                   int64_t hi, float *buf, uint8_t *ubuf, ties_t *ties, pre_words_t pre[2]) {
+    int64_t chunks = (length + chunk - 1) / chunk, bad = 0;
+    scan_t sc[2];
+    float mn, mx;
+    int nonfinite = 0, cur = 0;
+    for (int64_t t = lo; t < hi; t++) {
+        for (int64_t u = t == lo ? t : t + 1; u <= t + 1 && u < hi; u++) { /* start the scan of u */
+            int64_t r = u / chunks, a = (u % chunks) * chunk, n = length - a < chunk ? length - a : chunk;
+            uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
+            pre_words_t *pw = &pre[(u - lo) & 1];
+            pw->e0 = pos;
+            pw->subs = (pos & 255) == 0 ? PRE_SUBS : 0;
+            scan_start(&sc[(u - lo) & 1], x + r * x_stride + a, n, pw);
+            if (u == lo) nonfinite = scan_finish(&sc[0], &mn, &mx);
+        }
+        cur = (int)((t - lo) & 1);
+        scan_t *next = t + 1 < hi ? &sc[cur ^ 1] : 0;
+        int64_t r = t / chunks, c = t % chunks, a = c * chunk, n = length - a < chunk ? length - a : chunk;
+        uint8_t *o = out + r * out_stride;
+        if (nonfinite) {
+            float q = bits_f32(0x7FC00000u);
+            memcpy(o + 4 * c, &q, 4);
+            memcpy(o + 4 * (chunks + c), &q, 4);
+            memset(o + 8 * chunks + a, 0, (size_t)n);
+            bad++;
+        } else {
+            memcpy(o + 4 * c, &mn, 4);
+            memcpy(o + 4 * (chunks + c), &mx, 4);
+            encode_chunk(x + r * x_stride, DT_F32, a, n, o + 8 * chunks + a, grid_of(mn, mx), 1, key,
+                         (uint64_t)(offset + r * pos_stride + a), buf, ubuf, ties, &pre[cur], next);
+        }
+        if (next) nonfinite = scan_finish(next, &mn, &mx);
+    }
+    return bad;
+}
+#endif
 
 /* Encode `rows` rows of `length` elements (row r at x + r * x_stride elements) into out (row r at
  * out + r * out_stride bytes: C mins, C maxs, then the codes). Stochastic: element j of row r is stream
@@ -326,14 +606,40 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
         uint8_t ubuf[UBUF];
         ties_t ties;
         ties.n = 0;
+        ties.of_q = 1;
+        pre_words_t pre;
+#if ALIGNED_PATH
+        if (stochastic) mixprec_philox_round_keys(key, pre.kv);
+        if (stochastic && dt == DT_F32) {
+            pre_words_t two[2];
+            mixprec_philox_round_keys(key, two[0].kv);
+            memcpy(two[1].kv, two[0].kv, sizeof two[0].kv);
+#ifdef _OPENMP
+            int64_t me = omp_get_thread_num(), nth = omp_get_num_threads();
+#else
+            int64_t me = 0, nth = 1;
+#endif
+            bad += encode_u8_pipelined((const float *)x, length, x_stride, out, out_stride, chunk, key, offset,
+                                       pos_stride, tasks * me / nth, tasks * (me + 1) / nth, buf, ubuf, &ties, two);
+            tie_flush(&ties, key, 1);
+        } else
+#endif
+        {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             int64_t r = t / chunks, c = t % chunks, a = c * chunk;
             int64_t n = length - a < chunk ? length - a : chunk;
             const void *xr = (const char *)x + (size_t)(r * x_stride) * esize;
             uint8_t *o = out + r * out_stride;
+            uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
             float mn, mx;
-            if (chunk_minmax(xr, dt, a, n, &mn, &mx, buf)) {
+            pre.e0 = pos;
+#if ALIGNED_PATH
+            pre.subs = stochastic && (pos & 255) == 0 ? PRE_SUBS : 0;
+#else
+            pre.subs = 0;
+#endif
+            if (chunk_minmax(xr, dt, a, n, &mn, &mx, buf, &pre)) {
                 float q = bits_f32(0x7FC00000u);
                 memcpy(o + 4 * c, &q, 4);
                 memcpy(o + 4 * (chunks + c), &q, 4);
@@ -344,8 +650,9 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
             memcpy(o + 4 * c, &mn, 4);
             memcpy(o + 4 * (chunks + c), &mx, 4);
             grid_t g = grid_of(mn, mx);
-            uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
-            encode_chunk(xr, dt, a, n, o + 8 * chunks + a, g, stochastic, key, pos, buf, ubuf, &ties);
+            encode_chunk(xr, dt, a, n, o + 8 * chunks + a, g, stochastic, key, pos, buf, ubuf, &ties, &pre, 0);
+        }
+        if (stochastic) tie_flush(&ties, key, 1);
         }
     }
     return bad;
@@ -554,16 +861,14 @@ static void fp8_codes(const float *restrict p, uint8_t *restrict cd, int64_t m, 
     }
 }
 
-/* The ties of fp8_codes (codes cd = codes + s of the chunk): remainder and rounded-up code, for tie_flush. */
-static void fp8_ties(const float *p, int64_t s, int64_t m, float up, fp8fmt_t f, float inv_smin, const uint16_t *tie,
-                     ties_t *ties) {
+/* The ties of fp8_codes (codes cd, first stream position e0): remainder and rounded-up code, for tie_flush. */
+static void fp8_ties(const float *p, uint8_t *cd, uint64_t e0, int64_t m, float up, fp8fmt_t f, float inv_smin,
+                     const uint16_t *tie, ties_t *ties) {
     FOR_EACH_TIE(k, tie, m) {
         uint32_t b;
         float sp, q = fp8_units(p[k] * up, f, &b, &sp);
         float lo = (float)(int32_t)q, sc = (q - lo) * 256.0f;
-        ties->k[ties->n] = s + (int64_t)k;
-        ties->rem[ties->n] = sc - (float)(int32_t)sc;
-        ties->up[ties->n++] = fp8_code((lo + 1.0f) * sp, b >> 31, f, inv_smin);
+        tie_push(ties, cd + k, e0 + k, sc - (float)(int32_t)sc, fp8_code((lo + 1.0f) * sp, b >> 31, f, inv_smin));
     }
 }
 
@@ -581,6 +886,7 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
         uint16_t tie[TIE_WORDS];
         ties_t ties;
         ties.n = 0;
+        ties.of_q = 0;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             int64_t r = t / chunks, c = t % chunks, a = c * chunk;
@@ -588,7 +894,7 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
             const void *xr = (const char *)x + (size_t)(r * x_stride) * esize;
             uint8_t *o = out + r * out_stride, *codes = o + 4 * chunks + a;
             float mn, mx; /* amax = max(-min, max), exactly; NaN/Inf flag the chunk */
-            int nonfinite = chunk_minmax(xr, dt, a, n, &mn, &mx, buf);
+            int nonfinite = chunk_minmax(xr, dt, a, n, &mn, &mx, buf, 0);
             float amax = -mn > mx ? -mn : mx;
             if (nonfinite) {
                 float q = bits_f32(0x7FC00000u);
@@ -607,11 +913,11 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
                 const uint8_t *u = stochastic ? stream_bytes(key, pos + (uint64_t)s, m, ubuf) : 0;
                 fp8_codes(p, codes + s, m, up, f, inv_smin, u, tie);
                 if (!stochastic) continue;
-                fp8_ties(p, s, m, up, f, inv_smin, tie, &ties);
-                if (ties.n >= 64) tie_flush(&ties, key, pos, codes);
+                fp8_ties(p, codes + s, pos + (uint64_t)s, m, up, f, inv_smin, tie, &ties);
+                if (ties.n >= 32) tie_flush(&ties, key, 0);
             }
-            if (stochastic) tie_flush(&ties, key, pos, codes);
         }
+        if (stochastic) tie_flush(&ties, key, 1);
     }
     return bad;
 }

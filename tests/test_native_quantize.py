@@ -1,0 +1,74 @@
+"""The compiled stochastic MinMaxUInt8 encode at stream positions on multiples of 256, against the torch path.
+
+There the kernel takes its Philox words from the min/max pass (the first chunk sub-blocks) or computes them
+in the codes pass (later ones), runs the codes on 16-bit lanes and resolves ties in batches that span
+chunks; elsewhere, or for the last ``length % 64`` elements of a sub-block, it reads stored primary bytes.
+Every one of these must give the torch path's bits, whatever the chunk size, dtype and thread count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mixprec import native
+from mixprec.compress import MinMaxUInt8
+from mixprec.compress.quantize import _kernels
+
+pytestmark = pytest.mark.skipif(_kernels() is None, reason="no compiled kernels on this machine")
+
+KEY = 0x0123456789ABCDEF
+
+
+def _inputs(length: int) -> dict[str, torch.Tensor]:
+    """[2, length] fp32 inputs without zeros (the sign of a zero bound in a header is unspecified)."""
+    g = torch.Generator().manual_seed(length)
+    r = torch.randn(2, length, generator=g) + 0.01
+    return {
+        "random": r,
+        # q = k / 2 exactly: f8 = 128 or 0, so 1 element in 256 ties with its primary byte
+        "ties": (torch.arange(2 * length, dtype=torch.float32).view(2, length) % 511 + 1) * 0.5,
+        # range ~1e-35: 256 * scale overflows fp32, so the kernel must not pre-scale the grid constants
+        "tiny_range": r * 1e-35,
+        "one_sign": r.abs() + 3.0,  # min > 0: the unaligned grid, q = (x - min) * scale
+    }
+
+
+def _encode(q: MinMaxUInt8, x: torch.Tensor, offset: int, row_stride: int) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], q.encoded_nbytes(x.shape[1]), dtype=torch.uint8)
+    q.encode_rows(x, out, key=KEY, offset=offset, row_stride=row_stride)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("chunk, length", [(1024, 3000), (8192, 9000 + 37), (320, 1000)])
+def test_aligned_stochastic_encode_equals_torch(dtype: torch.dtype, chunk: int, length: int) -> None:
+    q = MinMaxUInt8(chunk_size=chunk, rounding="stochastic")
+    header = 8 * q.num_chunks(length)
+    for name, x in _inputs(length).items():
+        if name == "tiny_range" and dtype == torch.float16:
+            continue  # zeros in fp16
+        x = x.to(dtype)
+        for offset, row_stride in ((512, 256 * (length // 256 + 1)), (512, length)):  # row 1 off the grid too
+            fast = _encode(q, x, offset, row_stride)
+            with native.disabled():
+                ref = _encode(q, x, offset, row_stride)
+            assert torch.equal(fast[:, header:], ref[:, header:]), f"{name}: codes differ"
+            assert torch.equal(fast[:, :header], ref[:, :header]), f"{name}: headers differ"
+
+
+def test_ties_resolved_across_chunks_and_threads() -> None:
+    """Ties wait in a per-thread queue across chunks: the codes do not depend on the thread count."""
+    x = (torch.arange(2 * 40_000, dtype=torch.float32).view(2, -1) % 511 + 1) * 0.5
+    q = MinMaxUInt8(chunk_size=2048, rounding="stochastic")
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(_encode(q, x, 0, x.shape[1]))
+    finally:
+        torch.set_num_threads(threads)
+    with native.disabled():
+        ref = _encode(q, x, 0, x.shape[1])
+    assert torch.equal(outs[0], ref) and torch.equal(outs[1], ref)
