@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +73,43 @@ def test_compiler_with_arguments(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0] == "False 0"
     assert "compiled (env gcc" in done.stdout
+
+
+def test_compiler_arguments_are_part_of_the_cache_key(tmp_path) -> None:
+    """Two $CC commands that differ only in their arguments build two libraries, not one reused: next to this
+    process's library (built with its own $CC), ``CC="env gcc"`` builds a second one."""
+    if shutil.which("env") is None or shutil.which("gcc") is None or native.library() is None:
+        pytest.skip("needs env, gcc and the compiled library")
+    if os.environ.get("CC", "gcc") == "env gcc":
+        pytest.skip("this process's own $CC is the one tested")
+    built = Path(native.describe().rsplit(", ", 1)[1].rstrip(")"))
+    shutil.copy(built, tmp_path / built.name)
+    assert _run({"CC": "env gcc"}, tmp_path).returncode == 0
+    assert len(list(tmp_path.glob("mixprec_native-*.so"))) == 2
+
+
+def _avx512_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for f in ("avx512f", "avx512vbmi") if f" {f}" in text}
+
+
+@pytest.mark.parametrize("flag", ["avx512vbmi", "avx512f"])
+def test_kernels_without_an_instruction_set_extension(tmp_path, flag: str) -> None:
+    """The kernels' fallbacks for CPUs without AVX-512 VBMI, or without AVX-512 at all, give the torch path's bits:
+    the bit-exactness tests of the quantizer, rounding and matmul kernels, built with the extension switched off."""
+    if flag not in _avx512_flags() or shutil.which("gcc") is None:
+        pytest.skip(f"this CPU has no {flag}: the default build already is the fallback")
+    tests = ["test_native_quantize.py", "test_native_rounding.py", "test_native_matmul.py", "test_compress_kernels.py"]
+    env = {k: v for k, v in os.environ.items() if k != "MIXPREC_NATIVE"}
+    env.update(CC=f"gcc -mno-{flag}", MIXPREC_CACHE_DIR=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+         *[os.path.join(os.path.dirname(__file__), t) for t in tests], "-k", "not fake_tensors"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout
+    assert list(tmp_path.glob("mixprec_native-*.so"))  # the children ran the library built without the extension

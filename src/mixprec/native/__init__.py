@@ -101,7 +101,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         return None, f"{shlex.join(cc)} --version failed: {exc}"
     name = " ".join([os.path.basename(cc[0]), *cc[1:]])
     digest = hashlib.sha256()
-    for part in (*[p.read_bytes() for p in sources + headers], " ".join(_FLAGS).encode(), version.encode()):
+    # the whole compiler command counts: CC="gcc -mno-avx512f" must not load a library built without it
+    command = shlex.join([*cc, *_FLAGS]).encode()
+    for part in (*[p.read_bytes() for p in sources + headers], command, version.encode()):
         digest.update(part)
         digest.update(b"\0")
     digest.update(_cpu_flags().encode())
