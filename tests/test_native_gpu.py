@@ -37,6 +37,8 @@ FORMATS = [
     get_format("fp8_e4m3"),
     get_format("fp8_e5m2"),
     FloatFormat(5, 22),  # the fp64 magic-constant path
+    FloatFormat(8, 21),  # integer trick with half_m1 = 1: an argument Triton must not turn into a constant
+    FloatFormat(8, 22),  # and with drop = 1
     FloatFormat(3, 2, has_inf=False),
     FloatFormat(4, 3, saturate=True, subnormals=False),
 ]
@@ -75,6 +77,7 @@ def _quant_cases() -> list[tuple[torch.Tensor, int, dict]]:
         (grid, 512, {"offset": 300}),
         (grid.half(), 512, {}),
         (wide, 2048, {}),
+        (x[:, :40], 1, {"offset": 5}),  # chunk_size 1: an argument Triton must not turn into a constant
     ]
 
 
@@ -115,7 +118,7 @@ def test_interp_round_nearest(fmt: FloatFormat) -> None:
 
 
 @interp_only
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(7))
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_interp_uint8(case: int, rounding: str) -> None:
     x, chunk, pos = _quant_cases()[case]
@@ -194,7 +197,7 @@ def test_gpu_round_to(fmt: FloatFormat) -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(7))
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_gpu_uint8(case: int, rounding: str) -> None:
     x, chunk, pos = _quant_cases()[case]

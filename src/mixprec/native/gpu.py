@@ -16,6 +16,7 @@ tensors, which is how the tests run them without a GPU. How each kernel keeps th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -56,7 +57,10 @@ def can_run(*tensors: torch.Tensor) -> bool:
     """Whether the Triton kernels may serve ``tensors``: all on a CUDA device, not fake, nothing tracing."""
     if os.environ.get("MIXPREC_NATIVE", "1") == "0" or native.is_disabled() or not available():
         return False
-    if torch.compiler.is_compiling() or not all(t.device.type == "cuda" for t in tensors):
+    # ROCm builds also call their devices "cuda": the kernels were checked on NVIDIA GPUs only
+    if torch.compiler.is_compiling() or torch.version.hip is not None:
+        return False
+    if not all(t.device.type == "cuda" for t in tensors) or len({t.device.index for t in tensors}) > 1:
         return False
     return native.can_run(*tensors, device_type="cuda")
 
@@ -75,6 +79,11 @@ def _kernels() -> ModuleType:
     from mixprec.native import triton_kernels
 
     return triton_kernels
+
+
+def _on(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
+    """Triton launches on the current device and its current stream: make that ``t``'s device."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def _launch_opts() -> dict[str, object]:
@@ -120,13 +129,13 @@ def round_nearest(src: torch.Tensor, dst: torch.Tensor, fmt: object) -> None:
     n = src.numel()
     if n == 0:
         return
-    k = _kernels()
-    k.round_nearest_kernel[(triton_cdiv(n, _BLOCK),)](
-        src, dst.view(torch.int32), n,
-        p["drop"], p["half_m1"], p["keep_mask"], p["lo32"], p["hi32"], p["add32"], p["lo64"], p["hi64"], p["add64"],
-        p["max_bits"], p["ovf_bits"], p["min_normal_bits"], nan_or,
-        ALG=alg, ODD=bool(p["drop"]), NAN_KEEP=nan_keep, BLOCK=_BLOCK, **_launch_opts(),
-    )  # fmt: skip
+    with _on(src):
+        _kernels().round_nearest_kernel[(triton_cdiv(n, _BLOCK),)](
+            src, dst.view(torch.int32), n,
+            p["drop"], p["half_m1"], p["keep_mask"], p["lo32"], p["hi32"], p["add32"], p["lo64"], p["hi64"],
+            p["add64"], p["max_bits"], p["ovf_bits"], p["min_normal_bits"], nan_or,
+            ALG=alg, ODD=bool(p["drop"]), NAN_KEEP=nan_keep, BLOCK=_BLOCK, **_launch_opts(),
+        )  # fmt: skip
     torch.autograd.graph.increment_version(dst)
 
 
@@ -142,11 +151,12 @@ def round_nearest_f64(src: torch.Tensor, dst: torch.Tensor, fmt: object) -> None
     n = src.numel()
     if n == 0:
         return
-    _kernels().round_nearest_f64_kernel[(triton_cdiv(n, _BLOCK),)](
-        src, dst, n, (emin + 1023) << 52, (emax + 1 + 1023) << 52, ((52 - mb) << 52) | (1 << 51), max_bits, ovf,
-        0 if fmt.subnormals else (emin + 1023) << 52,  # type: ignore[attr-defined]
-        DST_F64=dst.dtype == torch.float64, BLOCK=_BLOCK, **_launch_opts(),
-    )  # fmt: skip
+    with _on(src):
+        _kernels().round_nearest_f64_kernel[(triton_cdiv(n, _BLOCK),)](
+            src, dst, n, (emin + 1023) << 52, (emax + 1 + 1023) << 52, ((52 - mb) << 52) | (1 << 51), max_bits,
+            ovf, 0 if fmt.subnormals else (emin + 1023) << 52,  # type: ignore[attr-defined]
+            DST_F64=dst.dtype == torch.float64, BLOCK=_BLOCK, **_launch_opts(),
+        )  # fmt: skip
     torch.autograd.graph.increment_version(dst)
 
 
@@ -184,14 +194,15 @@ def quant_encode_u8(
     k = _kernels()
     opts = _launch_opts()
     common = (x, out, length, chunks, chunk, x.stride(0), out.stride(0), k0, k1, offset, pos_stride)
-    k.quant_encode_kernel[(chunks, rows)](
-        *common, stats, tie_cnt, tie_bits, _FP32_MAX, _WIDE_BELOW, STOCHASTIC=stochastic, W_MAX=w_max,
-        **{**opts, "num_warps": 2},  # measured on an H200 at 64M elements: 2 warps beat 1, 4, 8 and 16
-    )  # fmt: skip
-    if stochastic:
-        k.quant_ties_kernel[(chunks * w_max, rows)](
-            *common, tie_cnt, tie_bits, _FP32_MAX, _WIDE_BELOW, W_MAX=w_max, **{**opts, "num_warps": 1}
-        )
+    with _on(x):
+        k.quant_encode_kernel[(chunks * rows,)](
+            *common, stats, tie_cnt, tie_bits, _FP32_MAX, _WIDE_BELOW, STOCHASTIC=stochastic, W_MAX=w_max,
+            **{**opts, "num_warps": 2},  # measured on an H200 at 64M elements: 2 warps beat 1, 4, 8 and 16
+        )  # fmt: skip
+        if stochastic:
+            k.quant_ties_kernel[(chunks * w_max * rows,)](
+                *common, tie_cnt, tie_bits, _FP32_MAX, _WIDE_BELOW, W_MAX=w_max, **{**opts, "num_warps": 1}
+            )
     torch.autograd.graph.increment_version(out)
     return stats
 
@@ -206,13 +217,14 @@ def quant_decode_u8(buf: torch.Tensor, length: int, out: torch.Tensor, chunk: in
         return stats
     chunks = triton_cdiv(length, chunk)
     block = min(1024, max(16, 1 << (chunk - 1).bit_length()))
-    grid = (chunks, triton_cdiv(chunk, block), 1 if reduce else rows)
+    tiles = triton_cdiv(chunk, block)
     bf16 = out.dtype == torch.bfloat16
-    _kernels().quant_decode_kernel[grid](
-        buf, out.view(torch.int16) if bf16 else out, length, chunks, chunk, rows, buf.stride(0),
-        0 if reduce else out.stride(0), _FP32_MAX, _WIDE_BELOW, stats,
-        REDUCE=reduce, OUT_BF16=bf16, BLOCK=block, **_launch_opts(),
-    )  # fmt: skip
+    with _on(buf):
+        _kernels().quant_decode_kernel[(chunks * tiles * (1 if reduce else rows),)](
+            buf, out.view(torch.int16) if bf16 else out, length, chunks, chunk, tiles, rows, buf.stride(0),
+            0 if reduce else out.stride(0), _FP32_MAX, _WIDE_BELOW, stats,
+            REDUCE=reduce, OUT_BF16=bf16, BLOCK=block, **_launch_opts(),
+        )  # fmt: skip
     torch.autograd.graph.increment_version(out)
     return stats
 
@@ -251,8 +263,8 @@ def matmul_model(
     kgp = max(16, 1 << (k_group - 1).bit_length())
     bm = bn = 64 if kgp <= 32 else 32
     consts = {"MODE": mode, "SUBNORMALS": bool(f.subnormals), "KG": k_group, "KGP": kgp, "BM": bm, "BN": bn}  # type: ignore[attr-defined]
-    for b0 in range(0, nb, _MAX_GRID_Z):  # the grid's third dimension holds at most 65535 batch entries
-        b1 = min(nb, b0 + _MAX_GRID_Z)
+    for b0 in range(0, nb, _MAX_GRID_Y):  # the grid's second axis holds at most 65535 batch entries
+        b1 = min(nb, b0 + _MAX_GRID_Y)
         sa3 = a3[b0:b1] if a3.shape[0] > 1 else a3
         sb3 = b3[b0:b1] if b3.shape[0] > 1 else b3
         sa, sb = sa3.stride(), sb3.stride()
@@ -261,20 +273,28 @@ def matmul_model(
             sb[0] if sb3.shape[0] > 1 else 0, sb[1], sb[2], groups, pg, lo, hi, add, f.max_finite, over,  # type: ignore[attr-defined]
             f.min_normal,  # type: ignore[attr-defined]
         )  # fmt: skip
-        _launch_matmul((triton_cdiv(m, bm), triton_cdiv(n, bn), b1 - b0), args, consts, str(a3.device))
+        with _on(a3):
+            _launch_matmul((triton_cdiv(m, bm) * triton_cdiv(n, bn), b1 - b0), args, consts, str(a3.device))
     return out
 
 
-_MAX_GRID_Z = 65535
+_MAX_GRID_Y = 65535
 
 
-def _launch_matmul(grid: tuple[int, int, int], args: tuple, consts: dict[str, object], dev: str) -> None:
+def _compile_failure(exc: Exception) -> bool:
+    """Whether ``exc`` is Triton failing to compile (its front end, or an MLIR pass), not a launch or a fault."""
+    from triton.compiler.errors import CompilationError
+
+    return isinstance(exc, CompilationError) or "PassManager" in str(exc)
+
+
+def _launch_matmul(grid: tuple[int, int], args: tuple, consts: dict[str, object], dev: str) -> None:
     kern = _kernels().matmul_model_kernel
     use_dot = _USE_DOT.get(dev, True)
     try:
         kern[grid](*args, **consts, USE_DOT=use_dot, **_launch_opts())
     except Exception as exc:  # an fp64 tl.dot this Triton cannot compile: the broadcast-and-sum form
-        if not use_dot:
+        if not use_dot or not _compile_failure(exc):
             raise
         warnings.warn(
             f"mixprec: the emulated matmul's fp64 tl.dot failed on {dev} ({exc!r:.200}); using fp64 FMAs "

@@ -23,7 +23,12 @@ import triton.language as tl
 ALG_INT, ALG_MAGIC32, ALG_MAGIC64 = 0, 1, 2
 
 
-@triton.jit
+# Triton compiles an int argument equal to 1 as a constant (a plain int, which has no .to): the format's
+# parameters, and the chunk size below, opt out of that specialisation.
+@triton.jit(
+    do_not_specialize=["drop", "half_m1", "keep_mask", "lo32", "hi32", "add32", "max_bits", "ovf_bits",
+                       "min_normal_bits", "nan_or"]
+)  # fmt: skip
 def round_nearest_kernel(
     src,
     dst,
@@ -168,7 +173,7 @@ def _codes_q(x_row, j, m, sub, scale, zero):
     return q + zero
 
 
-@triton.jit(do_not_specialize=["k0", "k1"])
+@triton.jit(do_not_specialize=["k0", "k1", "chunk"])
 def quant_encode_kernel(
     x,
     out,
@@ -191,10 +196,12 @@ def quant_encode_kernel(
 ):
     """One (chunk, row) per program: min/max pass, the chunk's grid, then the codes. Counts flagged and wide
     chunks in ``stats[0]``, ``stats[1]``. Stochastic rounding visits aligned windows of 1024 stream positions;
-    the window-relative indices of its ties go to the window's own S slots of ``tie_idx`` (count in
-    ``tie_cnt``; more than S sets ``stats[2]``), which quant_ties_kernel resolves: no shared counter."""
-    c = tl.program_id(0).to(tl.int64)
-    r = tl.program_id(1).to(tl.int64)
+    a window with ties writes their bit mask (32 uint32 words) to its own slot of ``tie_bits`` and sets its
+    ``tie_cnt`` flag, for quant_ties_kernel: no shared counter, no scan. A 1-D grid of chunks x rows programs
+    (the second and third grid axes stop at 65535)."""
+    pid = tl.program_id(0).to(tl.int64)
+    c = pid % chunks
+    r = pid // chunks
     chunk = chunk.to(tl.int64)  # int64 like start: a value keeps one type through the branch
     start = c * chunk
     n = length - start
@@ -261,7 +268,7 @@ def quant_encode_kernel(
                 t += 1024
 
 
-@triton.jit(do_not_specialize=["k0", "k1"])
+@triton.jit(do_not_specialize=["k0", "k1", "chunk"])
 def quant_ties_kernel(
     x,
     out,
@@ -283,8 +290,9 @@ def quant_ties_kernel(
     """The ties of one window (program (chunk * W_MAX + window, row)), 32 at a time (one per mask word): q
     recomputed from ``x`` and the header as the encoder computed it; up when the secondary word (counter
     (e low, e high, 1, 0)) < remainder * 2**32."""
-    pw = tl.program_id(0).to(tl.int64)
-    r = tl.program_id(1).to(tl.int64)
+    pid = tl.program_id(0).to(tl.int64)  # 1-D grid: (chunk * W_MAX + window) + chunks * W_MAX * row
+    pw = pid % (chunks * W_MAX)
+    r = pid // (chunks * W_MAX)
     c = pw // W_MAX
     slot = (r * chunks + c) * W_MAX + pw % W_MAX
     if tl.load(tie_cnt + slot) > 0:
@@ -339,13 +347,14 @@ def _count_chunk(stats, first_tile, mn, wide):
             tl.atomic_add(stats + 1, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk"])
 def quant_decode_kernel(
     buf,
     out,
     length,
     chunks,
     chunk,
+    tiles,
     rows,
     buf_stride,
     out_stride,
@@ -358,8 +367,9 @@ def quant_decode_kernel(
 ):
     """One tile of a chunk of one row per program; REDUCE (fp32 ``out``): one tile of a chunk, the rows summed
     in row order in fp32, as the torch path's ``torch.add`` then ``add_``. OUT_BF16: ``out`` is an int16 view."""
-    c = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1).to(tl.int64) * BLOCK
+    pid = tl.program_id(0).to(tl.int64)  # 1-D grid: chunk + chunks * (tile + tiles * row)
+    c = pid % chunks
+    t = (pid // chunks) % tiles * BLOCK
     chunk = chunk.to(tl.int64)  # int64 like start: a value keeps one type through the branch
     start = c * chunk
     n = length - start
@@ -369,7 +379,7 @@ def quant_decode_kernel(
     m = idx < n
     if REDUCE:
         acc = tl.zeros([BLOCK], tl.float32)
-        r = 0
+        r = tl.zeros([], tl.int64)  # r * buf_stride must not wrap at 2**31 bytes
         while r < rows:
             row = buf + r * buf_stride
             mn = _load_f32_bytes(row + 4 * c)
@@ -386,7 +396,7 @@ def quant_decode_kernel(
             r += 1
         tl.store(out + start + idx, acc, mask=m)
     else:
-        r = tl.program_id(2).to(tl.int64)
+        r = pid // chunks // tiles
         row = buf + r * buf_stride
         mn = _load_f32_bytes(row + 4 * c)
         mx = _load_f32_bytes(row + 4 * (chunks + c))
@@ -451,9 +461,10 @@ def matmul_model_kernel(
 ):
     """One BM x BN output tile of batch ``program_id(2)``: acc <- round(acc + group sum) per K group of KG
     products (fp64 sums of exact products), promoted into fp32 every ``pg`` groups (0: never)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    bt = tl.program_id(2).to(tl.int64)
+    n_tiles = (N + BN - 1) // BN
+    pid_m = tl.program_id(0) // n_tiles  # the tiles on axis 0, the batch on axis 1: axes 1 and 2 stop at 65535
+    pid_n = tl.program_id(0) % n_tiles
+    bt = tl.program_id(1).to(tl.int64)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, KGP)  # KG padded to a power of two >= 16 (tl.dot's minimum) with zero products
@@ -481,8 +492,9 @@ def matmul_model_kernel(
         else:
             acc = acc + s
         acc = _round_acc(acc, MODE, lo, hi, add, maxv, over, min_normal, SUBNORMALS)
-        if (pg > 0) & (((g + 1) % pg == 0) | (g == groups - 1)):
-            prom = (prom + acc).to(tl.float32).to(tl.float64)
+        if pg > 0:  # noqa: SIM102 (nested: Triton's & evaluates both sides, and % 0 is undefined)
+            if ((g + 1) % pg == 0) | (g == groups - 1):
+                prom = (prom + acc).to(tl.float32).to(tl.float64)
         g += 1
     if pg > 0:
         res = prom
