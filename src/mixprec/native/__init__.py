@@ -38,7 +38,16 @@ except ImportError:  # pragma: no cover - depends on the torch release
     FakeTensor = None  # type: ignore[assignment,misc]
     _get_current_dispatch_mode = None  # type: ignore[assignment]
 
-__all__ = ["NativeKernelWarning", "can_run", "describe", "disabled", "is_disabled", "library", "num_threads"]
+__all__ = [
+    "NativeKernelWarning",
+    "can_run",
+    "describe",
+    "disabled",
+    "env_switched_off",
+    "is_disabled",
+    "library",
+    "num_threads",
+]
 
 _CSRC = Path(__file__).with_name("csrc")
 # -O3 without -ffast-math: the kernels must round exactly as IEEE fp32/fp64 arithmetic does; -ffp-contract=off
@@ -85,8 +94,13 @@ def _compiler() -> list[str] | None:
     return None if first is None else [first, *words[1:]]
 
 
+def env_switched_off() -> bool:
+    """True when ``MIXPREC_NATIVE`` is 0, false, no or off: every kernel, CPU and GPU, steps aside."""
+    return os.environ.get(_ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    if os.environ.get(_ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+    if env_switched_off():
         return None, f"{_ENV_SWITCH}=0"
     if platform.system() != "Linux":
         return None, f"compiled kernels are built on Linux only (this is {platform.system()})"

@@ -54,13 +54,13 @@ def _interpreting() -> bool:
 
 
 def can_run(*tensors: torch.Tensor) -> bool:
-    """Whether the Triton kernels may serve ``tensors``: all on a CUDA device, not fake, nothing tracing."""
-    if os.environ.get("MIXPREC_NATIVE", "1") == "0" or native.is_disabled() or not available():
+    """Whether the Triton kernels may serve ``tensors``: all on one CUDA device, not fake, nothing tracing."""
+    if not all(t.device.type == "cuda" for t in tensors) or len({t.device.index for t in tensors}) > 1:
+        return False  # first: the cheapest answer for the CPU tensors every caller also passes through here
+    if native.env_switched_off() or native.is_disabled() or not available():
         return False
     # ROCm builds also call their devices "cuda": the kernels were checked on NVIDIA GPUs only
     if torch.compiler.is_compiling() or torch.version.hip is not None:
-        return False
-    if not all(t.device.type == "cuda" for t in tensors) or len({t.device.index for t in tensors}) > 1:
         return False
     return native.can_run(*tensors, device_type="cuda")
 
@@ -69,7 +69,7 @@ def describe() -> str:
     """One line naming the GPU path: Triton with its version, or why the torch path runs."""
     if not available():
         return "torch (triton not installed)"
-    if os.environ.get("MIXPREC_NATIVE", "1") == "0" or native.is_disabled():
+    if native.env_switched_off() or native.is_disabled():
         return "torch (kernels disabled)"
     return f"triton {_kernels().triton.__version__}"
 
