@@ -9,14 +9,13 @@ rounding per block instead of one per MMA of the whole K.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Any
 
 import torch
 
 from mixprec.core.validate import check_dtype, check_tensor
 from mixprec.emulate.matmul import MatmulModel, matmul_with_model
+from mixprec.native import gpu
 
 __all__ = ["BLOCK_K", "BLOCK_K_CHOICES", "triton_available", "two_stage_matmul", "two_stage_model"]
 
@@ -30,13 +29,11 @@ BLOCK_K_CHOICES = (16, 32, 64, 128)
 
 def triton_available() -> bool:
     """True when the ``triton`` package can be imported (``pip install mixprec[gpu]``)."""
-    return importlib.util.find_spec("triton") is not None
+    return gpu.available()
 
 
-def _interpreting() -> bool:
-    """True when ``TRITON_INTERPRET`` asks Triton to run kernels in its numpy interpreter (any value but "" or
-    "0", Triton's own rule). The one place that reads it (the interpreter check and the tests call it too)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# TRITON_INTERPRET's reading (Triton's own rule), shared with the kernels of mixprec.native.gpu
+_interpreting = gpu.interpreting
 
 
 def _check_block_k(block_k: Any) -> int:

@@ -31,6 +31,7 @@ __all__ = [
     "available",
     "can_run",
     "describe",
+    "interpreting",
     "matmul_model",
     "quant_decode_u8",
     "quant_encode_u8",
@@ -49,7 +50,9 @@ def available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """True when ``TRITON_INTERPRET`` asks Triton to run kernels in its numpy interpreter (any value but "" or
+    "0", Triton's own rule). The one place that reads it."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -88,7 +91,7 @@ def _on(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
 
 def _launch_opts() -> dict[str, object]:
     # a fused multiply-add rounds once where the torch path rounds twice; the interpreter never fuses
-    return {} if _interpreting() else {"enable_fp_fusion": False}
+    return {} if interpreting() else {"enable_fp_fusion": False}
 
 
 # ------------------------------------------------------------------------------------------------ rounding
