@@ -47,10 +47,10 @@ static inline void mixprec_philox_round_keys(uint64_t key, __m512i kv[20]) {
 /* The 10 rounds on n chains of 8 counters each, one counter per 64-bit lane with its words in the low
  * halves: vpmuludq reads only those, so the high halves may hold garbage until the words are packed. The
  * chains are independent, which hides the latency of the multiplies. */
-static inline void mixprec_philox_rounds(const __m512i kv[20], int n, __m512i x0[], __m512i x1[], __m512i x2[],
-                                         __m512i x3[]) {
+static inline void mixprec_philox_rounds(const __m512i kv[20], int r0, int n, __m512i x0[], __m512i x1[],
+                                         __m512i x2[], __m512i x3[]) {
     const __m512i m0 = _mm512_set1_epi64(MIXPREC_PHILOX_M0), m1 = _mm512_set1_epi64(MIXPREC_PHILOX_M1);
-    for (int r = 0; r < 10; r++) {
+    for (int r = r0; r < 10; r++) { /* rounds r0 .. 9 */
         for (int i = 0; i < n; i++) {
             __m512i p0 = _mm512_mul_epu32(x0[i], m0), p1 = _mm512_mul_epu32(x2[i], m1);
             /* hi(p) to the low half by vpshufd (port 5) rather than vpsrlq, which shares port 0 with vpmuludq */
@@ -66,17 +66,32 @@ static inline void mixprec_philox_rounds(const __m512i kv[20], int n, __m512i x0
 
 /* The words of n / 2 groups from g (16 counters each) after the rounds on n chains: w[4 i + j] holds word j
  * of counter 16 (g + i) + l in lane l. One vpermt2d joins the low dwords of two chains (vpmovqd +
- * vinserti64x4 take 5 uops). */
+ * vinserti64x4 take 5 uops).
+ *
+ * The first two rounds are spelled out: with counter words (lo + l, hi, 0, 0), round 1 multiplies only
+ * word 0, M0 (lo + l) = M0 lo + M0 l (no carry out of 32 bits: lo is a multiple of 8), and leaves a word 0
+ * that is the same in every lane (hi ^ k0), so round 2 multiplies it once, in a scalar register. Two
+ * vector multiplies of the twenty are left out, with the same bits. */
 static inline void mixprec_philox_words(const __m512i kv[20], uint64_t g, int n, __m512i w[]) {
     __m512i x0[8], x1[8], x2[8], x3[8];
-    const __m512i iota = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    const uint64_t M0 = MIXPREC_PHILOX_M0;
+    const __m512i m1 = _mm512_set1_epi64(MIXPREC_PHILOX_M1);
+    const __m512i m0_lane = _mm512_setr_epi64(0, M0, 2 * M0, 3 * M0, 4 * M0, 5 * M0, 6 * M0, 7 * M0);
+    const uint32_t k0 = (uint32_t)_mm_cvtsi128_si32(_mm512_castsi512_si128(kv[0]));
+    const uint32_t k1b = (uint32_t)_mm_cvtsi128_si32(_mm512_castsi512_si128(kv[3]));
     for (int i = 0; i < n; i++) {
         uint64_t c = ((g + (uint64_t)(i >> 1)) << 4) + (uint64_t)(8 * (i & 1)); /* + lane: no carry */
-        x0[i] = _mm512_add_epi64(_mm512_set1_epi64((long long)(uint32_t)c), iota);
-        x1[i] = _mm512_set1_epi64((long long)(c >> 32));
-        x2[i] = x3[i] = _mm512_setzero_si512();
+        __m512i p0 = _mm512_add_epi64(_mm512_set1_epi64((long long)(M0 * (uint32_t)c)), m0_lane);
+        /* round 1: (hi(M1 0) ^ hi ^ k0, lo(M1 0), hi(p0) ^ 0 ^ k1, lo(p0)) */
+        __m512i y2 = _mm512_xor_si512(_mm512_shuffle_epi32(p0, _MM_SHUFFLE(3, 3, 1, 1)), kv[1]);
+        uint64_t P = M0 * (uint32_t)((uint32_t)(c >> 32) ^ k0); /* round 2's product of word 0 */
+        __m512i p1 = _mm512_mul_epu32(y2, m1);
+        x0[i] = _mm512_xor_si512(_mm512_shuffle_epi32(p1, _MM_SHUFFLE(3, 3, 1, 1)), kv[2]); /* hi(p1) ^ 0 ^ k0' */
+        x1[i] = p1;
+        x2[i] = _mm512_xor_si512(p0, _mm512_set1_epi64((long long)((uint32_t)(P >> 32) ^ k1b)));
+        x3[i] = _mm512_set1_epi64((long long)(uint32_t)P);
     }
-    mixprec_philox_rounds(kv, n, x0, x1, x2, x3);
+    mixprec_philox_rounds(kv, 2, n, x0, x1, x2, x3);
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     for (int i = 0; i < n; i += 2) {
         __m512i *x[4] = {x0, x1, x2, x3};
@@ -141,8 +156,8 @@ static inline uint32_t mixprec_philox_tie_word(uint64_t key, uint64_t e) {
 
 /* The secondary words of 32 stream positions at once: four chains of 8 independent lanes, so that the
  * multiply latency of the 10 rounds is paid once per batch of ties rather than once per tie. */
-static inline void mixprec_philox_tie_words32(uint64_t key, const uint64_t e[32], uint32_t out[32]) {
 #if defined(__AVX512F__)
+static inline void mixprec_philox_tie_words32_kv(const __m512i kv[20], const uint64_t e[32], uint32_t out[32]) {
     __m512i x0[4], x1[4], x2[4], x3[4];
     for (int i = 0; i < 4; i++) {
         __m512i v = _mm512_loadu_si512((const void *)(e + 8 * i));
@@ -151,10 +166,17 @@ static inline void mixprec_philox_tie_words32(uint64_t key, const uint64_t e[32]
         x2[i] = _mm512_set1_epi64(1);
         x3[i] = _mm512_setzero_si512();
     }
+    mixprec_philox_rounds(kv, 0, 4, x0, x1, x2, x3);
+    for (int i = 0; i < 4; i++) _mm256_storeu_si256((__m256i *)(out + 8 * i), _mm512_cvtepi64_epi32(x0[i]));
+}
+#endif
+
+/* The same for a key whose round keys are not at hand. */
+static inline void mixprec_philox_tie_words32(uint64_t key, const uint64_t e[32], uint32_t out[32]) {
+#if defined(__AVX512F__)
     __m512i kv[20];
     mixprec_philox_round_keys(key, kv);
-    mixprec_philox_rounds(kv, 4, x0, x1, x2, x3);
-    for (int i = 0; i < 4; i++) _mm256_storeu_si256((__m256i *)(out + 8 * i), _mm512_cvtepi64_epi32(x0[i]));
+    mixprec_philox_tie_words32_kv(kv, e, out);
 #else
     for (int l = 0; l < 32; l++) out[l] = mixprec_philox_tie_word(key, e[l]);
 #endif

@@ -247,16 +247,31 @@ static inline const uint8_t *stream_bytes(uint64_t key, uint64_t p, int64_t n, u
 
 /* Pending ties of one thread: where the code is, its stream position, the remainder 256 frac - f8 (exact)
  * and the code if rounded up. Kept across chunks and resolved 32 at a time (tie_flush), so that the
- * secondary words of a batch share the 10 rounds' multiply latency; a sub-block adds at most SB ties. */
-#define TIE_CAP (SB + 32)
+ * secondary words of a batch share the 10 rounds' multiply latency. A flush waits for TIE_FLUSH ties, so
+ * that moving the unbatched rest (< 32) to the front is rare; a sub-block adds at most SB ties. */
+#define TIE_FLUSH 256
+#define TIE_CAP (TIE_FLUSH + SB + 32)
 typedef struct {
     int64_t n;
     int of_q; /* rem holds the uint8 grid coordinate q; tie_flush derives remainder and rounded-up code */
+    uint64_t key;
+#if defined(__AVX512F__)
+    __m512i kv[20]; /* the round keys of key (philox.h), set once per thread */
+#endif
     uint8_t *dst[TIE_CAP];
     uint64_t e[TIE_CAP];
     float rem[TIE_CAP];
     int32_t up[TIE_CAP];
 } ties_t;
+
+static inline void ties_init(ties_t *t, uint64_t key, int of_q) {
+    t->n = 0;
+    t->of_q = of_q;
+    t->key = key;
+#if defined(__AVX512F__)
+    mixprec_philox_round_keys(key, t->kv);
+#endif
+}
 
 static inline void tie_push(ties_t *t, uint8_t *dst, uint64_t e, float rem, int32_t up) {
     t->dst[t->n] = dst;
@@ -284,7 +299,7 @@ static inline float tie_of_q(float q, int32_t *up) {
 /* Resolve pending ties, up when the secondary word w < rem 2**32 (both exact in double): every batch of 32,
  * and with `all` the rest too (the end of a thread's work). What is left moves to the front. The choice is
  * a coin flip, so it is made without a branch (a mispredicted one per two ties cost more than the words). */
-static void tie_flush(ties_t *t, uint64_t key, int all) {
+static void tie_flush(ties_t *t, int all) {
     int64_t i = 0;
     for (; i + 32 <= t->n || (all && i < t->n); i += 32) {
         int cnt = t->n - i < 32 ? (int)(t->n - i) : 32;
@@ -292,7 +307,11 @@ static void tie_flush(ties_t *t, uint64_t key, int all) {
         uint32_t w[32], up = 0;
         if (cnt < 32) /* a partial batch: repeat its first position */
             for (int j = 0; j < 32; j++) e[j] = t->e[i + (j < cnt ? j : 0)];
-        mixprec_philox_tie_words32(key, cnt < 32 ? e : t->e + i, w);
+#if defined(__AVX512F__)
+        mixprec_philox_tie_words32_kv(t->kv, cnt < 32 ? e : t->e + i, w);
+#else
+        mixprec_philox_tie_words32(t->key, cnt < 32 ? e : t->e + i, w);
+#endif
 #if defined(__AVX512F__)
         for (int b = 0; b < 32; b += 8) {
             __mmask8 live = (__mmask8)(cnt - b >= 8 ? 0xFF : (cnt > b ? (1u << (cnt - b)) - 1 : 0));
@@ -536,7 +555,7 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
             if (k < m) /* the rest: positions off the 256 grid, or the last m % 64 elements */
                 codes_stochastic(p + k, c + k, 0, m - k, sub, scale, zero, stream_bytes(key, e0 + (uint64_t)k, m - k, ubuf),
                                  ties, e0 + (uint64_t)k);
-            if (ties->n >= 32) tie_flush(ties, key, 0);
+            if (ties->n >= TIE_FLUSH) tie_flush(ties, 0);
         } else {
             const float sub = g.sub, scale = g.scale, zero = g.zero;
             for (int64_t k = 0; k < m; k++) {
@@ -605,8 +624,7 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
         float buf[SB];
         uint8_t ubuf[UBUF];
         ties_t ties;
-        ties.n = 0;
-        ties.of_q = 1;
+        ties_init(&ties, key, 1);
         pre_words_t pre;
 #if ALIGNED_PATH
         if (stochastic) mixprec_philox_round_keys(key, pre.kv);
@@ -621,7 +639,7 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
 #endif
             bad += encode_u8_pipelined((const float *)x, length, x_stride, out, out_stride, chunk, key, offset,
                                        pos_stride, tasks * me / nth, tasks * (me + 1) / nth, buf, ubuf, &ties, two);
-            tie_flush(&ties, key, 1);
+            tie_flush(&ties, 1);
         } else
 #endif
         {
@@ -652,7 +670,7 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
             grid_t g = grid_of(mn, mx);
             encode_chunk(xr, dt, a, n, o + 8 * chunks + a, g, stochastic, key, pos, buf, ubuf, &ties, &pre, 0);
         }
-        if (stochastic) tie_flush(&ties, key, 1);
+        if (stochastic) tie_flush(&ties, 1);
         }
     }
     return bad;
@@ -885,8 +903,7 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
         uint8_t ubuf[UBUF];
         uint16_t tie[TIE_WORDS];
         ties_t ties;
-        ties.n = 0;
-        ties.of_q = 0;
+        ties_init(&ties, key, 0);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             int64_t r = t / chunks, c = t % chunks, a = c * chunk;
@@ -914,10 +931,10 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
                 fp8_codes(p, codes + s, m, up, f, inv_smin, u, tie);
                 if (!stochastic) continue;
                 fp8_ties(p, codes + s, pos + (uint64_t)s, m, up, f, inv_smin, tie, &ties);
-                if (ties.n >= 32) tie_flush(&ties, key, 0);
+                if (ties.n >= TIE_FLUSH) tie_flush(&ties, 0);
             }
         }
-        if (stochastic) tie_flush(&ties, key, 1);
+        if (stochastic) tie_flush(&ties, 1);
     }
     return bad;
 }
