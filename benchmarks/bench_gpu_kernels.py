@@ -9,6 +9,9 @@ One run times, with ``triton.testing.do_bench`` (median; CUDA events), in the sa
 3. the emulated matmul (fp16/16, fp16/32, bf16/32, two_stage) at 1024^3 and 4096 x 4096 x 1024 against cuBLAS
    fp32 ``torch.matmul`` (TF32 off) and fp16 ``torch.matmul``, and the torch path at 1024^3.
 
+``do_bench`` times the device. Small calls are bound by the host instead (Python and Triton's launch): the
+"back to back" columns give the wall time per call of a loop of calls, as a training step sees it.
+
 Each section checks the kernel's bits against the torch path on the same inputs before timing it. Writes
 ``gpu_kernels.json`` and ``gpu_kernels.md`` to ``--out`` after every section.
 
@@ -42,6 +45,18 @@ def bench(fn: Any) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
+def back_to_back_us(fn: Any, calls: int = 300) -> float:
+    """Wall time per call, in microseconds, of ``calls`` calls in a row and one synchronisation."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return 1e6 * (time.perf_counter() - t) / calls
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype == torch.float32:
         eq = a.view(torch.int32) == b.view(torch.int32)
@@ -72,13 +87,16 @@ def rounding_row(x: torch.Tensor, name: str, dt: torch.dtype) -> list[object]:
     if vs_cast != "0":
         i = int(vs_cast.split("at ")[1].rstrip(")"))
         vs_cast += f": x={x[i].item():.9g} -> {y[i].item():.9g}, cast {cast[i].item():.9g}"
+    b_cast = back_to_back_us(lambda: x.to(dt).float())
+    b_k = back_to_back_us(lambda: round_to(x, name, out=out))
     return [f"{x.numel() >> 20}M", name, f"{t_cast:.4g}", f"{t_k:.4g}", f"{t_k / t_cast:.2f}x", f"{t_torch:.4g}",
-            vs_torch, vs_cast]  # fmt: skip
+            f"{b_cast:.0f} / {b_k:.0f}", vs_torch, vs_cast]  # fmt: skip
 
 
 def section_rounding(sizes: list[int]) -> tuple[list[str], list[list[object]]]:
     head = ["elements", "format", "torch cast ms", "triton round_to ms", "ratio (goal <= 1.5x)", "torch path ms",
-            "differ from torch path", "differ from torch's CUDA cast"]  # fmt: skip
+            "back to back us/call: cast / round_to", "differ from torch path",
+            "differ from torch's CUDA cast"]  # fmt: skip
     formats = [("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn),
                ("fp8_e5m2", torch.float8_e5m2)]  # fmt: skip
     return head, [rounding_row(torch.randn(n, device="cuda") * 100, nm, dt) for n in sizes for nm, dt in formats]
@@ -100,6 +118,7 @@ def quantize_row(n: int) -> list[object]:
     t_dec = bench(lambda: q.decode(buf, n, out=dst))
     t_both = bench(both)
     t_st = bench(lambda: qs.encode(x, out=buf))
+    b_copy, b_both = back_to_back_us(lambda: dst.copy_(x)), back_to_back_us(both)
     key = 12345
     got = torch.empty(1, q.encoded_nbytes(n), dtype=torch.uint8, device="cuda")
     qs.encode_rows(x[None], got, key=key)
@@ -109,12 +128,13 @@ def quantize_row(n: int) -> list[object]:
         qs.encode_rows(x[None], ref, key=key)
     return [f"{n >> 20}M", f"{t_copy:.4g}", f"{t_enc:.4g}", f"{t_dec:.4g}", f"{t_both / t_copy:.2f}x",
             f"{t_st:.4g}", f"{t_st / t_enc:.2f}x", f"{t_torch:.4g}", f"{t_torch / t_both:.1f}x",
-            torch.equal(got, ref)]  # fmt: skip
+            f"{b_copy:.0f} / {b_both:.0f}", torch.equal(got, ref)]  # fmt: skip
 
 
 def section_quantize(sizes: list[int]) -> tuple[list[str], list[list[object]]]:
     head = ["elements", "copy_ ms", "encode ms", "decode ms", "enc+dec / copy_", "stochastic encode ms",
-            "stochastic / nearest", "torch path enc+dec ms", "speedup", "same bits"]  # fmt: skip
+            "stochastic / nearest", "torch path enc+dec ms", "speedup", "back to back us/call: copy_ / enc+dec",
+            "same bits"]  # fmt: skip
     return head, [quantize_row(n) for n in sizes]
 
 
