@@ -203,6 +203,15 @@ def test_autograd_inputs_keep_the_torch_path() -> None:
         assert not round_to(x, "fp16").requires_grad
 
 
+def test_autograd_out_keeps_the_torch_path() -> None:
+    """An ``out`` in an autograd graph is written by a recorded copy, not behind autograd's back."""
+    x = torch.randn(40)
+    out = torch.zeros(40, requires_grad=True).clone()
+    round_to(x, "fp16", out=out)
+    assert type(out.grad_fn).__name__ != "CloneBackward0"  # the rounding's ops were recorded
+    assert_same_bits(out.detach(), round_to(x, "fp16"))
+
+
 def test_kernel_rejects_formats_outside_float_format() -> None:
     fn = _native_lib().mixprec_round_nearest
     x, out = torch.ones(4), torch.empty(4)

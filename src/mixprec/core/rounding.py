@@ -183,18 +183,20 @@ def _native_lib() -> ctypes.CDLL | None:
     return lib
 
 
-def _native_ok(x: torch.Tensor) -> bool:
-    """A kernel may serve ``x``: a CPU tensor with memory behind it (compiled kernels) or a CUDA one (Triton,
-    :mod:`mixprec.native.gpu`), not traced by torch.compile, and no autograd graph to record (the torch path's
-    result tracks ``x``'s graph, a raw-pointer kernel's cannot)."""
-    if (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+def _native_ok(*ts: torch.Tensor) -> bool:
+    """A kernel may serve the tensors: on the CPU with memory behind them (compiled kernels) or on one CUDA
+    device (Triton, :mod:`mixprec.native.gpu`), not traced by torch.compile, and no autograd graph to record
+    (the torch path's result tracks ``x``'s graph, a raw-pointer kernel's cannot). One call for all of them:
+    on the GPU these checks are a good part of a small call's host time."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in ts)):
         return False
-    return native.can_run(x) if x.device.type == "cpu" else gpu.can_run(x)
+    return native.can_run(*ts) if ts[0].device.type == "cpu" else gpu.can_run(*ts)
 
 
-def _kernel_lib(x: torch.Tensor) -> ctypes.CDLL | object | None:
-    """What rounds ``x`` to nearest: the compiled library (CPU), the gpu module (CUDA), or None (torch path)."""
-    if not _native_ok(x):
+def _kernel_lib(x: torch.Tensor, out: torch.Tensor | None = None) -> ctypes.CDLL | object | None:
+    """What rounds ``x`` (into ``out``, if given) to nearest: the compiled library (CPU), the gpu module (CUDA),
+    or None (torch path)."""
+    if not (_native_ok(x) if out is None else _native_ok(x, out)):
         return None
     return _native_lib() if x.device.type == "cpu" else gpu
 
@@ -228,8 +230,8 @@ def _native_round_nearest(lib: object, src: torch.Tensor, dst: torch.Tensor, fmt
 def _round_to_native(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor | None) -> torch.Tensor | None:
     """round_to(x, fmt, "nearest", out=out) through the compiled kernel; None when it cannot run here (no
     library, not CPU, autograd), and the torch path must."""
-    lib = _kernel_lib(x)
-    if lib is None or (out is not None and (out.device != x.device or not _native_ok(out))):
+    lib = _kernel_lib(x, out)  # also None for an out on another device
+    if lib is None:
         return None
     if x.dtype in _NATIVE_SRC or x.dtype == torch.float64:
         src = x.contiguous()

@@ -22,6 +22,7 @@ import importlib.util
 import os
 import warnings
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -85,8 +86,11 @@ def _kernels() -> ModuleType:
 
 
 def _on(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
-    """Triton launches on the current device and its current stream: make that ``t``'s device."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+    """Triton launches on the current device and its current stream: make that ``t``'s device (a device guard
+    costs about 2 us of host time, so only when it is another)."""
+    if t.device.type != "cuda" or t.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)
 
 
 def _launch_opts() -> dict[str, object]:
@@ -119,26 +123,34 @@ def _round_params(exp_bits: int, man_bits: int, has_inf: bool, saturate: bool, s
     }
 
 
+@functools.lru_cache(maxsize=64)
+def _round_nearest_args(
+    exp_bits: int, man_bits: int, has_inf: bool, saturate: bool, subnormals: bool
+) -> tuple[tuple[int, ...], dict[str, object]]:
+    """round_nearest_kernel's format arguments: the runtime ints and the constexprs (computed once a format)."""
+    p = _round_params(exp_bits, man_bits, has_inf, saturate, subnormals)
+    alg = 0 if exp_bits == 8 else (1 if man_bits <= 21 else 2)
+    if exp_bits == 8 and p["drop"]:
+        nan_keep, nan_or = False, 0x7FC00000  # the integer trick writes the default NaN
+    else:
+        nan_keep, nan_or = True, 0 if (exp_bits == 8 and subnormals) else 0x00400000
+    ints = (p["drop"], p["half_m1"], p["keep_mask"], p["lo32"], p["hi32"], p["add32"], p["lo64"], p["hi64"],
+            p["add64"], p["max_bits"], p["ovf_bits"], p["min_normal_bits"], nan_or)  # fmt: skip
+    return ints, {"ALG": alg, "ODD": bool(p["drop"]), "NAN_KEEP": nan_keep, "BLOCK": _BLOCK}
+
+
 def round_nearest(src: torch.Tensor, dst: torch.Tensor, fmt: object) -> None:
     """Round contiguous fp32/fp16/bf16 ``src`` to nearest on ``fmt``'s grid into contiguous fp32 ``dst`` (may be
     ``src`` itself), as ``csrc/rounding.c``'s ``mixprec_round_nearest``."""
-    e, mb = fmt.exp_bits, fmt.man_bits  # type: ignore[attr-defined]
-    p = _round_params(e, mb, fmt.has_inf, fmt.saturate, fmt.subnormals)  # type: ignore[attr-defined]
-    alg = 0 if e == 8 else (1 if mb <= 21 else 2)
-    if e == 8 and p["drop"]:
-        nan_keep, nan_or = False, 0x7FC00000  # the integer trick writes the default NaN
-    else:
-        nan_keep, nan_or = True, 0 if (e == 8 and fmt.subnormals) else 0x00400000  # type: ignore[attr-defined]
     n = src.numel()
     if n == 0:
         return
+    f: Any = fmt  # a mixprec.core.FloatFormat (this layer sits below core)
+    ints, consts = _round_nearest_args(f.exp_bits, f.man_bits, f.has_inf, f.saturate, f.subnormals)
     with _on(src):
         _kernels().round_nearest_kernel[(triton_cdiv(n, _BLOCK),)](
-            src, dst.view(torch.int32), n,
-            p["drop"], p["half_m1"], p["keep_mask"], p["lo32"], p["hi32"], p["add32"], p["lo64"], p["hi64"],
-            p["add64"], p["max_bits"], p["ovf_bits"], p["min_normal_bits"], nan_or,
-            ALG=alg, ODD=bool(p["drop"]), NAN_KEEP=nan_keep, BLOCK=_BLOCK, **_launch_opts(),
-        )  # fmt: skip
+            src, dst.view(torch.int32), n, *ints, **consts, **_launch_opts()
+        )
     torch.autograd.graph.increment_version(dst)
 
 
