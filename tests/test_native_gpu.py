@@ -250,6 +250,27 @@ def test_gpu_uint8_large_stochastic_is_unbiased() -> None:
 
 
 @needs_cuda
+@pytest.mark.parametrize("chunk", [1, 64, 2048])
+def test_gpu_uint8_stochastic_scratch_does_not_grow_with_chunks(chunk: int) -> None:
+    """The tie masks take 33 int32 per 1024 elements whatever the chunk size (they once took 2 x 33 per chunk:
+    264 bytes per element at chunk_size 1), and the bits stay the CPU's."""
+    n = 1 << 22
+    x = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    q = MinMaxUInt8(chunk_size=chunk, rounding="stochastic")
+    ref = torch.empty(1, q.encoded_nbytes(n), dtype=torch.uint8)
+    q.encode_rows(x[None], ref, key=7, offset=3)
+    xc, got = x.cuda(), torch.empty_like(ref, device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    q.encode_rows(xc[None], got, key=7, offset=3)
+    torch.cuda.synchronize()
+    scratch = torch.cuda.max_memory_allocated() - before
+    assert scratch <= 4 * (2 + 33 * (n // 1024 + 1)) + 4096, scratch  # + the allocator's rounding
+    assert torch.equal(got.cpu(), ref)
+
+
+@needs_cuda
 @pytest.mark.parametrize("name", ["fp16/16", "fp16/32", "bf16/32", "two_stage"])
 def test_gpu_emulated_matmul(name: str) -> None:
     model = MATMUL_PRESETS[name]

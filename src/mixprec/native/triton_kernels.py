@@ -145,6 +145,16 @@ def _load_f32_bytes(ptr):
 
 
 @triton.jit
+def _load_f32_lanes(ptr, mask):
+    """The fp32 values whose 4 little-endian bytes start at each of the pointers ``ptr`` (masked lanes: 0)."""
+    b0 = tl.load(ptr, mask=mask, other=0).to(tl.uint32)
+    b1 = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint32)
+    b2 = tl.load(ptr + 2, mask=mask, other=0).to(tl.uint32)
+    b3 = tl.load(ptr + 3, mask=mask, other=0).to(tl.uint32)
+    return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _primary_bytes(key, first):
     """The primary bytes (as int32) of stream positions ``first + [0, 1024)`` (``first`` a multiple of 256):
     element 256 g + 64 b + 16 w + l is byte b of word w of counter 16 (first / 256 + g) + l."""
@@ -173,7 +183,7 @@ def _codes_q(x_row, j, m, sub, scale, zero):
     return q + zero
 
 
-@triton.jit(do_not_specialize=["k0", "k1", "chunk"])
+@triton.jit(do_not_specialize=["k0", "k1", "chunk", "w_row"])
 def quant_encode_kernel(
     x,
     out,
@@ -191,14 +201,16 @@ def quant_encode_kernel(
     tie_bits,
     fp32_max,
     wide_below,
+    w_row,
     STOCHASTIC: tl.constexpr,
-    W_MAX: tl.constexpr,
 ):
     """One (chunk, row) per program: min/max pass, the chunk's grid, then the codes. Counts flagged and wide
-    chunks in ``stats[0]``, ``stats[1]``. Stochastic rounding visits aligned windows of 1024 stream positions;
-    a window with ties writes their bit mask (32 uint32 words) to its own slot of ``tie_bits`` and sets its
-    ``tie_cnt`` flag, for quant_ties_kernel: no shared counter, no scan. A 1-D grid of chunks x rows programs
-    (the second and third grid axes stop at 65535)."""
+    chunks in ``stats[0]``, ``stats[1]``. Stochastic rounding visits windows of 1024 stream positions on a
+    grid of the row (``w_row`` of them, from the row's first position rounded down to 256); the ties of a
+    window go into its bit mask (32 uint32 words of ``tie_bits``, zeroed by the caller, or-ed in: the chunks
+    that share a window own disjoint bits) and set its ``tie_cnt`` flag, for quant_ties_kernel. The scratch
+    is one mask per 1024 elements, whatever the chunk size. A 1-D grid of chunks x rows programs (the second
+    and third grid axes stop at 65535)."""
     pid = tl.program_id(0).to(tl.int64)
     c = pid % chunks
     r = pid // chunks
@@ -239,9 +251,10 @@ def quant_encode_kernel(
             tl.atomic_add(stats + 1, 1)
         elif STOCHASTIC:
             key = (k1.to(tl.uint64) & 0xFFFFFFFF) << 32 | (k0.to(tl.uint64) & 0xFFFFFFFF)
+            base = ((offset + r * pos_stride) >> 8) << 8  # the row's window grid
             e0 = offset + r * pos_stride + start  # stream position of the chunk's first element
-            win = (e0 >> 8) << 8
-            slot = (r * chunks + c) * W_MAX
+            win = base + (((e0 - base) >> 10) << 10)  # the first window the chunk touches
+            slot = r * w_row + ((win - base) >> 10)
             while win < e0 + n:
                 j = win - e0 + idx  # element index within the chunk
                 m = (j >= 0) & (j < n)
@@ -255,7 +268,8 @@ def quant_encode_kernel(
                 tie = (m & (byte == f8)).to(tl.uint32)
                 if tl.sum(tie, axis=0) > 0:  # a bit mask of the window's ties: 32 words of 32 elements
                     bits = tl.sum(tl.reshape(tie, [32, 32]) << tl.arange(0, 32).to(tl.uint32)[None, :], axis=1)
-                    tl.store(tie_bits + slot * 32 + tl.arange(0, 32), bits.to(tl.int32, bitcast=True))
+                    bits = bits.to(tl.int32, bitcast=True)
+                    tl.atomic_or(tie_bits + slot * 32 + tl.arange(0, 32), bits, mask=bits != 0)
                     tl.store(tie_cnt + slot, 1)
                 win += 1024
                 slot += 1
@@ -268,7 +282,7 @@ def quant_encode_kernel(
                 t += 1024
 
 
-@triton.jit(do_not_specialize=["k0", "k1", "chunk"])
+@triton.jit(do_not_specialize=["k0", "k1", "chunk", "w_row"])
 def quant_ties_kernel(
     x,
     out,
@@ -285,27 +299,19 @@ def quant_ties_kernel(
     tie_bits,
     fp32_max,
     wide_below,
-    W_MAX: tl.constexpr,
+    w_row,
 ):
-    """The ties of one window (program (chunk * W_MAX + window, row)), 32 at a time (one per mask word): q
-    recomputed from ``x`` and the header as the encoder computed it; up when the secondary word (counter
-    (e low, e high, 1, 0)) < remainder * 2**32."""
-    pid = tl.program_id(0).to(tl.int64)  # 1-D grid: (chunk * W_MAX + window) + chunks * W_MAX * row
-    pw = pid % (chunks * W_MAX)
-    r = pid // (chunks * W_MAX)
-    c = pw // W_MAX
-    slot = (r * chunks + c) * W_MAX + pw % W_MAX
+    """The ties of one window (program window + w_row * row), 32 at a time (one per mask word): each tie's
+    chunk grid from its header, q recomputed from ``x`` as the encoder computed it; up when the secondary word
+    (counter (e low, e high, 1, 0)) < remainder * 2**32."""
+    slot = tl.program_id(0).to(tl.int64)  # 1-D grid: window + w_row * row
+    r = slot // w_row
     if tl.load(tie_cnt + slot) > 0:
         lane = tl.arange(0, 32)
         words = tl.load(tie_bits + slot * 32 + lane).to(tl.uint32, bitcast=True)
-        start = c * chunk.to(tl.int64)
-        e0 = offset + r * pos_stride + start
-        first = ((e0 >> 8) << 8) + (pw % W_MAX) * 1024
+        row_e0 = offset + r * pos_stride  # stream position of the row's first element
+        first = ((row_e0 >> 8) << 8) + (slot % w_row) * 1024
         orow = out + r * out_stride
-        grid = _chunk_grid(
-            _load_f32_bytes(orow + 4 * c), _load_f32_bytes(orow + 4 * (chunks + c)), fp32_max, wide_below
-        )
-        sub, scale, zero = grid[1], grid[2], grid[3]
         key = (k1.to(tl.uint64) & 0xFFFFFFFF) << 32 | (k0.to(tl.uint64) & 0xFFFFFFFF)
         while tl.max(words, axis=0) > 0:
             valid = words != 0
@@ -313,8 +319,12 @@ def quant_ties_kernel(
             low = words ^ rest  # the lowest set bit; its index from the exponent of its exact fp32 value
             b = (low.to(tl.float32).to(tl.uint32, bitcast=True) >> 23) - 127
             e = first + (lane * 32).to(tl.int64) + b.to(tl.int64)
-            j = e - e0
-            q = _codes_q(x + r * x_stride + start, j, valid, sub, scale, zero)
+            j = e - row_e0  # element of the row
+            c = j // chunk.to(tl.int64)
+            mn = _load_f32_lanes(orow + 4 * c, valid)
+            mx = _load_f32_lanes(orow + 4 * (chunks + c), valid)
+            _, sub, scale, zero, _ = _chunk_grid(mn, mx, fp32_max, wide_below)
+            q = _codes_q(x + r * x_stride, j, valid, sub, scale, zero)
             f = tl.math.floor(q)
             s = (q - f) * 256.0
             rem = (s - tl.math.floor(s)).to(tl.float64)  # exact
@@ -324,7 +334,7 @@ def quant_ties_kernel(
             up = w.to(tl.float64) < rem * 4294967296.0
             code = tl.minimum(tl.maximum(f + 1.0, 0.0), 255.0)
             byte = (code + 8388608.0).to(tl.uint32, bitcast=True).to(tl.uint8)
-            tl.store(orow + 8 * chunks + start + j, byte, mask=valid & up)
+            tl.store(orow + 8 * chunks + j, byte, mask=valid & up)
             words = rest
 
 
