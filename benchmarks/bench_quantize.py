@@ -6,7 +6,8 @@ thread count, one run times: ``copy_``, the compiled kernels' encode, decode and
 the same on the torch path (``mixprec.native.disabled()``, what runs without a compiler), and the compiled
 stochastic encode (Philox4x32-10 uniforms) against the nearest one. Pairs that form a ratio are timed in
 turns (``time_alternating``), so a change of machine load falls on both. Goals (printed as verdicts):
-encode + decode at most 2.5x ``copy_``, stochastic encode at most 1.5x nearest.
+encode + decode at most 2.5x ``copy_``, stochastic encode at most 1.5x nearest. Then ScaledFP8, and both
+encodes of MinMaxUInt8 by chunk size (64 to 2048) on one thread.
 
     python benchmarks/bench_quantize.py [--quick] [--threads 1,2]
 """
@@ -93,6 +94,26 @@ def measure_fp8(n: int, repeat: int) -> list[list[object]]:
     return rows
 
 
+def measure_chunks(n: int, chunks: list[int], repeat: int) -> list[list[object]]:
+    """MinMaxUInt8 nearest and stochastic encode by chunk size, one thread: small chunks (per-block
+    quantization of 64-256 elements) have their own costs (a header and a grid per chunk, Philox bytes that
+    neighbouring chunks share)."""
+    torch.set_num_threads(1)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    rows: list[list[object]] = []
+    for chunk in chunks:
+        q = MinMaxUInt8(chunk_size=chunk)
+        qs = MinMaxUInt8(chunk_size=chunk, rounding="stochastic", generator=torch.Generator().manual_seed(0))
+        buf = q.encode(x)
+        t_near, t_stoch = time_alternating(
+            lambda: q.encode(x, out=buf),  # noqa: B023 - called right here
+            lambda: qs.encode(x, out=buf),  # noqa: B023
+            repeat=repeat,
+        )
+        rows.append([f"{n / 2**20:g}M", chunk, t_near * 1e3, t_stoch * 1e3, f"{t_stoch / t_near:.2f}x"])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="small sizes, few repetitions (seconds): a smoke run")
@@ -146,6 +167,13 @@ def main() -> None:
             fp8_rows,
         )
     )
+    print()
+    print("MinMaxUInt8 encode by chunk size, one thread:")
+    print()
+    chunks = [64, 256, 2048] if args.quick else [64, 128, 256, 512, 1024, 2048]
+    chunk_rows = measure_chunks(sizes[0], chunks, repeat)
+    head = ["elements", "chunk_size", "nearest encode ms", "stochastic encode ms", "stochastic / nearest"]
+    print(markdown_table(head, chunk_rows))
 
 
 if __name__ == "__main__":

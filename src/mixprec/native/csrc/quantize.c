@@ -88,6 +88,7 @@ static inline void minmax16(const float *p, __m512 *vmn, __m512 *vmx, __mmask16 
 /* Philox words that chunk_minmax computes on the side: those of the first `subs` sub-blocks of a chunk
  * whose first stream position e0 is a multiple of 256, 16 vectors per sub-block (philox.h's layout). */
 #define PRE_SUBS 4 /* 4 KiB per thread: the whole of a 4096-element chunk */
+#define SHORT 512 /* chunks below this take their Philox bytes from stream_bytes, shared with their neighbours */
 typedef struct {
     uint64_t e0;
     int64_t subs;
@@ -229,12 +230,25 @@ static int scan_finish(scan_t *sc, float *pmn, float *pmx) {
 }
 #endif
 
-/* Primary bytes of stream positions [p, p + n) (n <= SB) into u (UBUF bytes); returns where they start. */
+/* A thread's primary bytes of one stream: groups [g0, g1) of 256 positions in u, computed 4 at a time and
+ * kept, because a thread's chunks follow each other in the stream: chunks smaller than 1024 elements read the
+ * groups the chunk before them computed instead of computing 1024 positions each. */
 #define UBUF (2 * 1024) /* SB elements span at most SB / 256 + 1 groups, computed 4 at a time */
-static inline const uint8_t *stream_bytes(uint64_t key, uint64_t p, int64_t n, uint8_t *u) {
-    uint64_t g0 = p >> 8, g1 = (p + (uint64_t)n - 1) >> 8;
-    for (uint64_t g = g0; g <= g1; g += 4) mixprec_philox_bytes1024(key, g, u + 256 * (g - g0));
-    return u + (p - (g0 << 8));
+typedef struct {
+    uint64_t g0, g1; /* g1 == g0: nothing kept */
+    uint8_t u[UBUF];
+} ubytes_t;
+
+/* The primary bytes of stream positions [p, p + n) (n <= SB) of the stream `key` (one per ubytes_t). */
+static inline const uint8_t *stream_bytes(uint64_t key, uint64_t p, int64_t n, ubytes_t *ub) {
+    uint64_t g0 = p >> 8, g1 = ((p + (uint64_t)n - 1) >> 8) + 1;
+    if (g0 < ub->g0 || g1 > ub->g1) {
+        uint64_t g = g0;
+        for (; g < g1; g += 4) mixprec_philox_bytes1024(key, g, ub->u + 256 * (g - g0));
+        ub->g0 = g0;
+        ub->g1 = g;
+    }
+    return ub->u + (p - (ub->g0 << 8));
 }
 
 /* Ties are flagged in bit masks, 16 elements per uint16_t: the vector loops store a compare mask as is.
@@ -514,7 +528,7 @@ static inline void queue_ties(const float *p, uint32_t nz, float sub, float scal
 #endif
 
 static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *codes, grid_t g, int stochastic,
-                         uint64_t key, uint64_t pos, float *buf, uint8_t *ubuf, ties_t *ties, const pre_words_t *pre,
+                         uint64_t key, uint64_t pos, float *buf, ubytes_t *ubuf, ties_t *ties, const pre_words_t *pre,
                          void *next) {
     (void)pre, (void)next; /* unused without the aligned path */
     for (int64_t s = 0; s < n; s += SB) {
@@ -542,10 +556,13 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
             const float sub = g.sub, scale = g.scale, zero = g.zero;
             int64_t k = 0;
 #if ALIGNED_PATH
-            if ((e0 & 255) == 0 && scale < 0x1p119f) { /* Philox words from chunk_minmax, or computed here */
+            /* Philox words from chunk_minmax, or computed here for 1024 positions: not for a short piece, whose
+             * bytes the stream_bytes of the chunks around it share */
+            int have_pre = pre && s / SB < pre->subs;
+            if ((e0 & 255) == 0 && scale < 0x1p119f && (have_pre || m >= SHORT)) {
                 __m512i own[16];
                 uint64_t tie[SB / 64];
-                const __m512i *w = pre && s / SB < pre->subs ? pre->w + 16 * (s / SB) : own;
+                const __m512i *w = have_pre ? pre->w + 16 * (s / SB) : own;
                 if (w == own) mixprec_philox_words1024(key, e0 >> 8, own);
                 uint32_t nz;
                 k = codes_stochastic_aligned(p, c, m, sub, scale * 256.0f, zero * 256.0f, w, tie, &nz, (scan_t *)next, s);
@@ -574,7 +591,7 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
  * of flagged chunks. */
 static int64_t encode_u8_pipelined(const float *x, int64_t length, int64_t x_stride, uint8_t *out, int64_t out_stride,
                                    int64_t chunk, uint64_t key, int64_t offset, int64_t pos_stride, int64_t lo,
-                                   int64_t hi, float *buf, uint8_t *ubuf, ties_t *ties, pre_words_t pre[2]) {
+                                   int64_t hi, float *buf, ubytes_t *ubuf, ties_t *ties, pre_words_t pre[2]) {
     int64_t chunks = (length + chunk - 1) / chunk, bad = 0;
     scan_t sc[2];
     float mn, mx;
@@ -585,7 +602,7 @@ static int64_t encode_u8_pipelined(const float *x, int64_t length, int64_t x_str
             uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
             pre_words_t *pw = &pre[(u - lo) & 1];
             pw->e0 = pos;
-            pw->subs = (pos & 255) == 0 ? PRE_SUBS : 0;
+            pw->subs = (pos & 255) == 0 && n >= SHORT ? PRE_SUBS : 0;
             scan_start(&sc[(u - lo) & 1], x + r * x_stride + a, n, pw);
             if (u == lo) nonfinite = scan_finish(&sc[0], &mn, &mx);
         }
@@ -622,7 +639,8 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
 #pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN) reduction(+ : bad)
     {
         float buf[SB];
-        uint8_t ubuf[UBUF];
+        ubytes_t ubytes, *ubuf = &ubytes;
+        ubytes.g0 = ubytes.g1 = 0;
         ties_t ties;
         ties_init(&ties, key, 1);
         pre_words_t pre;
@@ -653,7 +671,7 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
             float mn, mx;
             pre.e0 = pos;
 #if ALIGNED_PATH
-            pre.subs = stochastic && (pos & 255) == 0 ? PRE_SUBS : 0;
+            pre.subs = stochastic && (pos & 255) == 0 && n >= SHORT ? PRE_SUBS : 0;
 #else
             pre.subs = 0;
 #endif
@@ -781,10 +799,11 @@ void mixprec_quant_philox_block(const uint32_t *ctr, const uint32_t *key, uint32
 }
 
 void mixprec_quant_philox_bytes(uint64_t key, int64_t first, int64_t count, uint8_t *out) {
-    uint8_t u[UBUF];
+    ubytes_t ub;
+    ub.g0 = ub.g1 = 0;
     for (int64_t s = 0; s < count; s += SB) {
         int64_t m = count - s < SB ? count - s : SB;
-        memcpy(out + s, stream_bytes(key, (uint64_t)(first + s), m, u), (size_t)m);
+        memcpy(out + s, stream_bytes(key, (uint64_t)(first + s), m, &ub), (size_t)m);
     }
 }
 
@@ -900,7 +919,8 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
 #pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN) reduction(+ : bad)
     {
         float buf[SB];
-        uint8_t ubuf[UBUF];
+        ubytes_t ubytes, *ubuf = &ubytes;
+        ubytes.g0 = ubytes.g1 = 0;
         uint16_t tie[TIE_WORDS];
         ties_t ties;
         ties_init(&ties, key, 0);
