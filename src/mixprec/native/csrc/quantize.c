@@ -645,11 +645,11 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
         ties_init(&ties, key, 1);
         pre_words_t pre;
 #if ALIGNED_PATH
-        if (stochastic) mixprec_philox_round_keys(key, pre.kv);
+        if (stochastic) memcpy(pre.kv, ties.kv, sizeof pre.kv); /* the round keys, computed once by ties_init */
         if (stochastic && dt == DT_F32) {
             pre_words_t two[2];
-            mixprec_philox_round_keys(key, two[0].kv);
-            memcpy(two[1].kv, two[0].kv, sizeof two[0].kv);
+            memcpy(two[0].kv, ties.kv, sizeof two[0].kv);
+            memcpy(two[1].kv, ties.kv, sizeof two[1].kv);
 #ifdef _OPENMP
             int64_t me = omp_get_thread_num(), nth = omp_get_num_threads();
 #else
