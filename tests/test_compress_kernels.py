@@ -137,11 +137,22 @@ def test_empty_and_single_element() -> None:
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_compiled_fp8_equals_torch(fmt: str, dtype: torch.dtype, rounding: str) -> None:
-    chunk, length = 7, 100
+@pytest.mark.parametrize("chunk", [7, 40])  # 40: 16-lane groups and a tail in each chunk
+def test_compiled_fp8_equals_torch(fmt: str, dtype: torch.dtype, rounding: str, chunk: int) -> None:
+    length = 100
     q = ScaledFP8(fmt, chunk_size=chunk, rounding=rounding)
     cases = _cases(length, dtype)
+    g = torch.Generator().manual_seed(11)
     cases["fp8_ties"] = (torch.arange(3 * length, dtype=torch.float32).view(3, length) * 0.0625 + 0.03125).to(dtype)
+    # magnitudes 2**0 .. 2**-20 below the chunk's largest: the format's subnormals and below, and values just
+    # under a power of two, which round up into the next binade
+    cases["fp8_subnormal"] = (
+        torch.randn(3, length, generator=g) * 2.0 ** -torch.randint(0, 21, (3, length), generator=g)
+    ).to(dtype)
+    edge = 2.0 ** torch.randint(-8, 8, (3, length), generator=g) * (
+        2 - 2.0 ** -torch.randint(1, 8, (3, length), generator=g)
+    )
+    cases["fp8_binade_edges"] = (edge * torch.where(torch.rand(3, length, generator=g) < 0.5, 1.0, -1.0)).to(dtype)
     for name, x in cases.items():
         base = torch.zeros(3, length + 9, dtype=dtype)
         base[:, 4 : 4 + length] = x
@@ -168,6 +179,30 @@ def test_compiled_fp8_equals_torch(fmt: str, dtype: torch.dtype, rounding: str) 
                 n_ref = q.decode_rows(ref[rows], length, s_ref, reduce=True)
             assert n_fast == n_ref
             _assert_same_values(s_fast, s_ref)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_decode_of_every_code_equals_torch(fmt: str) -> None:
+    # All 256 codes (NaN, inf, subnormals, -0 among them) under three scales, through the compiled decode's
+    # vector path (16 codes at a time) and its tail, against the torch path's table of torch's own casts.
+    q = ScaledFP8(fmt, chunk_size=256)
+    length = 3 * 256 - 5
+    buf = torch.empty(2, q.encoded_nbytes(length), dtype=torch.uint8)
+    scales = torch.tensor([1.0, 2.0**-40, 2.0**60])
+    buf[:, :12] = scales.view(torch.uint8)
+    buf[:, 12:] = torch.arange(length, dtype=torch.int64).remainder(256).to(torch.uint8)
+    buf[1, 12:] = buf[1, 12:].flip(0)
+    for out_dtype in DTYPES:
+        fast, ref = torch.empty(2, length, dtype=out_dtype), torch.empty(2, length, dtype=out_dtype)
+        q.decode_rows(buf, length, fast)
+        with native.disabled():
+            q.decode_rows(buf, length, ref)
+        _assert_same_values(fast, ref)
+    fast, ref = torch.empty(length), torch.empty(length)
+    q.decode_rows(buf, length, fast, reduce=True)
+    with native.disabled():
+        q.decode_rows(buf, length, ref, reduce=True)
+    _assert_same_values(fast, ref)
 
 
 def test_fp8_stochastic_codes_are_the_same_on_both_paths() -> None:

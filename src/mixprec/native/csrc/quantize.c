@@ -868,11 +868,79 @@ static inline float fp8_units(float v, fp8fmt_t f, uint32_t *bits, float *spacin
     return bits_f32(b & 0x7FFFFFFFu) / *spacing;
 }
 
+#if defined(__AVX512F__)
+/* The nearest-even code of 16 magnitudes (fp32 bits b, sign ignored) on the integer form of the same
+ * rounding: in the format's normal range, the fraction rounded to f.man bits on the bits (a carry moves
+ * into the exponent, as a round up to the next binade does), rebased to the format's exponent bias; below
+ * it, |v| in units of the smallest spacing (exact) rounded to an integer, which is the subnormal code (or
+ * the smallest normal one, 1 << man, when it rounds up to it). */
+static inline __m512i fp8_nearest16(__m512i b, fp8fmt_t f) {
+    __m512i a = _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF)), drop = _mm512_set1_epi32(23 - f.man);
+    __m512i odd = _mm512_and_si512(_mm512_srlv_epi32(a, drop), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32((1 << (22 - f.man)) - 1)), odd);
+    __m512i normal = _mm512_sub_epi32(_mm512_srlv_epi32(r, drop), _mm512_set1_epi32((127 - f.bias) << f.man));
+    __m512 units = _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(_mm512_set1_epi32((127 + f.man - f.emin) << 23)));
+    __m512i sub = _mm512_cvt_roundps_epi32(units, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __mmask16 small = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32((f.emin + 127) << 23));
+    return _mm512_mask_blend_epi32(small, normal, sub);
+}
+
+/* The stochastic code of 16 magnitudes (fp32 bits b, sign ignored) from their primary bytes ub, on the
+ * integer form of fp8_codes' arithmetic: S = floor(256 |v| / spacing) = 256 floor(q) + f8 is, in the
+ * normal range, the fraction bits of |v| cut 8 below the kept ones (and floor(q) plus one carries into the
+ * exponent), below it the product |v| 2**(man - emin + 8) truncated (exact scaling, so an exact floor).
+ * Up when ub < f8; ties (ub == f8) flagged in *tie for fp8_ties. */
+static inline __m512i fp8_stochastic16(__m512i b, __m512i ub, fp8fmt_t f, __mmask16 *tie) {
+    __m512i a = _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF)), ff = _mm512_set1_epi32(0xFF);
+    __m512i f8 = _mm512_and_si512(_mm512_srlv_epi32(a, _mm512_set1_epi32(15 - f.man)), ff);
+    __m512i kept = _mm512_sub_epi32(_mm512_srlv_epi32(a, _mm512_set1_epi32(23 - f.man)),
+                                    _mm512_set1_epi32((127 - f.bias) << f.man));
+    __m512 scaled = _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(_mm512_set1_epi32((135 + f.man - f.emin) << 23)));
+    __m512i S = _mm512_cvttps_epi32(scaled); /* 256 q below the normal range, q < 2**man */
+    __mmask16 small = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32((f.emin + 127) << 23));
+    f8 = _mm512_mask_and_epi32(f8, small, S, ff);
+    kept = _mm512_mask_srli_epi32(kept, small, S, 8);
+    *tie = _mm512_cmpeq_epi32_mask(ub, f8);
+    return _mm512_mask_add_epi32(kept, _mm512_cmplt_epi32_mask(ub, f8), kept, _mm512_set1_epi32(1));
+}
+
+#endif
+
+/* fp8_codes on the whole 16-element groups of m elements, 16 lanes at a time (fp8_nearest16,
+ * fp8_stochastic16: the same codes and tie flags); returns the elements done. */
+static int64_t fp8_codes16(const float *restrict p, uint8_t *restrict cd, int64_t m, float up, fp8fmt_t f,
+                           const uint8_t *restrict u, uint16_t *restrict tie) {
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    const __m512 vup = _mm512_set1_ps(up);
+    for (; k + 16 <= m; k += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(p + k), vup);
+        __m512i b = _mm512_castps_si512(v);
+        __m512i sign7 = _mm512_and_si512(_mm512_srli_epi32(b, 24), _mm512_set1_epi32(0x80));
+        if (!u) {
+            _mm_storeu_si128((__m128i *)(cd + k), _mm512_cvtepi32_epi8(_mm512_or_si512(sign7, fp8_nearest16(b, f))));
+            continue;
+        }
+        __m512i ub = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u + k)));
+        __mmask16 tie16;
+        __m512i code = fp8_stochastic16(b, ub, f, &tie16);
+        tie[k >> 4] = (uint16_t)tie16;
+        _mm_storeu_si128((__m128i *)(cd + k), _mm512_cvtepi32_epi8(_mm512_or_si512(sign7, code)));
+    }
+#else
+    (void)p, (void)cd, (void)m, (void)up, (void)f, (void)u, (void)tie;
+#endif
+    return k;
+}
+
 /* Codes of m elements: p times `up` (exact), rounded to the format's grid (stochastically with primary bytes
  * u, flagging ties in `tie`, as codes_stochastic; else to nearest even). A function of its own, with
  * restrict pointers: inside the OpenMP region gcc does not vectorize these loops. */
 static void fp8_codes(const float *restrict p, uint8_t *restrict cd, int64_t m, float up, fp8fmt_t f, float inv_smin,
                       const uint8_t *restrict u, uint16_t *restrict tie) {
+    int64_t k0 = fp8_codes16(p, cd, m, up, f, u, tie);
+    p += k0, cd += k0, m -= k0;
+    if (u) u += k0, tie += k0 >> 4;
     if (u) {
         for (int64_t k = 0; k < m; k += 16) { /* 16 at a time, so that each group fills its mask */
             int64_t e = m - k < 16 ? m - k : 16;
@@ -959,10 +1027,55 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
     return bad;
 }
 
-/* table[code] * scale for m codes (exact: the scale is a power of two, no underflow). */
-static void fp8_values(const uint8_t *restrict cd, int64_t m, const float *restrict table, float sc,
+/* The value of fp8 code c by arithmetic instead of a table: e5m2 is the high byte of an IEEE half; e4m3fn's
+ * bits moved into a half's fields (exponent bias 15 instead of 7, so the half is 2**-8 of the value, its
+ * subnormals included) times 2**8; its codes 0x7F and 0xFF are NaN. */
+static inline float fp8_code_value(uint32_t c, int fmt) {
+    if (fmt == 1) return f16_to_f32((uint16_t)(c << 8));
+    if ((c & 0x7Fu) == 0x7Fu) return bits_f32(0x7FC00000u);
+    return f16_to_f32((uint16_t)(((c & 0x7Fu) << 7) | ((c & 0x80u) << 8))) * 256.0f;
+}
+
+/* The format (0 = e4m3fn, 1 = e5m2) whose fp8_code_value gives `table`, value for value (NaN where NaN), or
+ * -1: the vector decode below runs only for a table it reproduces. */
+static int fp8_table_format(const float *table) {
+    for (int fmt = 0; fmt < 2; fmt++) {
+        int same = 1;
+        for (uint32_t c = 0; c < 256 && same; c++) {
+            float v = fp8_code_value(c, fmt), t = table[c];
+            same = v != v ? t != t : f32_bits(v) == f32_bits(t);
+        }
+        if (same) return fmt;
+    }
+    return -1;
+}
+
+/* table[code] * scale for m codes (exact: the scale is a power of two, no underflow); with fmt >= 0 (the
+ * table is fp8_code_value's), 16 at a time by vcvtph2ps instead of a gather. */
+static void fp8_values(const uint8_t *restrict cd, int64_t m, const float *restrict table, int fmt, float sc,
                        float *restrict y) {
-    for (int64_t k = 0; k < m; k++) y[k] = table[cd[k]] * sc;
+    int64_t k = 0;
+    (void)fmt;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (fmt >= 0) {
+        const __m512 vsc = _mm512_set1_ps(sc), nan = _mm512_set1_ps(bits_f32(0x7FC00000u));
+        const __m256i mag = _mm256_set1_epi16(0x7F), sign = _mm256_set1_epi16(0x80);
+        for (; k + 16 <= m; k += 16) {
+            __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(cd + k)));
+            __m512 v;
+            if (fmt == 1) {
+                v = _mm512_cvtph_ps(_mm256_slli_epi16(c, 8));
+            } else {
+                __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c, mag), 7),
+                                            _mm256_slli_epi16(_mm256_and_si256(c, sign), 8));
+                v = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+                v = _mm512_mask_mov_ps(v, _mm256_cmpeq_epi16_mask(_mm256_and_si256(c, mag), mag), nan);
+            }
+            _mm512_storeu_ps(y + k, _mm512_mul_ps(v, vsc));
+        }
+    }
+#endif
+    for (; k < m; k++) y[k] = table[cd[k]] * sc;
 }
 
 /* Decode fp8 rows: table[code] * scale (exact), into out's dtype, or summed over rows in fp32 (row order). */
@@ -972,6 +1085,7 @@ int64_t mixprec_quant_decode_fp8(const uint8_t *buf, int64_t rows, int64_t lengt
     int64_t chunks = (length + chunk - 1) / chunk, bad = count_flagged(buf, rows, chunks, buf_stride);
     int64_t tasks = reduce ? chunks : rows * chunks;
     size_t esize = dt == DT_F32 ? 4 : 2;
+    const int fmt = fp8_table_format(table);
 #pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN)
     {
         float y[SB], acc[SB];
@@ -986,7 +1100,7 @@ int64_t mixprec_quant_decode_fp8(const uint8_t *buf, int64_t rows, int64_t lengt
                     const uint8_t *row = buf + r * buf_stride;
                     float sc;
                     memcpy(&sc, row + 4 * c, 4);
-                    fp8_values(row + 4 * chunks + a + s, m, table, sc, r > r0 ? y : acc);
+                    fp8_values(row + 4 * chunks + a + s, m, table, fmt, sc, r > r0 ? y : acc);
                     if (r > r0)
                         for (int64_t k = 0; k < m; k++) acc[k] = acc[k] + y[k];
                 }
