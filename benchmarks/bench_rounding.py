@@ -7,7 +7,7 @@ smaller result that round_to does not produce. round_to is timed on the compiled
 with a preallocated ``out=`` and in place (``round_to_``), and on the torch path (``mixprec.native.disabled()``).
 The goal: the compiled round_to at most 1.5x the cast at 1M and 16M elements, 1 and 2 threads. Other inputs and
 modes are listed for reference (no torch baseline: torch's fp64 casts round twice, and torch has no toward-zero
-or stochastic cast).
+or stochastic cast); stochastic rounding draws its fp64 uniforms with ``torch.rand``, timed alone as the floor.
 
     python benchmarks/bench_rounding.py [--quick] [--threads 1,2]
 """
@@ -131,6 +131,9 @@ def main() -> None:
         ("fp64 -> fp16 nearest (one rounding)", lambda: round_to(x64, "fp16")),
         ("fp32 -> fp16 toward_zero", lambda: round_to(x, "fp16", "toward_zero")),
         ("fp32 -> fp16 stochastic", lambda: round_to(x, "fp16", "stochastic", gen)),
+        ("fp32 -> bf16 stochastic", lambda: round_to(x, "bf16", "stochastic", gen)),
+        ("fp64 -> fp16 stochastic", lambda: round_to(x64, "fp16", "stochastic", gen)),
+        ("its draws alone: torch.rand fp64", lambda: torch.rand(n, generator=gen, dtype=torch.float64)),
     ]
     times = timer(
         [lambda: x.to(torch.float16).float()] + [fn for _, fn in cases] + [_torch_path(fn) for _, fn in cases]

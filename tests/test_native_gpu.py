@@ -19,7 +19,7 @@ import torch
 import mixprec.native as native
 from mixprec.compress import MinMaxUInt8
 from mixprec.core.formats import FloatFormat, get_format
-from mixprec.core.rounding import round_to
+from mixprec.core.rounding import round_to, round_to_
 from mixprec.emulate.matmul import MATMUL_PRESETS, matmul_with_model
 from mixprec.native import gpu
 
@@ -194,6 +194,27 @@ def test_gpu_round_to(fmt: FloatFormat) -> None:
             torch_path = round_to(xs.cuda(), fmt)
         assert _same(have, want), (fmt, dt)
         assert _same(have, torch_path), (fmt, dt)
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", FORMATS[:5], ids=lambda f: f.name)
+def test_gpu_directed_round_to_keeps_the_torch_path(fmt: FloatFormat) -> None:
+    """toward_zero and stochastic on CUDA tensors stay on the torch ops (the compiled kernel is CPU only):
+    toward_zero equals the CPU kernel bit for bit, in round_to and in place; stochastic gives values on the
+    grid, never nearer zero than toward_zero, and x itself where x is on the grid."""
+    x = _values(1 << 16)
+    tz = round_to(x.cuda(), fmt, "toward_zero")
+    tz_cpu = round_to(x, fmt, "toward_zero")
+    assert _same(tz, tz_cpu)
+    sr = round_to(x.cuda(), fmt, "stochastic", torch.Generator(device="cuda").manual_seed(3)).cpu()
+    finite = torch.isfinite(sr) & torch.isfinite(tz_cpu)
+    assert _same(sr[finite], round_to(sr[finite], fmt))  # on the grid
+    assert bool((sr[finite].abs() >= tz_cpu[finite].abs()).all())
+    exact = finite & (round_to(x, fmt) == x)
+    assert _same(sr[exact], x[exact])
+    y = x.cuda()
+    round_to_(y, fmt, "toward_zero")
+    assert _same(y, tz)
 
 
 @needs_cuda

@@ -320,3 +320,80 @@ def test_fake_tensors_take_the_torch_path() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def assert_same_values(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bits equal except NaN payloads (the directed modes promise NaN where the torch path gives NaN)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan), "NaN in different places"
+    ibits = torch.int64 if got.dtype == torch.float64 else torch.int32
+    assert torch.equal(got[~nan].view(ibits), want[~nan].view(ibits)), f"{int((got != want)[~nan].sum())} differ"
+
+
+def directed(fn, x, fmt, mode, *, seed: int = 7, native_on: bool = True, **kw):
+    """``fn(x, fmt, mode, generator)`` with a fresh generator; also returns the generator's next draw, which
+    must agree between the paths (both consume the same uniforms)."""
+    gen = torch.Generator().manual_seed(seed)
+    if native_on:
+        y = fn(x, fmt, mode, gen, **kw)
+    else:
+        with native.disabled():
+            y = fn(x, fmt, mode, gen, **kw)
+    return y, torch.rand(1, generator=gen, dtype=torch.float64).item()
+
+
+@pytest.mark.parametrize("mode", ["toward_zero", "stochastic"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_directed_modes_match_the_torch_path(fmt: FloatFormat, mode: str) -> None:
+    """toward_zero and stochastic (the same uniforms from the same generator) through the compiled kernel equal
+    the fp64 torch path on every exponent and tie, the thresholds and the specials, from fp32 and from fp64
+    inputs, into fp32, fp64 and in place."""
+    for x in (adversarial(fmt), fp64_inputs(fmt)):
+        want, next_want = directed(round_to, x, fmt, mode, native_on=False)
+        got, next_got = directed(round_to, x, fmt, mode)
+        assert_same_values(got, want)
+        assert next_got == next_want
+        out64 = torch.empty(x.shape, dtype=torch.float64)
+        want64, _ = directed(round_to, x, fmt, mode, native_on=False, out=torch.empty_like(out64))
+        assert_same_values(directed(round_to, x, fmt, mode, out=out64)[0], want64)
+        y = x.clone()
+        assert directed(round_to_, y, fmt, mode)[0] is y
+        assert_same_values(y, directed(round_to_, x.clone(), fmt, mode, native_on=False)[0])
+
+
+@pytest.mark.parametrize("mode", ["toward_zero", "stochastic"])
+def test_directed_modes_from_narrow_inputs_and_views(mode: str) -> None:
+    gen = torch.Generator().manual_seed(8)
+    base = torch.randn(64, 130, generator=gen) * torch.exp2(torch.randint(-30, 30, (64, 130), generator=gen).float())
+    for fmt in (FORMAT_PRESETS["fp16"], FORMAT_PRESETS["fp8_e4m3"], FloatFormat(5, 2, subnormals=False)):
+        for x in (base.half(), base.bfloat16(), base.to(torch.float8_e5m2), base.t(), base[:, ::3]):
+            assert_same_values(
+                directed(round_to, x, fmt, mode)[0], directed(round_to, x, fmt, mode, native_on=False)[0]
+            )
+        x = base.clone()
+        assert directed(round_to, x, fmt, mode, out=x)[0] is x  # out is x
+        assert_same_values(x, directed(round_to, base, fmt, mode, native_on=False)[0])
+        strided = base.clone()[:, ::3]
+        directed(round_to_, strided, fmt, mode)
+        assert_same_values(strided, directed(round_to, base[:, ::3], fmt, mode, native_on=False)[0])
+
+
+def test_stochastic_kernel_rounds_up_with_the_probability_of_the_remainder() -> None:
+    """Independent of the torch path: 1 + k/8 of the fp16 spacing at 1 rounds up in k/8 of 40000 draws (binomial
+    bounds, 6 sigma), and toward_zero rounds down unless the value is on the grid (k = 8)."""
+    n, s = 40_000, 2.0**-10
+    for k in range(9):
+        x = torch.full((n,), 1 + k / 8 * s, dtype=torch.float64)
+        up = (round_to(x, "fp16", "stochastic", torch.Generator().manual_seed(k)) > 1).double().mean().item()
+        p = k / 8
+        assert abs(up - p) <= 6 * math.sqrt(p * (1 - p) / n) + 1e-12
+        assert bool((round_to(x, "fp16", "toward_zero") == (1 + s if k == 8 else 1)).all())
+
+
+def test_directed_kernel_rejects_formats_outside_float_format() -> None:
+    fn = _native_lib().mixprec_round_directed
+    x, out = torch.ones(4), torch.empty(4)
+    assert fn(x.data_ptr(), 0, None, out.data_ptr(), 0, 4, 5, 10, 1, 0, 1, 1) == 0
+    assert fn(x.data_ptr(), 4, None, out.data_ptr(), 0, 4, 5, 10, 1, 0, 1, 1) == -1  # source kind
+    assert fn(x.data_ptr(), 0, None, out.data_ptr(), 0, 4, 8, 7, 0, 0, 1, 1) == -1  # 8 exponent bits without inf

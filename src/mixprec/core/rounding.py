@@ -9,8 +9,9 @@ Overflow: nearest and stochastic give +-max if ``fmt.saturate``, else +-inf (NaN
 toward_zero sends finite inputs to +-max. ``fmt.subnormals=False`` flushes results below the smallest normal.
 
 Round to nearest runs as one compiled pass when a kernel is available (``mixprec.native``'s ``rounding.c`` on
-CPU tensors, its Triton twin on CUDA ones), else as the torch ops below, which stay the fallback and the oracle
-(same bits; docs/native.md).
+CPU tensors, its Triton twin on CUDA ones), toward_zero and stochastic as one compiled pass on CPU tensors (on
+the torch path's own uniforms), else as the torch ops below, which stay the fallback and the oracle (same bits,
+NaN payloads aside; docs/native.md).
 The in-place work-tensor primitives (``round_nearest_grid_``, ``apply_overflow_``, ``flush_subnormals_``,
 ``round_directed_``) are public for the matmul emulator's hot loop. How each rounding is computed (the integer
 trick, the "magic constant" addition, stochastic draws) is derived in ``docs/emulate.md``.
@@ -167,7 +168,18 @@ _C_FMT = [ctypes.c_int] * 6  # exp_bits, man_bits, has_inf, saturate, subnormals
 _ARGTYPES = {
     "mixprec_round_nearest": [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, *_C_FMT],
     "mixprec_round_nearest_f64": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, *_C_FMT],
+    "mixprec_round_directed": [
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int64,
+        *_C_FMT,
+    ],
 }
+# source dtypes of mixprec_round_directed (float8 is widened to fp32 by torch first)
+_DIRECTED_SRC = {**_NATIVE_SRC, torch.float64: 3}
 
 
 def _native_lib() -> ctypes.CDLL | None:
@@ -255,6 +267,44 @@ def _round_to_native(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor | None
     return out.copy_(dst)
 
 
+def _round_directed_native(
+    x: torch.Tensor, fmt: FloatFormat, rounding: str, generator: torch.Generator | None, out: torch.Tensor | None
+) -> torch.Tensor | None:
+    """round_to(x, fmt, rounding, generator, out=out) for toward_zero / stochastic through the compiled kernel,
+    on the torch path's own uniforms (the same ``torch.rand`` call, so the same draws from ``generator``); None
+    where it cannot run (no library, not a CPU tensor, autograd), and the torch path must."""
+    lib = _kernel_lib(x, out)
+    if not isinstance(lib, ctypes.CDLL):  # CUDA tensors keep the torch path for these modes
+        return None
+    if x.dtype in _DIRECTED_SRC:
+        src = x.contiguous()
+    else:  # float8: widened exactly by torch's cast
+        src = x.to(torch.float32, memory_format=torch.contiguous_format)
+    u = None
+    if rounding == "stochastic":
+        u = torch.rand(x.shape, generator=generator, dtype=torch.float64, device=x.device)
+    if out is not None and out.is_contiguous():
+        same = out.data_ptr() == src.data_ptr() and out.dtype == src.dtype
+        dst = out if same or not _overlap(out, src) else torch.empty(x.shape, dtype=out.dtype, device=x.device)
+    elif out is not None:
+        dst = torch.empty(x.shape, dtype=out.dtype, device=x.device)
+    elif src is not x and src.dtype == torch.float32:
+        dst = src  # a temporary of ours: round it in place
+    else:
+        dst = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    status = lib.mixprec_round_directed(
+        src.data_ptr(), _DIRECTED_SRC[src.dtype], None if u is None else u.data_ptr(), dst.data_ptr(),
+        int(dst.dtype == torch.float64), src.numel(), fmt.exp_bits, fmt.man_bits, int(fmt.has_inf),
+        int(fmt.saturate), int(fmt.subnormals), native.num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"the compiled rounding kernel rejected format {fmt!r} (status {status}): a bug in mixprec")
+    torch.autograd.graph.increment_version(dst)
+    if out is None or dst is out:
+        return dst
+    return out.copy_(dst)
+
+
 def _check_input(x: object, name: str) -> torch.Tensor:
     return check_tensor(name, x, _INPUT_DTYPES)
 
@@ -294,10 +344,13 @@ def round_to(
         check_tensor("out", out, (torch.float32, torch.float64))
         if out.shape != x.shape or out.device != x.device:
             raise ValueError(f"out must have x's shape {tuple(x.shape)} and device {x.device}; got {tuple(out.shape)}")
-    if rounding == "nearest":
-        done = _round_to_native(x, fmt, out)
-        if done is not None:
-            return done
+    done = (
+        _round_to_native(x, fmt, out)
+        if rounding == "nearest"
+        else _round_directed_native(x, fmt, rounding, generator, out)
+    )
+    if done is not None:
+        return done
     if x.dtype == torch.float64 or rounding != "nearest" or not _magic_or_trick_ok(fmt):
         w = x.to(torch.float64, copy=True, memory_format=torch.contiguous_format)
     elif out is not None and out.dtype == torch.float32 and out.is_contiguous():
@@ -352,6 +405,12 @@ def round_to_(
             _round_nearest_work_(w, fmt)
             x.copy_(w)
         return x
+    if rounding != "nearest" and _kernel_lib(x) is not None:
+        w = x if x.is_contiguous() else x.contiguous()
+        if _round_directed_native(w, fmt, rounding, generator, w) is not None:
+            if w is not x:
+                x.copy_(w)
+            return x
     w = x.to(torch.float64, copy=True, memory_format=torch.contiguous_format)
     if rounding == "nearest":
         _round_nearest_work_(w, fmt)

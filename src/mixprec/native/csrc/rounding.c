@@ -9,7 +9,7 @@
  * zero when the format has no subnormals, and NaN handled as the torch path leaves it. Sources: fp32, fp16
  * (widened as vcvtph2ps does) or bf16 (a shift); dst may be src itself (in place) but not overlap it otherwise.
  * mixprec_round_nearest_f64 rounds fp64 input directly (one rounding, the fp64 magic constant for every format)
- * into fp64 or fp32.
+ * into fp64 or fp32. mixprec_round_directed rounds toward zero or stochastically (uniforms from the caller).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -212,6 +212,165 @@ int mixprec_round_nearest_f64(const double *src, void *dst, int dst_f64, int64_t
             else
                 loop64_f32(src + lo, (char *)dst + lo * esize, hi - lo, &p);
         }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- toward zero and stochastic, in fp64
+ * mixprec.core.rounding.round_directed_'s arithmetic per element: the spacing s = 2**(e - man_bits) at x's
+ * exponent e clamped to [emin, emax + 1], the truncation t = floor(|x| / s) s (the torch path rounds to nearest
+ * and steps back a spacing where that rounded away: the same value wherever the result can be finite), then
+ * toward zero t (finite inputs above max -> max), or stochastic t + s when u < (|x| - t) / s with u the torch
+ * path's own fp64 uniform, drawn by the caller; x's sign; overflow and flushing as the torch path does them.
+ * Dividing by s and multiplying by 1 / s are both exact. NaN in gives NaN out (its payload is not kept). */
+typedef struct {
+    uint64_t lo, hi, man;                /* exponent clamp (fp64 patterns of 2**emin, 2**(emax + 1)); man_bits << 52 */
+    uint64_t max_bits, ovf_bits, min_bits; /* above max -> ovf (+-max, inf or NaN); below min_bits (0: none) -> 0 */
+} dparams;
+
+/* On bit patterns and integer compares, which directed8 repeats lane for lane: non-negative doubles order as
+ * their patterns, and NaN patterns lie above inf's (INF below). */
+#define INF 0x7FF0000000000000ull
+static inline __attribute__((always_inline)) uint64_t directed_one(double x, double u, const int stochastic,
+                                                                   const dparams *p) {
+    const uint64_t xb = f64_bits(x), sign = xb & 0x8000000000000000ull, ab = xb & ~0x8000000000000000ull;
+    uint64_t c = xb & INF;
+    c = c < p->lo ? p->lo : c;
+    c = c > p->hi ? p->hi : c;
+    const uint64_t e = c - p->man;
+    const double sp = bits_f64(e), inv = bits_f64(0x7FE0000000000000ull - e); /* 2**k and 2**-k */
+    const double a = bits_f64(ab), y = a * inv;
+    const uint64_t yb = f64_bits(y), big = 0x4330000000000000ull; /* 2**52: from there on y is an integer */
+    const double fl = yb < big ? (double)(int64_t)bits_f64(yb < big ? yb : big) : y; /* floor; NaN, inf pass */
+    const double t = fl * sp;
+    uint64_t rb = f64_bits(t);
+    if (stochastic) {
+        /* frac is NaN exactly where t is inf or NaN, which adding the spacing leaves as they are */
+        const uint64_t fb = f64_bits((a - t) * inv), ub = f64_bits(u);
+        rb = f64_bits(t + bits_f64(ub < fb ? e : 0));
+    } else {
+        rb = ab < INF && rb > p->max_bits ? p->max_bits : rb; /* finite inputs above max -> max */
+    }
+    rb = rb > p->max_bits && rb <= INF ? p->ovf_bits : rb;
+    rb = rb < p->min_bits ? 0 : rb;
+    return rb | sign;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#include <immintrin.h>
+/* directed_one on 8 lanes, the same patterns, compares and operations (gcc leaves that loop scalar). */
+static inline __attribute__((always_inline)) __m512i directed8(__m512d x, __m512d u, const int stochastic,
+                                                               const dparams *p) {
+    const __m512i signm = _mm512_set1_epi64((long long)0x8000000000000000ull), inf = _mm512_set1_epi64((long long)INF);
+    const __m512i maxb = _mm512_set1_epi64((long long)p->max_bits), zero = _mm512_setzero_si512();
+    const __m512i xb = _mm512_castpd_si512(x), sign = _mm512_and_si512(xb, signm), ab = _mm512_andnot_si512(signm, xb);
+    __m512i c = _mm512_max_epu64(_mm512_and_si512(xb, inf), _mm512_set1_epi64((long long)p->lo));
+    c = _mm512_min_epu64(c, _mm512_set1_epi64((long long)p->hi));
+    const __m512i e = _mm512_sub_epi64(c, _mm512_set1_epi64((long long)p->man));
+    const __m512d sp = _mm512_castsi512_pd(e);
+    const __m512d inv = _mm512_castsi512_pd(_mm512_sub_epi64(_mm512_set1_epi64(0x7FE0000000000000ll), e));
+    const __m512d a = _mm512_castsi512_pd(ab), y = _mm512_mul_pd(a, inv);
+    const __mmask8 small = _mm512_cmplt_epu64_mask(_mm512_castpd_si512(y), _mm512_set1_epi64(0x4330000000000000ll));
+    const __m512d fl = _mm512_mask_mov_pd(y, small, _mm512_cvtepi64_pd(_mm512_cvttpd_epi64(y)));
+    const __m512d t = _mm512_mul_pd(fl, sp);
+    __m512i rb = _mm512_castpd_si512(t);
+    if (stochastic) {
+        const __m512i fb = _mm512_castpd_si512(_mm512_mul_pd(_mm512_sub_pd(a, t), inv));
+        const __mmask8 up = _mm512_cmplt_epu64_mask(_mm512_castpd_si512(u), fb);
+        rb = _mm512_castpd_si512(_mm512_add_pd(t, _mm512_castsi512_pd(_mm512_maskz_mov_epi64(up, e))));
+    } else {
+        const __mmask8 over = _mm512_cmplt_epu64_mask(ab, inf) & _mm512_cmpgt_epu64_mask(rb, maxb);
+        rb = _mm512_mask_mov_epi64(rb, over, maxb);
+    }
+    const __mmask8 ovf = _mm512_cmpgt_epu64_mask(rb, maxb) & _mm512_cmple_epu64_mask(rb, inf);
+    rb = _mm512_mask_mov_epi64(rb, ovf, _mm512_set1_epi64((long long)p->ovf_bits));
+    const __mmask8 tiny = _mm512_cmplt_epu64_mask(rb, _mm512_set1_epi64((long long)p->min_bits));
+    return _mm512_or_si512(_mm512_mask_mov_epi64(rb, tiny, zero), sign);
+}
+
+static inline __attribute__((always_inline)) __m512d dload8(const void *src, int64_t i, const int kind) {
+    if (kind == 0) return _mm512_cvtps_pd(_mm256_loadu_ps((const float *)src + i));
+    if (kind == 1) return _mm512_cvtps_pd(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i))));
+    if (kind == 2)
+        return _mm512_cvtps_pd(_mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i))), 16)));
+    return _mm512_loadu_pd((const double *)src + i);
+}
+#define DIRECTED_VECTOR 1
+#else
+#define DIRECTED_VECTOR 0
+#endif
+
+#define DEFINE_DLOOP(NAME, KIND, SRC_T, LOAD, DST_T, STOCH)                                                \
+    static void NAME(const void *src_, const double *u, void *dst_, int64_t n, const dparams *pp) {        \
+        const SRC_T *src = (const SRC_T *)src_;                                                            \
+        DST_T *dst = (DST_T *)dst_;                                                                        \
+        const dparams p = *pp;                                                                             \
+        int64_t i = 0;                                                                                     \
+        (void)u;                                                                                           \
+        DVEC(KIND, DST_T, STOCH)                                                                           \
+        for (; i < n; i++) dst[i] = (DST_T)bits_f64(directed_one(LOAD(src[i]), STOCH ? u[i] : 0.0, STOCH, &p)); \
+    }
+#if DIRECTED_VECTOR
+#define DVEC(KIND, DST_T, STOCH)                                                                           \
+    for (; i + 8 <= n; i += 8) {                                                                           \
+        __m512i r = directed8(dload8(src, i, KIND), STOCH ? _mm512_loadu_pd(u + i) : _mm512_setzero_pd(), STOCH, &p); \
+        if (sizeof(DST_T) == 8)                                                                            \
+            _mm512_storeu_si512((void *)(dst + i), r);                                                     \
+        else                                                                                               \
+            _mm256_storeu_ps((float *)(dst + i), _mm512_cvtpd_ps(_mm512_castsi512_pd(r)));                 \
+    }
+#else
+#define DVEC(KIND, DST_T, STOCH)
+#endif
+#define DLOAD_F32(v) ((double)(v))
+#define DLOAD_F16(v) ((double)bits_f32(widen_f16(v)))
+#define DLOAD_BF16(v) ((double)bits_f32((uint32_t)(v) << 16))
+#define DLOAD_F64(v) (v)
+#define DEFINE_DLOOPS(KIND, K, SRC_T, LOAD)                                  \
+    DEFINE_DLOOP(dloop_##KIND##_tz_f32, K, SRC_T, LOAD, float, 0)            \
+    DEFINE_DLOOP(dloop_##KIND##_sr_f32, K, SRC_T, LOAD, float, 1)            \
+    DEFINE_DLOOP(dloop_##KIND##_tz_f64, K, SRC_T, LOAD, double, 0)           \
+    DEFINE_DLOOP(dloop_##KIND##_sr_f64, K, SRC_T, LOAD, double, 1)
+DEFINE_DLOOPS(f32, 0, float, DLOAD_F32)
+DEFINE_DLOOPS(f16, 1, uint16_t, DLOAD_F16)
+DEFINE_DLOOPS(bf16, 2, uint16_t, DLOAD_BF16)
+DEFINE_DLOOPS(f64, 3, double, DLOAD_F64)
+
+typedef void (*dloop_fn)(const void *, const double *, void *, int64_t, const dparams *);
+static const dloop_fn DLOOPS[4][2][2] = { /* [src kind][stochastic][dst fp64] */
+    {{dloop_f32_tz_f32, dloop_f32_tz_f64}, {dloop_f32_sr_f32, dloop_f32_sr_f64}},
+    {{dloop_f16_tz_f32, dloop_f16_tz_f64}, {dloop_f16_sr_f32, dloop_f16_sr_f64}},
+    {{dloop_bf16_tz_f32, dloop_bf16_tz_f64}, {dloop_bf16_sr_f32, dloop_bf16_sr_f64}},
+    {{dloop_f64_tz_f32, dloop_f64_tz_f64}, {dloop_f64_sr_f32, dloop_f64_sr_f64}},
+};
+
+/* Round n elements of src (SRC_* kinds, or 3 = fp64) to the format toward zero (u NULL) or stochastically with
+ * the uniforms u into dst: fp64 (dst_f64 != 0) or fp32 (exact: results are on the format's grid). dst may be src
+ * itself when both are fp32 or both fp64. Returns 0, or -1 for arguments outside what FloatFormat allows. */
+int mixprec_round_directed(const void *src, int src_kind, const double *u, void *dst, int dst_f64, int64_t n,
+                           int exp_bits, int man_bits, int has_inf, int saturate, int subnormals, int nthreads) {
+    if (src_kind < 0 || src_kind > 3 || exp_bits < 2 || exp_bits > 8 || man_bits < 1 || man_bits > 23 ||
+        (exp_bits == 8 && !has_inf) || n < 0)
+        return -1;
+    const int bias = (1 << (exp_bits - 1)) - 1, emin = 1 - bias;
+    const int emax = has_inf ? bias : (1 << exp_bits) - 1 - bias;
+    const uint64_t top_frac = has_inf ? (1ull << man_bits) - 1u : (1ull << man_bits) - 2u;
+    dparams p;
+    p.lo = (uint64_t)(emin + 1023) << 52;
+    p.hi = (uint64_t)(emax + 1 + 1023) << 52;
+    p.man = (uint64_t)man_bits << 52;
+    p.max_bits = ((uint64_t)(emax + 1023) << 52) | (top_frac << (52 - man_bits));
+    p.ovf_bits = saturate ? p.max_bits : (has_inf ? INF : 0x7FF8000000000000ull);
+    p.min_bits = subnormals ? 0u : p.lo;
+    const dloop_fn fn = DLOOPS[src_kind][u != 0][dst_f64 != 0];
+    const int64_t in = src_kind == 3 ? 8 : (src_kind == SRC_F32 ? 4 : 2), out = dst_f64 ? 8 : 4;
+#pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (n >= MIXPREC_GRAIN)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t per = ((n + nt - 1) / nt + 15) & ~(int64_t)15;
+        const int64_t lo = t * per < n ? t * per : n, hi = lo + per < n ? lo + per : n;
+        if (hi > lo) fn((const char *)src + lo * in, u ? u + lo : 0, (char *)dst + lo * out, hi - lo, &p);
     }
     return 0;
 }
