@@ -126,9 +126,11 @@ def test_compiled_matches_torch_path_bit_for_bit(fmt: FloatFormat) -> None:
 @pytest.mark.parametrize("name", list(TORCH_DTYPES))
 def test_compiled_matches_torch_casts(name: str) -> None:
     fmt = FORMAT_PRESETS[name]
+    if name == "fp8_e4m3" and bool(torch.tensor(500.0).to(torch.float8_e4m3fn).float().isnan()):
+        fmt = FloatFormat(4, 3, has_inf=False)  # torch before 2.13 (2.11 measured): overflow -> NaN, not 448
     x = torch.cat([adversarial(fmt), thresholds(fmt)])
     want = x.to(TORCH_DTYPES[name]).float()
-    got = round_to(x, name)
+    got = round_to(x, fmt)
     nan = torch.isnan(want)  # torch's scalar and vectorized casts disagree on NaN payloads: positions only
     assert torch.equal(torch.isnan(got), nan)
     assert_same_bits(got[~nan], want[~nan])

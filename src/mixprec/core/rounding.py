@@ -2,8 +2,10 @@
 
 Results are held in fp32 (every supported format is a subset of fp32) and are bit-exact with torch's own casts
 ``x.to(dtype).float()`` for fp16, bf16, float8_e4m3fn and float8_e5m2 on fp32/fp16/bf16 inputs: ties to even,
-subnormals, overflow, signed zeros and NaN (NaN payloads are not reproduced). fp64 inputs are rounded once,
-directly from fp64. Modes: ``"nearest"`` (ties to even), ``"toward_zero"`` and ``"stochastic"`` (unbiased).
+subnormals, overflow, signed zeros and NaN (NaN payloads are not reproduced). torch before 2.13 casts e4m3fn
+overflow to NaN rather than 448: ``FloatFormat(4, 3, has_inf=False)`` matches those versions. fp64 inputs are
+rounded once, directly from fp64. Modes: ``"nearest"`` (ties to even), ``"toward_zero"`` and ``"stochastic"``
+(unbiased).
 
 Overflow: nearest and stochastic give +-max if ``fmt.saturate``, else +-inf (NaN for formats without inf);
 toward_zero sends finite inputs to +-max. ``fmt.subnormals=False`` flushes results below the smallest normal.
