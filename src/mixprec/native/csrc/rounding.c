@@ -184,22 +184,39 @@ static void loop64_f32(const double *src, void *dst_, int64_t n, const rparams64
     for (int64_t i = 0; i < n; i++) dst[i] = (float)bits_f64(round_bits64(f64_bits(src[i]), &p));
 }
 
+/* A format's fp64 patterns: 2**emin and 2**(emax + 1) (the exponent clamp), max_finite, what overflow gives
+ * (+-max, inf or NaN), and the flush threshold (0: subnormals kept). Returns 0, or -1 for arguments outside
+ * what FloatFormat allows. */
+typedef struct {
+    uint64_t lo, hi, max_bits, ovf_bits, min_bits;
+} fmt64_t;
+
+static int fmt64_of(int exp_bits, int man_bits, int has_inf, int saturate, int subnormals, fmt64_t *f) {
+    if (exp_bits < 2 || exp_bits > 8 || man_bits < 1 || man_bits > 23 || (exp_bits == 8 && !has_inf)) return -1;
+    const int bias = (1 << (exp_bits - 1)) - 1, emin = 1 - bias;
+    const int emax = has_inf ? bias : (1 << exp_bits) - 1 - bias;
+    const uint64_t top_frac = has_inf ? (1ull << man_bits) - 1u : (1ull << man_bits) - 2u;
+    f->lo = (uint64_t)(emin + 1023) << 52;
+    f->hi = (uint64_t)(emax + 1 + 1023) << 52;
+    f->max_bits = ((uint64_t)(emax + 1023) << 52) | (top_frac << (52 - man_bits));
+    f->ovf_bits = saturate ? f->max_bits : (has_inf ? 0x7FF0000000000000ull : 0x7FF8000000000000ull);
+    f->min_bits = subnormals ? 0u : f->lo;
+    return 0;
+}
+
 /* Round n fp64 values to the format into dst: fp64 (dst_f64 != 0; may be src itself) or fp32. Returns 0, or -1
  * for arguments outside what FloatFormat allows. */
 int mixprec_round_nearest_f64(const double *src, void *dst, int dst_f64, int64_t n, int exp_bits, int man_bits,
                               int has_inf, int saturate, int subnormals, int nthreads) {
-    if (exp_bits < 2 || exp_bits > 8 || man_bits < 1 || man_bits > 23 || (exp_bits == 8 && !has_inf) || n < 0)
-        return -1;
-    const int bias = (1 << (exp_bits - 1)) - 1, emin = 1 - bias;
-    const int emax = has_inf ? bias : (1 << exp_bits) - 1 - bias;
-    const uint64_t top_frac = has_inf ? (1ull << man_bits) - 1u : (1ull << man_bits) - 2u;
+    fmt64_t f;
+    if (fmt64_of(exp_bits, man_bits, has_inf, saturate, subnormals, &f) || n < 0) return -1;
     rparams64 p;
-    p.lo = (uint64_t)(emin + 1023) << 52;
-    p.hi = (uint64_t)(emax + 1 + 1023) << 52;
+    p.lo = f.lo;
+    p.hi = f.hi;
     p.add = ((uint64_t)(52 - man_bits) << 52) | (1ull << 51);
-    p.max_bits = ((uint64_t)(emax + 1023) << 52) | (top_frac << (52 - man_bits));
-    p.ovf_bits = saturate ? p.max_bits : (has_inf ? 0x7FF0000000000000ull : 0x7FF8000000000000ull);
-    p.min_normal_bits = subnormals ? 0u : (uint64_t)(emin + 1023) << 52;
+    p.max_bits = f.max_bits;
+    p.ovf_bits = f.ovf_bits;
+    p.min_normal_bits = f.min_bits;
     const int64_t esize = dst_f64 ? 8 : 4;
 #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (n >= MIXPREC_GRAIN)
     {
@@ -350,19 +367,10 @@ static const dloop_fn DLOOPS[4][2][2] = { /* [src kind][stochastic][dst fp64] */
  * itself when both are fp32 or both fp64. Returns 0, or -1 for arguments outside what FloatFormat allows. */
 int mixprec_round_directed(const void *src, int src_kind, const double *u, void *dst, int dst_f64, int64_t n,
                            int exp_bits, int man_bits, int has_inf, int saturate, int subnormals, int nthreads) {
-    if (src_kind < 0 || src_kind > 3 || exp_bits < 2 || exp_bits > 8 || man_bits < 1 || man_bits > 23 ||
-        (exp_bits == 8 && !has_inf) || n < 0)
+    fmt64_t f;
+    if (src_kind < 0 || src_kind > 3 || fmt64_of(exp_bits, man_bits, has_inf, saturate, subnormals, &f) || n < 0)
         return -1;
-    const int bias = (1 << (exp_bits - 1)) - 1, emin = 1 - bias;
-    const int emax = has_inf ? bias : (1 << exp_bits) - 1 - bias;
-    const uint64_t top_frac = has_inf ? (1ull << man_bits) - 1u : (1ull << man_bits) - 2u;
-    dparams p;
-    p.lo = (uint64_t)(emin + 1023) << 52;
-    p.hi = (uint64_t)(emax + 1 + 1023) << 52;
-    p.man = (uint64_t)man_bits << 52;
-    p.max_bits = ((uint64_t)(emax + 1023) << 52) | (top_frac << (52 - man_bits));
-    p.ovf_bits = saturate ? p.max_bits : (has_inf ? INF : 0x7FF8000000000000ull);
-    p.min_bits = subnormals ? 0u : p.lo;
+    const dparams p = {f.lo, f.hi, (uint64_t)man_bits << 52, f.max_bits, f.ovf_bits, f.min_bits};
     const dloop_fn fn = DLOOPS[src_kind][u != 0][dst_f64 != 0];
     const int64_t in = src_kind == 3 ? 8 : (src_kind == SRC_F32 ? 4 : 2), out = dst_f64 ? 8 : 4;
 #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (n >= MIXPREC_GRAIN)
