@@ -5,7 +5,10 @@ check their own reductions against a single-process reference the same way.
 
 Why fork: a forked group costs ~0.1 s on a small CPU machine, against ~4.5 s for spawn and ~8 s for
 torchrun. Why ``torch.set_num_threads(1)`` first in every child: intra-op thread pools inherited through
-fork can deadlock, and N ranks on a 2-core machine gain nothing from more threads anyway.
+fork can deadlock, and N ranks on a 2-core machine gain nothing from more threads anyway. Where torch sees a
+GPU, a parent that has run a backward pass has started autograd's device threads, and its forked children
+cannot run one (torch raises; "Autograd and Fork" on the PyTorch wiki): run such checks in a fresh process,
+or hide the GPUs (``CUDA_VISIBLE_DEVICES=``) from a CPU-only test session.
 
 Results and exceptions travel back as plain pickles over a pipe (not torch's shared-memory pickler,
 whose file descriptors die with the child), so a child may return tensors, numbers or any picklable
