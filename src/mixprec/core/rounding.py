@@ -180,7 +180,7 @@ _ARGTYPES = {
         *_C_FMT,
     ],
 }
-# source dtypes of mixprec_round_directed (float8 is widened to fp32 by torch first)
+# source dtypes the kernels read directly (codes of mixprec_round_directed; float8 is widened to fp32 first)
 _DIRECTED_SRC = {**_NATIVE_SRC, torch.float64: 3}
 
 
@@ -241,28 +241,35 @@ def _native_round_nearest(lib: object, src: torch.Tensor, dst: torch.Tensor, fmt
     torch.autograd.graph.increment_version(dst)
 
 
+def _kernel_buffers(
+    x: torch.Tensor, out: torch.Tensor | None, writable: tuple[torch.dtype, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contiguous source a kernel reads (``x``, or float8 widened exactly by torch's cast) and the
+    contiguous buffer it writes: ``out`` when it is of a ``writable`` dtype and is the source itself or does not
+    overlap it, else a temporary (our own fp32 source is rounded in place) that the caller copies to ``out``."""
+    if x.dtype in _DIRECTED_SRC:
+        src = x.contiguous()
+    else:
+        src = x.to(torch.float32, memory_format=torch.contiguous_format)
+    if out is not None and out.dtype in writable:
+        if out.is_contiguous() and out.data_ptr() == src.data_ptr() and out.dtype == src.dtype:
+            return src, out  # out is x: in place
+        if out.is_contiguous() and not _overlap(out, src):
+            return src, out
+        return src, torch.empty(x.shape, dtype=out.dtype, device=x.device)
+    if src is not x and src.dtype == torch.float32:
+        return src, src
+    return src, torch.empty(x.shape, dtype=torch.float32, device=x.device)
+
+
 def _round_to_native(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor | None) -> torch.Tensor | None:
     """round_to(x, fmt, "nearest", out=out) through the compiled kernel; None when it cannot run here (no
     library, not CPU, autograd), and the torch path must."""
     lib = _kernel_lib(x, out)  # also None for an out on another device
     if lib is None:
         return None
-    if x.dtype in _NATIVE_SRC or x.dtype == torch.float64:
-        src = x.contiguous()
-    else:  # float8: widened exactly by torch's cast, then rounded in that buffer
-        src = x.to(torch.float32, memory_format=torch.contiguous_format)
-    writable = (torch.float32, torch.float64) if src.dtype == torch.float64 else (torch.float32,)
-    if out is not None and out.dtype in writable:
-        if out.is_contiguous() and out.data_ptr() == src.data_ptr() and out.dtype == src.dtype:
-            dst = out  # out is x: in place
-        elif out.is_contiguous() and not _overlap(out, src):
-            dst = out
-        else:
-            dst = torch.empty(x.shape, dtype=out.dtype, device=x.device)
-    elif src is not x and src.dtype == torch.float32:
-        dst = src  # a temporary of ours: round it in place
-    else:
-        dst = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    fp64 = x.dtype == torch.float64  # only fp64 input has an fp64 kernel output
+    src, dst = _kernel_buffers(x, out, (torch.float32, torch.float64) if fp64 else (torch.float32,))
     _native_round_nearest(lib, src, dst, fmt)
     if out is None or dst is out:
         return dst
@@ -278,22 +285,10 @@ def _round_directed_native(
     lib = _kernel_lib(x, out)
     if not isinstance(lib, ctypes.CDLL):  # CUDA tensors keep the torch path for these modes
         return None
-    if x.dtype in _DIRECTED_SRC:
-        src = x.contiguous()
-    else:  # float8: widened exactly by torch's cast
-        src = x.to(torch.float32, memory_format=torch.contiguous_format)
+    src, dst = _kernel_buffers(x, out, (torch.float32, torch.float64))
     u = None
     if rounding == "stochastic":
         u = torch.rand(x.shape, generator=generator, dtype=torch.float64, device=x.device)
-    if out is not None and out.is_contiguous():
-        same = out.data_ptr() == src.data_ptr() and out.dtype == src.dtype
-        dst = out if same or not _overlap(out, src) else torch.empty(x.shape, dtype=out.dtype, device=x.device)
-    elif out is not None:
-        dst = torch.empty(x.shape, dtype=out.dtype, device=x.device)
-    elif src is not x and src.dtype == torch.float32:
-        dst = src  # a temporary of ours: round it in place
-    else:
-        dst = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     status = lib.mixprec_round_directed(
         src.data_ptr(), _DIRECTED_SRC[src.dtype], None if u is None else u.data_ptr(), dst.data_ptr(),
         int(dst.dtype == torch.float64), src.numel(), fmt.exp_bits, fmt.man_bits, int(fmt.has_inf),
@@ -407,12 +402,8 @@ def round_to_(
             _round_nearest_work_(w, fmt)
             x.copy_(w)
         return x
-    if rounding != "nearest" and _kernel_lib(x) is not None:
-        w = x if x.is_contiguous() else x.contiguous()
-        if _round_directed_native(w, fmt, rounding, generator, w) is not None:
-            if w is not x:
-                x.copy_(w)
-            return x
+    if rounding != "nearest" and _round_directed_native(x, fmt, rounding, generator, x) is not None:
+        return x
     w = x.to(torch.float64, copy=True, memory_format=torch.contiguous_format)
     if rounding == "nearest":
         _round_nearest_work_(w, fmt)
