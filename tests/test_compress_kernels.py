@@ -203,6 +203,12 @@ def test_fp8_decode_of_every_code_equals_torch(fmt: str) -> None:
     with native.disabled():
         q.decode_rows(buf, length, ref, reduce=True)
     _assert_same_values(fast, ref)
+    # the check that lets the decode use arithmetic instead of the table: torch's table is recognised, and a
+    # table that differs in one code is not (the decode then looks codes up)
+    table = torch.arange(256, dtype=torch.uint8).view(q.dtype).float()
+    assert _kernels().fp8_table_format(table.data_ptr()) == {"e4m3": 0, "e5m2": 1}[fmt]
+    table[17] = table[18]
+    assert _kernels().fp8_table_format(table.data_ptr()) == -1
 
 
 def test_fp8_stochastic_codes_are_the_same_on_both_paths() -> None:

@@ -78,6 +78,7 @@ class ScaledFP8(ChunkedCompressor):
         super().__init__(chunk_size=chunk_size, rounding=rounding, generator=generator, check_finite=check_finite)
         self._scratch = Scratch()
         self._tables: dict[torch.device, torch.Tensor] = {}
+        self._table_format: int | None = None  # the compiled decode's check of the CPU table (-1: lookup)
 
     def __repr__(self) -> str:
         return (
@@ -258,6 +259,8 @@ class ScaledFP8(ChunkedCompressor):
         table = self._tables.get(buf.device)
         if table is None:
             table = self._tables[buf.device] = self._code_values(buf.device)
+        if self._table_format is None:
+            self._table_format = int(lib.fp8_table_format(table.data_ptr()))
         n_bad = lib.decode_fp8(
             buf.data_ptr(),
             buf.shape[0],
@@ -268,6 +271,7 @@ class ScaledFP8(ChunkedCompressor):
             out.stride(0),
             self.chunk_size,
             table.data_ptr(),
+            self._table_format,
             int(reduce),
             native.num_threads(),
         )

@@ -71,8 +71,11 @@ class _Kernels:
         self.encode_fp8.argtypes = [ptr, i32, i64, i64, i64, ptr, i64, i64, i32, i32, u64, i64, i64, i32]
         self.encode_fp8.restype = i64
         self.decode_fp8 = lib.mixprec_quant_decode_fp8
-        self.decode_fp8.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, i64, ptr, i32, i32]
+        self.decode_fp8.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, i64, ptr, i32, i32, i32]
         self.decode_fp8.restype = i64
+        self.fp8_table_format = lib.mixprec_quant_fp8_table_format  # which arithmetic reproduces a code table
+        self.fp8_table_format.argtypes = [ptr]
+        self.fp8_table_format.restype = i32
         # The Philox generator on its own (tests): one block, the primary bytes of a range of stream
         # positions, and the secondary words of given positions.
         self.philox_block = lib.mixprec_quant_philox_block

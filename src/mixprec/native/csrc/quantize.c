@@ -1037,7 +1037,7 @@ static inline float fp8_code_value(uint32_t c, int fmt) {
 }
 
 /* The format (0 = e4m3fn, 1 = e5m2) whose fp8_code_value gives `table`, value for value (NaN where NaN), or
- * -1: the vector decode below runs only for a table it reproduces. */
+ * -1: the vector decode below runs only for a table it reproduces (the caller asks once per table). */
 static int fp8_table_format(const float *table) {
     for (int fmt = 0; fmt < 2; fmt++) {
         int same = 1;
@@ -1078,14 +1078,17 @@ static void fp8_values(const uint8_t *restrict cd, int64_t m, const float *restr
     for (; k < m; k++) y[k] = table[cd[k]] * sc;
 }
 
-/* Decode fp8 rows: table[code] * scale (exact), into out's dtype, or summed over rows in fp32 (row order). */
+/* fp8_table_format for the caller, which checks a table once and passes the answer to every decode. */
+int mixprec_quant_fp8_table_format(const float *table) { return fp8_table_format(table); }
+
+/* Decode fp8 rows: table[code] * scale (exact), into out's dtype, or summed over rows in fp32 (row order). fmt:
+ * mixprec_quant_fp8_table_format(table), or -1 for the table lookup. */
 int64_t mixprec_quant_decode_fp8(const uint8_t *buf, int64_t rows, int64_t length, int64_t buf_stride, void *out,
-                                 int dt, int64_t out_stride, int64_t chunk, const float *table, int reduce,
+                                 int dt, int64_t out_stride, int64_t chunk, const float *table, int fmt, int reduce,
                                  int nthreads) {
     int64_t chunks = (length + chunk - 1) / chunk, bad = count_flagged(buf, rows, chunks, buf_stride);
     int64_t tasks = reduce ? chunks : rows * chunks;
     size_t esize = dt == DT_F32 ? 4 : 2;
-    const int fmt = fp8_table_format(table);
 #pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN)
     {
         float y[SB], acc[SB];
