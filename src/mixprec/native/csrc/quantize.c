@@ -940,8 +940,8 @@ static void fp8_codes(const float *restrict p, uint8_t *restrict cd, int64_t m, 
                       const uint8_t *restrict u, uint16_t *restrict tie) {
     int64_t k0 = fp8_codes16(p, cd, m, up, f, u, tie);
     p += k0, cd += k0, m -= k0;
-    if (u) u += k0, tie += k0 >> 4;
     if (u) {
+        u += k0, tie += k0 >> 4;
         for (int64_t k = 0; k < m; k += 16) { /* 16 at a time, so that each group fills its mask */
             int64_t e = m - k < 16 ? m - k : 16;
             uint32_t bits = 0;
