@@ -95,11 +95,15 @@ def measure_fp8(n: int, repeat: int) -> list[list[object]]:
 
 
 def measure_chunks(n: int, chunks: list[int], repeat: int) -> list[list[object]]:
-    """MinMaxUInt8 nearest and stochastic encode by chunk size, one thread: small chunks (per-block
-    quantization of 64-256 elements) have their own costs (a header and a grid per chunk, Philox bytes that
-    neighbouring chunks share)."""
+    """MinMaxUInt8 encode and decode by chunk size, one thread: small chunks (per-block quantization of 64-256
+    elements) have their own costs (a header and a grid per chunk, Philox bytes that neighbouring chunks
+    share). Each is timed in turns with the same call at chunk_size 2048 (the ratio columns), and stochastic
+    in turns with nearest."""
     torch.set_num_threads(1)
     x = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    dst = torch.empty_like(x)
+    ref = MinMaxUInt8(chunk_size=CHUNK)
+    ref_buf = ref.encode(x)
     rows: list[list[object]] = []
     for chunk in chunks:
         q = MinMaxUInt8(chunk_size=chunk)
@@ -110,7 +114,28 @@ def measure_chunks(n: int, chunks: list[int], repeat: int) -> list[list[object]]
             lambda: qs.encode(x, out=buf),  # noqa: B023
             repeat=repeat,
         )
-        rows.append([f"{n / 2**20:g}M", chunk, t_near * 1e3, t_stoch * 1e3, f"{t_stoch / t_near:.2f}x"])
+        t_enc, t_enc_ref = time_alternating(
+            lambda: q.encode(x, out=buf),  # noqa: B023
+            lambda: ref.encode(x, out=ref_buf),
+            repeat=repeat,
+        )
+        t_dec, t_dec_ref = time_alternating(
+            lambda: q.decode(buf, n, out=dst),  # noqa: B023
+            lambda: ref.decode(ref_buf, n, out=dst),
+            repeat=repeat,
+        )
+        rows.append(
+            [
+                f"{n / 2**20:g}M",
+                chunk,
+                t_near * 1e3,
+                t_stoch * 1e3,
+                f"{t_stoch / t_near:.2f}x",
+                f"{t_enc / t_enc_ref:.2f}x",
+                t_dec * 1e3,
+                f"{t_dec / t_dec_ref:.2f}x",
+            ]
+        )
     return rows
 
 
@@ -168,11 +193,12 @@ def main() -> None:
         )
     )
     print()
-    print("MinMaxUInt8 encode by chunk size, one thread:")
+    print(f"MinMaxUInt8 by chunk size, one thread (x {CHUNK}: time / the same call at chunk_size {CHUNK}, in turns):")
     print()
     chunks = [64, 256, 2048] if args.quick else [64, 128, 256, 512, 1024, 2048]
     chunk_rows = measure_chunks(sizes[0], chunks, repeat)
     head = ["elements", "chunk_size", "nearest encode ms", "stochastic encode ms", "stochastic / nearest"]
+    head += [f"nearest encode x {CHUNK}", "decode ms", f"decode x {CHUNK}"]
     print(markdown_table(head, chunk_rows))
 
 

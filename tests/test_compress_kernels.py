@@ -73,7 +73,9 @@ def _assert_same_values(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("chunk, length", [(1, 9), (7, 100), (256, 1000), (100, 12_000), (2048, 2048 + 5)])
+@pytest.mark.parametrize(
+    "chunk, length", [(1, 9), (7, 100), (256, 1000), (100, 12_000), (300, 7000), (511, 2100), (2048, 2048 + 5)]
+)
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_compiled_encode_and_decode_equal_torch(dtype: torch.dtype, chunk: int, length: int, rounding: str) -> None:
     q = MinMaxUInt8(chunk_size=chunk, rounding=rounding)

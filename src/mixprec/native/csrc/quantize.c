@@ -57,6 +57,56 @@ static inline grid_t grid_of(float mn, float mx) {
     return g;
 }
 
+/* grid_of for chunks [0, n) at once (mn, mx: their bounds; n <= GRID_BATCH): the same fp64 operations,
+ * 8 lanes per instruction. Per chunk, grid_of is a chain of three dependent divisions (about 80 cycles of
+ * latency), which small chunks pay once per 64-256 elements; side by side the chains overlap. */
+#define GRID_BATCH 16
+static void grids_of(const float *mn, const float *mx, int n, grid_t *g) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 8 <= n; i += 8) {
+        const __m512d one = _mm512_set1_pd(1.0), zero0 = _mm512_setzero_pd();
+        __m256 mn8 = _mm256_loadu_ps(mn + i), mx8 = _mm256_loadu_ps(mx + i);
+        __m512d lo = _mm512_cvtps_pd(mn8), hi = _mm512_cvtps_pd(mx8), rng = _mm512_sub_pd(hi, lo);
+        __mmask8 pos = _mm512_cmp_pd_mask(rng, zero0, _CMP_GT_OQ);
+        __mmask8 wide = _mm512_cmp_pd_mask(rng, _mm512_set1_pd((double)FLT_MAX), _CMP_GT_OQ) |
+                        (pos & _mm512_cmp_pd_mask(rng, _mm512_set1_pd(255.0 * (double)FLT_MIN), _CMP_LT_OQ));
+        __mmask8 al = _mm512_cmp_pd_mask(lo, zero0, _CMP_LT_OQ) & _mm512_cmp_pd_mask(hi, zero0, _CMP_GE_OQ) &
+                      (__mmask8)~wide;
+        __m512d q = _mm512_div_pd(rng, _mm512_mask_blend_pd(al, _mm512_set1_pd(255.0), _mm512_set1_pd(254.0)));
+        __m256 step = _mm512_cvtpd_ps(q);
+        __m512d s64 = _mm512_cvtps_pd(step);
+        /* scale: 1 / s64 (aligned), 255 / rng (rng > 0), else 0 */
+        __m512d num = _mm512_mask_blend_pd(al, _mm512_set1_pd(255.0), one), den = _mm512_mask_blend_pd(al, rng, s64);
+        __m512d sc = _mm512_maskz_mov_pd(al | pos, _mm512_div_pd(num, den));
+        __m512d neg = _mm512_maskz_sub_pd(al, zero0, lo), safe = _mm512_mask_blend_pd(al, one, s64);
+        __m512d z = _mm512_roundscale_pd(_mm512_div_pd(neg, safe), _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+        /* z - 0.0 and z + 0.0 where the tests fail, as grid_of computes them (unmasked: the same signed zeros) */
+        __mmask8 over = _mm512_cmp_pd_mask(_mm512_mul_pd(_mm512_sub_pd(z, one), safe), neg, _CMP_GE_OQ);
+        z = _mm512_sub_pd(z, _mm512_maskz_mov_pd(over, one));
+        __mmask8 under = _mm512_cmp_pd_mask(_mm512_mul_pd(z, safe), neg, _CMP_LT_OQ);
+        z = _mm512_add_pd(z, _mm512_maskz_mov_pd(under, one));
+        float f_scale[8], f_zero[8], f_step[8];
+        double d_rng[8];
+        _mm256_storeu_ps(f_scale, _mm512_cvtpd_ps(sc));
+        _mm256_storeu_ps(f_zero, _mm512_cvtpd_ps(z));
+        _mm256_storeu_ps(f_step, step);
+        _mm512_storeu_pd(d_rng, rng);
+        for (int l = 0; l < 8; l++) {
+            grid_t *o = g + i + l;
+            o->rng = d_rng[l];
+            o->sub = (al >> l) & 1 ? 0.0f : mn[i + l];
+            o->scale = f_scale[l];
+            o->zero = f_zero[l];
+            o->step = f_step[l];
+            o->mn = mn[i + l];
+            o->wide = (wide >> l) & 1;
+        }
+    }
+#endif
+    for (; i < n; i++) g[i] = grid_of(mn[i], mx[i]);
+}
+
 /* Elements [i, i + n) of row `x` as fp32: the row itself (fp32) or `buf` (exact widening of fp16/bf16). */
 static inline const float *as_f32(const void *x, int dt, int64_t i, int64_t n, float *buf) {
     if (dt == DT_F32) return (const float *)x + i;
@@ -83,6 +133,35 @@ static inline void minmax16(const float *p, __m512 *vmn, __m512 *vmx, __mmask16 
     *vmx = _mm512_max_ps(v, *vmx);
     *vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
 }
+
+/* The min (max) over the lanes, as the scalar fold "lo = v[l] < lo ? v[l] : lo" for l = 1 .. 15 gives it:
+ * the leftmost lane of the least value (a -0 or +0 bound keeps the sign the fold gives it). An in-order
+ * tree, left operand winning ties (vminps returns its second operand unless the first is less): 4 steps of
+ * latency instead of 15. NaN lanes may give another result than the fold; the caller flags those chunks. */
+static inline float lanes_min(__m512 v) {
+    v = _mm512_min_ps(_mm512_movehdup_ps(v), v);                                  /* lane 2k: 2k, 2k + 1 */
+    v = _mm512_min_ps(_mm512_permute_ps(v, _MM_SHUFFLE(3, 2, 3, 2)), v);          /* lane 4k: 4k, 4k + 2 */
+    v = _mm512_min_ps(_mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(3, 3, 1, 1)), v);    /* lane 8k: 8k, 8k + 4 */
+    return _mm512_cvtss_f32(_mm512_min_ps(_mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 2, 2, 2)), v));
+}
+static inline float lanes_max(__m512 v) {
+    v = _mm512_max_ps(_mm512_movehdup_ps(v), v);
+    v = _mm512_max_ps(_mm512_permute_ps(v, _MM_SHUFFLE(3, 2, 3, 2)), v);
+    v = _mm512_max_ps(_mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(3, 3, 1, 1)), v);
+    return _mm512_cvtss_f32(_mm512_max_ps(_mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 2, 2, 2)), v));
+}
+
+/* The last m < 16 elements at p, folded into lane 0 after what it holds (the scalar tail loop's order): their
+ * own leftmost min and max, which then win over lane 0 only when strictly beyond it. */
+static inline void minmax_tail(const float *p, int64_t m, __m512 *vmn, __m512 *vmx, __mmask16 *vnan) {
+    __mmask16 live = (__mmask16)((1u << m) - 1);
+    __m512 v = _mm512_maskz_loadu_ps(live, p);
+    *vnan |= _mm512_mask_cmp_ps_mask(live, v, v, _CMP_UNORD_Q);
+    __m512 lo = _mm512_set1_ps(lanes_min(_mm512_mask_blend_ps(live, _mm512_set1_ps(INFINITY), v)));
+    __m512 hi = _mm512_set1_ps(lanes_max(_mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), v)));
+    *vmn = _mm512_mask_min_ps(*vmn, 1, lo, *vmn);
+    *vmx = _mm512_mask_max_ps(*vmx, 1, hi, *vmx);
+}
 #endif
 
 /* Philox words that chunk_minmax computes on the side: those of the first `subs` sub-blocks of a chunk
@@ -105,6 +184,31 @@ typedef struct {
 static int chunk_minmax(const void *x, int dt, int64_t a, int64_t n, float *pmn, float *pmx, float *buf,
                         pre_words_t *pre) {
     (void)pre; /* unused without the aligned path */
+    float lo, hi;
+    int bad;
+#if defined(__AVX512F__)
+    /* the same lane-wise operations as the scalar loops below, spelled out: gcc does not vectorize those */
+    __m512 vmn = _mm512_set1_ps(as_f32(x, dt, a, 1, buf)[0]), vmx = vmn;
+    __mmask16 vnan = 0;
+    for (int64_t s = 0; s < n; s += SB) {
+        int64_t m = n - s < SB ? n - s : SB, k = 0;
+        const float *p = as_f32(x, dt, a + s, m, buf);
+#if ALIGNED_PATH
+        __m512i *w = pre && s / SB < pre->subs ? pre->w + 16 * (s / SB) : 0;
+        if (w) /* a loop of its own: a test in the plain loop below slows the nearest encode */
+            for (; k + 16 <= m; k += 16) {
+                if ((k & 255) == 0) /* one group of 256 elements per 16 vectors */
+                    mixprec_philox_words256(pre->kv, (pre->e0 + (uint64_t)(s + k)) >> 8, w + (k >> 6));
+                minmax16(p + k, &vmn, &vmx, &vnan);
+            }
+#endif
+        for (; k + 16 <= m; k += 16) minmax16(p + k, &vmn, &vmx, &vnan);
+        if (k < m) minmax_tail(p + k, m - k, &vmn, &vmx, &vnan); /* only in the last sub-block: SB % 16 == 0 */
+    }
+    lo = lanes_min(vmn);
+    hi = lanes_max(vmx);
+    bad = vnan != 0;
+#else
     float mn[16], mx[16];
     uint32_t nan[16];
     float first = as_f32(x, dt, a, 1, buf)[0];
@@ -114,30 +218,8 @@ static int chunk_minmax(const void *x, int dt, int64_t a, int64_t n, float *pmn,
         nan[l] = 0;
     }
     for (int64_t s = 0; s < n; s += SB) {
-        int64_t m = n - s < SB ? n - s : SB;
+        int64_t m = n - s < SB ? n - s : SB, k = 0;
         const float *p = as_f32(x, dt, a + s, m, buf);
-        int64_t k = 0;
-#if defined(__AVX512F__)
-        { /* the same lane-wise operations as the loop below, spelled out: gcc does not vectorize that one */
-            __m512 vmn = _mm512_loadu_ps(mn), vmx = _mm512_loadu_ps(mx);
-            __mmask16 vnan = 0;
-#if ALIGNED_PATH
-            __m512i *w = pre && s / SB < pre->subs ? pre->w + 16 * (s / SB) : 0;
-#endif
-#if ALIGNED_PATH
-            if (w) /* a loop of its own: a test in the plain loop below slows the nearest encode */
-                for (; k + 16 <= m; k += 16) {
-                    if ((k & 255) == 0) /* one group of 256 elements per 16 vectors */
-                        mixprec_philox_words256(pre->kv, (pre->e0 + (uint64_t)(s + k)) >> 8, w + (k >> 6));
-                    minmax16(p + k, &vmn, &vmx, &vnan);
-                }
-#endif
-            for (; k + 16 <= m; k += 16) minmax16(p + k, &vmn, &vmx, &vnan);
-            _mm512_storeu_ps(mn, vmn);
-            _mm512_storeu_ps(mx, vmx);
-            nan[0] |= vnan != 0;
-        }
-#endif
         for (; k + 16 <= m; k += 16) {
             for (int l = 0; l < 16; l++) {
                 float v = p[k + l];
@@ -153,13 +235,14 @@ static int chunk_minmax(const void *x, int dt, int64_t a, int64_t n, float *pmn,
             nan[0] |= (uint32_t)(v != v);
         }
     }
-    float lo = mn[0], hi = mx[0];
-    uint32_t bad = nan[0];
+    lo = mn[0], hi = mx[0];
+    bad = nan[0] != 0;
     for (int l = 1; l < 16; l++) {
         lo = mn[l] < lo ? mn[l] : lo;
         hi = mx[l] > hi ? mx[l] : hi;
-        bad |= nan[l];
+        bad |= nan[l] != 0;
     }
+#endif
     *pmn = lo;
     *pmx = hi;
     return bad || !isfinite(lo) || !isfinite(hi);
@@ -209,24 +292,11 @@ static inline void scan_step(scan_t *sc, int64_t upto) {
 /* The rest of the scan, and chunk_minmax's result. */
 static int scan_finish(scan_t *sc, float *pmn, float *pmx) {
     scan_step(sc, sc->n);
-    float mn[16], mx[16];
-    _mm512_storeu_ps(mn, sc->mn);
-    _mm512_storeu_ps(mx, sc->mx);
-    uint32_t bad = sc->nan != 0;
-    for (int64_t k = sc->k; k < sc->n; k++) {
-        float v = sc->p[k];
-        mn[0] = v < mn[0] ? v : mn[0];
-        mx[0] = v > mx[0] ? v : mx[0];
-        bad |= (uint32_t)(v != v);
-    }
-    float lo = mn[0], hi = mx[0];
-    for (int l = 1; l < 16; l++) {
-        lo = mn[l] < lo ? mn[l] : lo;
-        hi = mx[l] > hi ? mx[l] : hi;
-    }
+    if (sc->k < sc->n) minmax_tail(sc->p + sc->k, sc->n - sc->k, &sc->mn, &sc->mx, &sc->nan);
+    float lo = lanes_min(sc->mn), hi = lanes_max(sc->mx);
     *pmn = lo;
     *pmx = hi;
-    return bad || !isfinite(lo) || !isfinite(hi);
+    return sc->nan != 0 || !isfinite(lo) || !isfinite(hi);
 }
 #endif
 
@@ -646,7 +716,7 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
         pre_words_t pre;
 #if ALIGNED_PATH
         if (stochastic) memcpy(pre.kv, ties.kv, sizeof pre.kv); /* the round keys, computed once by ties_init */
-        if (stochastic && dt == DT_F32) {
+        if (stochastic && dt == DT_F32 && chunk >= SHORT) {
             pre_words_t two[2];
             memcpy(two[0].kv, ties.kv, sizeof two[0].kv);
             memcpy(two[1].kv, ties.kv, sizeof two[1].kv);
@@ -661,32 +731,49 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
         } else
 #endif
         {
+        /* Chunks go up to GRID_BATCH and 8192 elements at a time: min/max of each, their grids side by side
+         * (grids_of), then their codes while the batch is still in L1. Stochastic chunks of SHORT elements
+         * and up one at a time: chunk_minmax may leave Philox words in pre for the chunk's codes. */
+        int64_t per = stochastic && chunk >= SHORT ? 1 : 8192 / chunk;
+        per = per < 1 ? 1 : (per > GRID_BATCH ? GRID_BATCH : per);
+        int64_t batches = (tasks + per - 1) / per;
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tasks; t++) {
-            int64_t r = t / chunks, c = t % chunks, a = c * chunk;
-            int64_t n = length - a < chunk ? length - a : chunk;
-            const void *xr = (const char *)x + (size_t)(r * x_stride) * esize;
-            uint8_t *o = out + r * out_stride;
-            uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
-            float mn, mx;
-            pre.e0 = pos;
+        for (int64_t b = 0; b < batches; b++) {
+            int64_t t0 = b * per, cnt = tasks - t0 < per ? tasks - t0 : per;
+            float mn[GRID_BATCH], mx[GRID_BATCH];
+            int flagged[GRID_BATCH];
+            grid_t g[GRID_BATCH];
+            for (int64_t i = 0; i < cnt; i++) {
+                int64_t t = t0 + i, r = t / chunks, a = (t % chunks) * chunk;
+                int64_t n = length - a < chunk ? length - a : chunk;
+                uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
+                pre.e0 = pos;
 #if ALIGNED_PATH
-            pre.subs = stochastic && (pos & 255) == 0 && n >= SHORT ? PRE_SUBS : 0;
+                pre.subs = stochastic && (pos & 255) == 0 && n >= SHORT ? PRE_SUBS : 0;
 #else
-            pre.subs = 0;
+                pre.subs = 0;
 #endif
-            if (chunk_minmax(xr, dt, a, n, &mn, &mx, buf, &pre)) {
-                float q = bits_f32(0x7FC00000u);
-                memcpy(o + 4 * c, &q, 4);
-                memcpy(o + 4 * (chunks + c), &q, 4);
-                memset(o + 8 * chunks + a, 0, (size_t)n);
-                bad++;
-                continue;
+                const void *xr = (const char *)x + (size_t)(r * x_stride) * esize;
+                flagged[i] = chunk_minmax(xr, dt, a, n, &mn[i], &mx[i], buf, &pre);
             }
-            memcpy(o + 4 * c, &mn, 4);
-            memcpy(o + 4 * (chunks + c), &mx, 4);
-            grid_t g = grid_of(mn, mx);
-            encode_chunk(xr, dt, a, n, o + 8 * chunks + a, g, stochastic, key, pos, buf, ubuf, &ties, &pre, 0);
+            grids_of(mn, mx, (int)cnt, g);
+            for (int64_t i = 0; i < cnt; i++) {
+                int64_t t = t0 + i, r = t / chunks, c = t % chunks, a = c * chunk;
+                int64_t n = length - a < chunk ? length - a : chunk;
+                uint8_t *o = out + r * out_stride;
+                if (flagged[i]) {
+                    float q = bits_f32(0x7FC00000u);
+                    memcpy(o + 4 * c, &q, 4);
+                    memcpy(o + 4 * (chunks + c), &q, 4);
+                    memset(o + 8 * chunks + a, 0, (size_t)n);
+                    bad++;
+                    continue;
+                }
+                memcpy(o + 4 * c, &mn[i], 4);
+                memcpy(o + 4 * (chunks + c), &mx[i], 4);
+                encode_chunk((const char *)x + (size_t)(r * x_stride) * esize, dt, a, n, o + 8 * chunks + a, g[i],
+                             stochastic, key, (uint64_t)(offset + r * pos_stride + a), buf, ubuf, &ties, &pre, 0);
+            }
         }
         if (stochastic) tie_flush(&ties, 1);
         }
@@ -726,11 +813,12 @@ static inline void store(void *out, int dt, int64_t i, const float *y, int64_t n
     }
 }
 
-static inline grid_t header_grid(const uint8_t *row, int64_t chunks, int64_t c) {
-    float mn, mx;
-    memcpy(&mn, row + 4 * c, 4);
-    memcpy(&mx, row + 4 * (chunks + c), 4);
-    return grid_of(mn, mx);
+/* The grids of chunks [c0, c0 + n) of a row (n <= GRID_BATCH) from its headers. */
+static inline void header_grids(const uint8_t *row, int64_t chunks, int64_t c0, int n, grid_t *g) {
+    float mn[GRID_BATCH], mx[GRID_BATCH];
+    memcpy(mn, row + 4 * c0, 4 * (size_t)n);
+    memcpy(mx, row + 4 * (chunks + c0), 4 * (size_t)n);
+    grids_of(mn, mx, n, g);
 }
 
 /* Chunks flagged non-finite: both wires store a NaN first header word (uint8's min, fp8's scale) for them. */
@@ -756,34 +844,63 @@ int64_t mixprec_quant_decode_u8(const uint8_t *buf, int64_t rows, int64_t length
 #pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN)
     {
         float y[SB], acc[SB];
+        /* Chunks below SHORT elements go up to GRID_BATCH at a time (as in the encode), at most SB elements
+         * per batch, so that a batch of the fp32 sum fits acc. */
+        int64_t per = chunk < SHORT ? (SB / chunk < GRID_BATCH ? SB / chunk : GRID_BATCH) : 1;
+        int64_t batches = reduce ? (chunks + per - 1) / per : rows * ((chunks + per - 1) / per);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tasks; t++) {
-            int64_t r = reduce ? 0 : t / chunks, c = reduce ? t : t % chunks, a = c * chunk;
-            int64_t n = length - a < chunk ? length - a : chunk;
+        for (int64_t b = 0; b < batches; b++) {
+            int64_t per_row = (chunks + per - 1) / per;
+            int64_t r = reduce ? 0 : b / per_row, c0 = (reduce ? b : b % per_row) * per;
+            int64_t cnt = chunks - c0 < per ? chunks - c0 : per, a0 = c0 * chunk;
+            int64_t m0 = (length - a0 < cnt * chunk ? length - a0 : cnt * chunk); /* elements of the batch */
+            grid_t g[GRID_BATCH];
             if (!reduce) {
                 const uint8_t *row = buf + r * buf_stride;
-                grid_t g = header_grid(row, chunks, c);
+                header_grids(row, chunks, c0, (int)cnt, g);
                 void *o = (char *)out + (size_t)(r * out_stride) * esize;
-                for (int64_t s = 0; s < n; s += SB) {
-                    int64_t m = n - s < SB ? n - s : SB;
-                    if (dt == DT_F32) {
-                        decode_block(row + 8 * chunks + a + s, m, g, (float *)o + a + s);
-                    } else {
-                        decode_block(row + 8 * chunks + a + s, m, g, y);
-                        store(o, dt, a + s, y, m);
+                for (int64_t i = 0; i < cnt; i++) {
+                    int64_t a = a0 + i * chunk, n = length - a < chunk ? length - a : chunk;
+                    for (int64_t s = 0; s < n; s += SB) {
+                        int64_t m = n - s < SB ? n - s : SB;
+                        if (dt == DT_F32) {
+                            decode_block(row + 8 * chunks + a + s, m, g[i], (float *)o + a + s);
+                        } else {
+                            decode_block(row + 8 * chunks + a + s, m, g[i], y);
+                            store(o, dt, a + s, y, m);
+                        }
                     }
                 }
                 continue;
             }
             float *o = (float *)out;
+            if (per > 1) { /* the batch's m0 <= SB elements, row by row */
+                for (int64_t q = 0; q < rows; q++) {
+                    const uint8_t *row = buf + q * buf_stride;
+                    float *dst = q == 0 ? (rows == 1 ? o + a0 : acc) : y;
+                    header_grids(row, chunks, c0, (int)cnt, g);
+                    for (int64_t i = 0; i < cnt; i++) {
+                        int64_t a = a0 + i * chunk, n = length - a < chunk ? length - a : chunk;
+                        decode_block(row + 8 * chunks + a, n, g[i], dst + i * chunk);
+                    }
+                    if (q > 0) {
+                        float *d = q == rows - 1 ? o + a0 : acc;
+                        for (int64_t k = 0; k < m0; k++) d[k] = acc[k] + y[k];
+                    }
+                }
+                continue;
+            }
+            int64_t n = length - a0 < chunk ? length - a0 : chunk;
             for (int64_t s = 0; s < n; s += SB) {
                 int64_t m = n - s < SB ? n - s : SB;
-                float *dst = rows == 1 ? o + a + s : acc;
-                decode_block(buf + 8 * chunks + a + s, m, header_grid(buf, chunks, c), dst);
+                float *dst = rows == 1 ? o + a0 + s : acc;
+                header_grids(buf, chunks, c0, 1, g);
+                decode_block(buf + 8 * chunks + a0 + s, m, g[0], dst);
                 for (int64_t q = 1; q < rows; q++) {
                     const uint8_t *row = buf + q * buf_stride;
-                    decode_block(row + 8 * chunks + a + s, m, header_grid(row, chunks, c), y);
-                    float *d = q == rows - 1 ? o + a + s : acc;
+                    header_grids(row, chunks, c0, 1, g);
+                    decode_block(row + 8 * chunks + a0 + s, m, g[0], y);
+                    float *d = q == rows - 1 ? o + a0 + s : acc;
                     for (int64_t k = 0; k < m; k++) d[k] = acc[k] + y[k];
                 }
             }
