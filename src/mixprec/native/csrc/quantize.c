@@ -816,9 +816,18 @@ static inline void store(void *out, int dt, int64_t i, const float *y, int64_t n
 /* The grids of chunks [c0, c0 + n) of a row (n <= GRID_BATCH) from its headers. */
 static inline void header_grids(const uint8_t *row, int64_t chunks, int64_t c0, int n, grid_t *g) {
     float mn[GRID_BATCH], mx[GRID_BATCH];
-    memcpy(mn, row + 4 * c0, 4 * (size_t)n);
-    memcpy(mx, row + 4 * (chunks + c0), 4 * (size_t)n);
+    for (int i = 0; i < n; i++) { /* fixed-size copies: no memcpy call */
+        memcpy(&mn[i], row + 4 * (c0 + i), 4);
+        memcpy(&mx[i], row + 4 * (chunks + c0 + i), 4);
+    }
     grids_of(mn, mx, n, g);
+}
+
+static inline grid_t header_grid(const uint8_t *row, int64_t chunks, int64_t c) {
+    float mn, mx;
+    memcpy(&mn, row + 4 * c, 4);
+    memcpy(&mx, row + 4 * (chunks + c), 4);
+    return grid_of(mn, mx);
 }
 
 /* Chunks flagged non-finite: both wires store a NaN first header word (uint8's min, fp8's scale) for them. */
@@ -844,9 +853,11 @@ int64_t mixprec_quant_decode_u8(const uint8_t *buf, int64_t rows, int64_t length
 #pragma omp parallel num_threads(nthreads) if (rows * length >= MIXPREC_GRAIN)
     {
         float y[SB], acc[SB];
-        /* Chunks below SHORT elements go up to GRID_BATCH at a time (as in the encode), at most SB elements
-         * per batch, so that a batch of the fp32 sum fits acc. */
-        int64_t per = chunk < SHORT ? (SB / chunk < GRID_BATCH ? SB / chunk : GRID_BATCH) : 1;
+        /* Chunks below 128 elements go up to GRID_BATCH at a time (as in the encode), at most SB elements
+         * per batch, so that a batch of the fp32 sum fits acc; larger ones overlap a chunk's grid with the
+         * decode of the one before it well enough on their own. */
+        if (chunk < 128) {
+        int64_t per = SB / chunk < GRID_BATCH ? SB / chunk : GRID_BATCH;
         int64_t batches = reduce ? (chunks + per - 1) / per : rows * ((chunks + per - 1) / per);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < batches; b++) {
@@ -859,51 +870,65 @@ int64_t mixprec_quant_decode_u8(const uint8_t *buf, int64_t rows, int64_t length
                 const uint8_t *row = buf + r * buf_stride;
                 header_grids(row, chunks, c0, (int)cnt, g);
                 void *o = (char *)out + (size_t)(r * out_stride) * esize;
+                for (int64_t i = 0; i < cnt; i++) { /* chunk < 128 <= SB: one block each */
+                    int64_t a = a0 + i * chunk, n = length - a < chunk ? length - a : chunk;
+                    if (dt == DT_F32) {
+                        decode_block(row + 8 * chunks + a, n, g[i], (float *)o + a);
+                    } else {
+                        decode_block(row + 8 * chunks + a, n, g[i], y);
+                        store(o, dt, a, y, n);
+                    }
+                }
+                continue;
+            }
+            float *o = (float *)out; /* the sum: the batch's m0 <= SB elements, row by row */
+            for (int64_t q = 0; q < rows; q++) {
+                const uint8_t *row = buf + q * buf_stride;
+                float *dst = q == 0 ? (rows == 1 ? o + a0 : acc) : y;
+                header_grids(row, chunks, c0, (int)cnt, g);
                 for (int64_t i = 0; i < cnt; i++) {
                     int64_t a = a0 + i * chunk, n = length - a < chunk ? length - a : chunk;
-                    for (int64_t s = 0; s < n; s += SB) {
-                        int64_t m = n - s < SB ? n - s : SB;
-                        if (dt == DT_F32) {
-                            decode_block(row + 8 * chunks + a + s, m, g[i], (float *)o + a + s);
-                        } else {
-                            decode_block(row + 8 * chunks + a + s, m, g[i], y);
-                            store(o, dt, a + s, y, m);
-                        }
+                    decode_block(row + 8 * chunks + a, n, g[i], dst + i * chunk);
+                }
+                if (q > 0) {
+                    float *d = q == rows - 1 ? o + a0 : acc;
+                    for (int64_t k = 0; k < m0; k++) d[k] = acc[k] + y[k];
+                }
+            }
+        }
+        } else {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            int64_t r = reduce ? 0 : t / chunks, c = reduce ? t : t % chunks, a = c * chunk;
+            int64_t n = length - a < chunk ? length - a : chunk;
+            if (!reduce) {
+                const uint8_t *row = buf + r * buf_stride;
+                grid_t g = header_grid(row, chunks, c);
+                void *o = (char *)out + (size_t)(r * out_stride) * esize;
+                for (int64_t s = 0; s < n; s += SB) {
+                    int64_t m = n - s < SB ? n - s : SB;
+                    if (dt == DT_F32) {
+                        decode_block(row + 8 * chunks + a + s, m, g, (float *)o + a + s);
+                    } else {
+                        decode_block(row + 8 * chunks + a + s, m, g, y);
+                        store(o, dt, a + s, y, m);
                     }
                 }
                 continue;
             }
             float *o = (float *)out;
-            if (per > 1) { /* the batch's m0 <= SB elements, row by row */
-                for (int64_t q = 0; q < rows; q++) {
-                    const uint8_t *row = buf + q * buf_stride;
-                    float *dst = q == 0 ? (rows == 1 ? o + a0 : acc) : y;
-                    header_grids(row, chunks, c0, (int)cnt, g);
-                    for (int64_t i = 0; i < cnt; i++) {
-                        int64_t a = a0 + i * chunk, n = length - a < chunk ? length - a : chunk;
-                        decode_block(row + 8 * chunks + a, n, g[i], dst + i * chunk);
-                    }
-                    if (q > 0) {
-                        float *d = q == rows - 1 ? o + a0 : acc;
-                        for (int64_t k = 0; k < m0; k++) d[k] = acc[k] + y[k];
-                    }
-                }
-                continue;
-            }
-            int64_t n = length - a0 < chunk ? length - a0 : chunk;
             for (int64_t s = 0; s < n; s += SB) {
                 int64_t m = n - s < SB ? n - s : SB;
-                float *dst = rows == 1 ? o + a0 + s : acc;
-                header_grids(buf, chunks, c0, 1, g);
-                decode_block(buf + 8 * chunks + a0 + s, m, g[0], dst);
+                float *dst = rows == 1 ? o + a + s : acc;
+                decode_block(buf + 8 * chunks + a + s, m, header_grid(buf, chunks, c), dst);
                 for (int64_t q = 1; q < rows; q++) {
                     const uint8_t *row = buf + q * buf_stride;
-                    header_grids(row, chunks, c0, 1, g);
-                    decode_block(row + 8 * chunks + a0 + s, m, g[0], y);
-                    float *d = q == rows - 1 ? o + a0 + s : acc;
+                    decode_block(row + 8 * chunks + a + s, m, header_grid(row, chunks, c), y);
+                    float *d = q == rows - 1 ? o + a + s : acc;
                     for (int64_t k = 0; k < m; k++) d[k] = acc[k] + y[k];
                 }
             }
+        }
         }
     }
     return bad;
