@@ -7,7 +7,7 @@ the same on the torch path (``mixprec.native.disabled()``, what runs without a c
 stochastic encode (Philox4x32-10 uniforms) against the nearest one. Pairs that form a ratio are timed in
 turns (``time_alternating``), so a change of machine load falls on both. Goals (printed as verdicts):
 encode + decode at most 2.5x ``copy_``, stochastic encode at most 1.5x nearest. Then ScaledFP8, and both
-encodes of MinMaxUInt8 by chunk size (64 to 2048) on one thread.
+wires by chunk size (64 to 2048) on one thread, each call in turns with the same call at chunk 2048.
 
     python benchmarks/bench_quantize.py [--quick] [--threads 1,2]
 """
@@ -139,6 +139,33 @@ def measure_chunks(n: int, chunks: list[int], repeat: int) -> list[list[object]]
     return rows
 
 
+def measure_fp8_chunks(n: int, chunks: list[int], repeat: int) -> list[list[object]]:
+    """ScaledFP8 e4m3 (nearest) encode and decode by chunk size, one thread, each timed in turns with the same
+    call at chunk_size 2048: per-block scaling at 128 elements is DeepSeek-V3's tile granularity."""
+    torch.set_num_threads(1)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    dst = torch.empty_like(x)
+    ref = ScaledFP8("e4m3", chunk_size=CHUNK)
+    ref_buf = ref.encode(x)
+    rows: list[list[object]] = []
+    for chunk in chunks:
+        f = ScaledFP8("e4m3", chunk_size=chunk)
+        buf = f.encode(x)
+        t_enc, t_enc_ref = time_alternating(
+            lambda: f.encode(x, out=buf),  # noqa: B023 - called right here
+            lambda: ref.encode(x, out=ref_buf),
+            repeat=repeat,
+        )
+        t_dec, t_dec_ref = time_alternating(
+            lambda: f.decode(buf, n, out=dst),  # noqa: B023
+            lambda: ref.decode(ref_buf, n, out=dst),
+            repeat=repeat,
+        )
+        enc_ratio, dec_ratio = f"{t_enc / t_enc_ref:.2f}x", f"{t_dec / t_dec_ref:.2f}x"
+        rows.append([f"{n / 2**20:g}M", chunk, t_enc * 1e3, enc_ratio, t_dec * 1e3, dec_ratio])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="small sizes, few repetitions (seconds): a smoke run")
@@ -200,6 +227,12 @@ def main() -> None:
     head = ["elements", "chunk_size", "nearest encode ms", "stochastic encode ms", "stochastic / nearest"]
     head += [f"nearest encode x {CHUNK}", "decode ms", f"decode x {CHUNK}"]
     print(markdown_table(head, chunk_rows))
+    print()
+    print(f"ScaledFP8 e4m3 by chunk size, one thread (x {CHUNK} as above):")
+    print()
+    fp8_chunks = [64, 128, 2048] if args.quick else [64, 128, 256, 2048]
+    head = ["elements", "chunk_size", "encode ms", f"encode x {CHUNK}", "decode ms", f"decode x {CHUNK}"]
+    print(markdown_table(head, measure_fp8_chunks(sizes[0], fp8_chunks, repeat)))
 
 
 if __name__ == "__main__":

@@ -974,14 +974,24 @@ static inline fp8fmt_t fp8_format(int fmt) {
 
 /* ScaledFP8.chunk_scales for one finite amax: frexp's estimate of floor(log2(top / a)), then corrected with
  * the exact products a 2**k (the estimate is off by at most one, whatever the rounding of the quotient). */
+static inline double pow2_f64(int k) { /* 2**k exactly, |k| <= 1022: what exp2 returns, without the call */
+    uint64_t b = (uint64_t)(k + 1023) << 52;
+    double d;
+    memcpy(&d, &b, 8);
+    return d;
+}
+
 static inline int fp8_exponent(double a, double top) {
     if (!(a > 0)) return 0;
-    int e;
-    frexp(top / a, &e);
-    double k = (double)(e - 1);
-    k = k - (double)(a * exp2(k) > top);
-    k = k + (double)(a * exp2(k + 1) <= top);
-    return k < -126 ? -126 : (k > 126 ? 126 : (int)k);
+    /* frexp's exponent of q = top / a, from its bits: q is a normal double (a in (0, FLT_MAX], top in
+     * [448, 57344]) */
+    double q = top / a;
+    uint64_t b;
+    memcpy(&b, &q, 8);
+    int k = (int)((b >> 52) & 0x7FF) - 1023; /* = frexp's e - 1 */
+    k = k - (a * pow2_f64(k) > top);
+    k = k + (a * pow2_f64(k + 1) <= top);
+    return k < -126 ? -126 : (k > 126 ? 126 : k);
 }
 
 /* The format's spacing at a magnitude with fp32 exponent bits e (a power of two, at least the subnormal
@@ -1151,7 +1161,7 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
                 continue;
             }
             int k = fp8_exponent((double)amax, f.top);
-            float scale = (float)exp2(-(double)k), up = (float)exp2((double)k);
+            float scale = bits_f32((uint32_t)(127 - k) << 23), up = bits_f32((uint32_t)(127 + k) << 23); /* 2**-k, 2**k */
             memcpy(o + 4 * c, &scale, 4);
             uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
             for (int64_t s = 0; s < n; s += SB) {
@@ -1241,6 +1251,13 @@ int64_t mixprec_quant_decode_fp8(const uint8_t *buf, int64_t rows, int64_t lengt
             int64_t r1 = reduce ? rows : r0 + 1;
             for (int64_t s = 0; s < n; s += SB) {
                 int64_t m = n - s < SB ? n - s : SB;
+                if (!reduce && dt == DT_F32) { /* straight into the output: no scratch copy, no memcpy call */
+                    const uint8_t *row = buf + r0 * buf_stride;
+                    float sc;
+                    memcpy(&sc, row + 4 * c, 4);
+                    fp8_values(row + 4 * chunks + a + s, m, table, fmt, sc, (float *)out + r0 * out_stride + a + s);
+                    continue;
+                }
                 for (int64_t r = r0; r < r1; r++) {
                     const uint8_t *row = buf + r * buf_stride;
                     float sc;
