@@ -972,8 +972,6 @@ static inline fp8fmt_t fp8_format(int fmt) {
     return f;
 }
 
-/* ScaledFP8.chunk_scales for one finite amax: frexp's estimate of floor(log2(top / a)), then corrected with
- * the exact products a 2**k (the estimate is off by at most one, whatever the rounding of the quotient). */
 static inline double pow2_f64(int k) { /* 2**k exactly, |k| <= 1022: what exp2 returns, without the call */
     uint64_t b = (uint64_t)(k + 1023) << 52;
     double d;
@@ -981,6 +979,8 @@ static inline double pow2_f64(int k) { /* 2**k exactly, |k| <= 1022: what exp2 r
     return d;
 }
 
+/* ScaledFP8.chunk_scales for one finite amax: frexp's estimate of floor(log2(top / a)), then corrected with
+ * the exact products a 2**k (the estimate is off by at most one, whatever the rounding of the quotient). */
 static inline int fp8_exponent(double a, double top) {
     if (!(a > 0)) return 0;
     /* frexp's exponent of q = top / a, from its bits: q is a normal double (a in (0, FLT_MAX], top in
@@ -1161,7 +1161,8 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
                 continue;
             }
             int k = fp8_exponent((double)amax, f.top);
-            float scale = bits_f32((uint32_t)(127 - k) << 23), up = bits_f32((uint32_t)(127 + k) << 23); /* 2**-k, 2**k */
+            /* 2**-k and 2**k (|k| <= 126: normal fp32) */
+            float scale = bits_f32((uint32_t)(127 - k) << 23), up = bits_f32((uint32_t)(127 + k) << 23);
             memcpy(o + 4 * c, &scale, 4);
             uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
             for (int64_t s = 0; s < n; s += SB) {
