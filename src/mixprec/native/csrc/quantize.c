@@ -321,13 +321,14 @@ static inline const uint8_t *stream_bytes(uint64_t key, uint64_t p, int64_t n, u
     return ub->u + (p - (ub->g0 << 8));
 }
 
-/* Ties are flagged in bit masks, 16 elements per uint16_t: the vector loops store a compare mask as is.
- * FOR_EACH_TIE(k, masks, m) runs its body for each flagged k < m, in order (about m / 256 of them). */
+/* Ties are flagged in bit masks, 16 elements per uint16_t: the vector loops store a compare mask as is, and
+ * bit w of a 64-bit summary nz says whether mask w has any. FOR_EACH_TIE(k, masks, nz) runs its body for
+ * each flagged k, in order (about 1 element in 256): one trip per tie, none per empty mask. */
 #define TIE_WORDS (SB / 16)
-#define FOR_EACH_TIE(k, masks, m)                                                                                     \
-    for (int64_t w_ = 0; 16 * w_ < (m); w_++)                                                                         \
-        for (uint32_t b_ = (masks)[w_], k; b_ && (k = 16 * (uint32_t)w_ + (uint32_t)__builtin_ctz(b_), 1);             \
-             b_ &= b_ - 1)
+#define FOR_EACH_TIE(k, masks, nz)                                                                                    \
+    for (uint64_t n_ = (nz); n_; n_ &= n_ - 1)                                                                        \
+        for (uint32_t w_ = (uint32_t)__builtin_ctzll(n_), b_ = (masks)[w_], k;                                       \
+             b_ && (k = 16 * w_ + (uint32_t)__builtin_ctz(b_), 1); b_ &= b_ - 1)
 
 /* Pending ties of one thread: where the code is, its stream position, the remainder 256 frac - f8 (exact)
  * and the code if rounded up. Kept across chunks and resolved 32 at a time (tie_flush), so that the
@@ -1019,7 +1020,6 @@ static inline float fp8_units(float v, fp8fmt_t f, uint32_t *bits, float *spacin
     *spacing = fp8_spacing((b >> 23) & 0xFF, f);
     return bits_f32(b & 0x7FFFFFFFu) / *spacing;
 }
-
 #if defined(__AVX512F__)
 /* The nearest-even code of 16 magnitudes (fp32 bits b, sign ignored) on the integer form of the same
  * rounding: in the format's normal range, the fraction rounded to f.man bits on the bits (a carry moves
@@ -1061,8 +1061,9 @@ static inline __m512i fp8_stochastic16(__m512i b, __m512i ub, fp8fmt_t f, __mmas
 /* fp8_codes on the whole 16-element groups of m elements, 16 lanes at a time (fp8_nearest16,
  * fp8_stochastic16: the same codes and tie flags); returns the elements done. */
 static int64_t fp8_codes16(const float *restrict p, uint8_t *restrict cd, int64_t m, float up, fp8fmt_t f,
-                           const uint8_t *restrict u, uint16_t *restrict tie) {
+                           const uint8_t *restrict u, uint16_t *restrict tie, uint64_t *restrict nz) {
     int64_t k = 0;
+    uint64_t any = 0;
 #if defined(__AVX512F__)
     const __m512 vup = _mm512_set1_ps(up);
     for (; k + 16 <= m; k += 16) {
@@ -1077,11 +1078,13 @@ static int64_t fp8_codes16(const float *restrict p, uint8_t *restrict cd, int64_
         __mmask16 tie16;
         __m512i code = fp8_stochastic16(b, ub, f, &tie16);
         tie[k >> 4] = (uint16_t)tie16;
+        any |= (uint64_t)(tie16 != 0) << (k >> 4); /* m <= SB: 64 masks */
         _mm_storeu_si128((__m128i *)(cd + k), _mm512_cvtepi32_epi8(_mm512_or_si512(sign7, code)));
     }
 #else
     (void)p, (void)cd, (void)m, (void)up, (void)f, (void)u, (void)tie;
 #endif
+    *nz = any;
     return k;
 }
 
@@ -1089,8 +1092,8 @@ static int64_t fp8_codes16(const float *restrict p, uint8_t *restrict cd, int64_
  * u, flagging ties in `tie`, as codes_stochastic; else to nearest even). A function of its own, with
  * restrict pointers: inside the OpenMP region gcc does not vectorize these loops. */
 static void fp8_codes(const float *restrict p, uint8_t *restrict cd, int64_t m, float up, fp8fmt_t f, float inv_smin,
-                      const uint8_t *restrict u, uint16_t *restrict tie) {
-    int64_t k0 = fp8_codes16(p, cd, m, up, f, u, tie);
+                      const uint8_t *restrict u, uint16_t *restrict tie, uint64_t *restrict nz) {
+    int64_t k0 = fp8_codes16(p, cd, m, up, f, u, tie, nz);
     p += k0, cd += k0, m -= k0;
     if (u) {
         u += k0, tie += k0 >> 4;
@@ -1107,6 +1110,7 @@ static void fp8_codes(const float *restrict p, uint8_t *restrict cd, int64_t m, 
                 cd[k + j] = fp8_code(w, b >> 31, f, inv_smin);
             }
             tie[k >> 4] = (uint16_t)bits;
+            *nz |= (uint64_t)(bits != 0) << ((k0 + k) >> 4);
         }
         return;
     }
@@ -1119,9 +1123,9 @@ static void fp8_codes(const float *restrict p, uint8_t *restrict cd, int64_t m, 
 }
 
 /* The ties of fp8_codes (codes cd, first stream position e0): remainder and rounded-up code, for tie_flush. */
-static void fp8_ties(const float *p, uint8_t *cd, uint64_t e0, int64_t m, float up, fp8fmt_t f, float inv_smin,
-                     const uint16_t *tie, ties_t *ties) {
-    FOR_EACH_TIE(k, tie, m) {
+static void fp8_ties(const float *p, uint8_t *cd, uint64_t e0, float up, fp8fmt_t f, float inv_smin,
+                     const uint16_t *tie, uint64_t nz, ties_t *ties) {
+    FOR_EACH_TIE(k, tie, nz) {
         uint32_t b;
         float sp, q = fp8_units(p[k] * up, f, &b, &sp);
         float lo = (float)(int32_t)q, sc = (q - lo) * 256.0f;
@@ -1169,9 +1173,10 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
                 int64_t m = n - s < SB ? n - s : SB;
                 const float *p = as_f32(xr, dt, a + s, m, buf);
                 const uint8_t *u = stochastic ? stream_bytes(key, pos + (uint64_t)s, m, ubuf) : 0;
-                fp8_codes(p, codes + s, m, up, f, inv_smin, u, tie);
+                uint64_t nz;
+                fp8_codes(p, codes + s, m, up, f, inv_smin, u, tie, &nz);
                 if (!stochastic) continue;
-                fp8_ties(p, codes + s, pos + (uint64_t)s, m, up, f, inv_smin, tie, &ties);
+                fp8_ties(p, codes + s, pos + (uint64_t)s, up, f, inv_smin, tie, nz, &ties);
                 if (ties.n >= TIE_FLUSH) tie_flush(&ties, 0);
             }
         }
