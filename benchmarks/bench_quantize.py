@@ -15,12 +15,14 @@ wires by chunk size (64 to 2048) on one thread, each call in turns with the same
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 
 from _common import machine_header, markdown_table, time_alternating, time_it
 from mixprec import native
 from mixprec.compress import MinMaxUInt8, ScaledFP8
+from mixprec.compress.quantize import ChunkedCompressor
 
 CHUNK = 2048
 GOAL_VS_COPY = 2.5  # encode + decode, in copy_s of the fp32 tensor
@@ -94,6 +96,23 @@ def measure_fp8(n: int, repeat: int) -> list[list[object]]:
     return rows
 
 
+def versus_chunk_2048(
+    make: Callable[[int], ChunkedCompressor], chunk: int, x: torch.Tensor, dst: torch.Tensor, repeat: int
+) -> tuple[float, float, float, float]:
+    """Seconds per encode and decode of ``x`` with ``make(chunk)``, and each over the same call of
+    ``make(2048)``, timed in turns with it."""
+    n = x.numel()
+    codec, ref = make(chunk), make(CHUNK)
+    buf, ref_buf = codec.encode(x), ref.encode(x)
+    t_enc, t_enc_ref = time_alternating(
+        lambda: codec.encode(x, out=buf), lambda: ref.encode(x, out=ref_buf), repeat=repeat
+    )
+    t_dec, t_dec_ref = time_alternating(
+        lambda: codec.decode(buf, n, out=dst), lambda: ref.decode(ref_buf, n, out=dst), repeat=repeat
+    )
+    return t_enc, t_enc / t_enc_ref, t_dec, t_dec / t_dec_ref
+
+
 def measure_chunks(n: int, chunks: list[int], repeat: int) -> list[list[object]]:
     """MinMaxUInt8 encode and decode by chunk size, one thread: small chunks (per-block quantization of 64-256
     elements) have their own costs (a header and a grid per chunk, Philox bytes that neighbouring chunks
@@ -102,8 +121,6 @@ def measure_chunks(n: int, chunks: list[int], repeat: int) -> list[list[object]]
     torch.set_num_threads(1)
     x = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 3 + 1
     dst = torch.empty_like(x)
-    ref = MinMaxUInt8(chunk_size=CHUNK)
-    ref_buf = ref.encode(x)
     rows: list[list[object]] = []
     for chunk in chunks:
         q = MinMaxUInt8(chunk_size=chunk)
@@ -114,28 +131,10 @@ def measure_chunks(n: int, chunks: list[int], repeat: int) -> list[list[object]]
             lambda: qs.encode(x, out=buf),  # noqa: B023
             repeat=repeat,
         )
-        t_enc, t_enc_ref = time_alternating(
-            lambda: q.encode(x, out=buf),  # noqa: B023
-            lambda: ref.encode(x, out=ref_buf),
-            repeat=repeat,
-        )
-        t_dec, t_dec_ref = time_alternating(
-            lambda: q.decode(buf, n, out=dst),  # noqa: B023
-            lambda: ref.decode(ref_buf, n, out=dst),
-            repeat=repeat,
-        )
-        rows.append(
-            [
-                f"{n / 2**20:g}M",
-                chunk,
-                t_near * 1e3,
-                t_stoch * 1e3,
-                f"{t_stoch / t_near:.2f}x",
-                f"{t_enc / t_enc_ref:.2f}x",
-                t_dec * 1e3,
-                f"{t_dec / t_dec_ref:.2f}x",
-            ]
-        )
+        _, enc_ratio, t_dec, dec_ratio = versus_chunk_2048(lambda c: MinMaxUInt8(chunk_size=c), chunk, x, dst, repeat)
+        stoch_ratio = f"{t_stoch / t_near:.2f}x"
+        row = [f"{n / 2**20:g}M", chunk, t_near * 1e3, t_stoch * 1e3, stoch_ratio]
+        rows.append([*row, f"{enc_ratio:.2f}x", t_dec * 1e3, f"{dec_ratio:.2f}x"])
     return rows
 
 
@@ -145,24 +144,12 @@ def measure_fp8_chunks(n: int, chunks: list[int], repeat: int) -> list[list[obje
     torch.set_num_threads(1)
     x = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 3 + 1
     dst = torch.empty_like(x)
-    ref = ScaledFP8("e4m3", chunk_size=CHUNK)
-    ref_buf = ref.encode(x)
     rows: list[list[object]] = []
     for chunk in chunks:
-        f = ScaledFP8("e4m3", chunk_size=chunk)
-        buf = f.encode(x)
-        t_enc, t_enc_ref = time_alternating(
-            lambda: f.encode(x, out=buf),  # noqa: B023 - called right here
-            lambda: ref.encode(x, out=ref_buf),
-            repeat=repeat,
+        t_enc, enc_ratio, t_dec, dec_ratio = versus_chunk_2048(
+            lambda c: ScaledFP8("e4m3", chunk_size=c), chunk, x, dst, repeat
         )
-        t_dec, t_dec_ref = time_alternating(
-            lambda: f.decode(buf, n, out=dst),  # noqa: B023
-            lambda: ref.decode(ref_buf, n, out=dst),
-            repeat=repeat,
-        )
-        enc_ratio, dec_ratio = f"{t_enc / t_enc_ref:.2f}x", f"{t_dec / t_dec_ref:.2f}x"
-        rows.append([f"{n / 2**20:g}M", chunk, t_enc * 1e3, enc_ratio, t_dec * 1e3, dec_ratio])
+        rows.append([f"{n / 2**20:g}M", chunk, t_enc * 1e3, f"{enc_ratio:.2f}x", t_dec * 1e3, f"{dec_ratio:.2f}x"])
     return rows
 
 
