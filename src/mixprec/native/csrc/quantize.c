@@ -107,6 +107,18 @@ static void grids_of(const float *mn, const float *mx, int n, grid_t *g) {
     for (; i < n; i++) g[i] = grid_of(mn[i], mx[i]);
 }
 
+/* Chunks per batch: `want`, at most GRID_BATCH, and with several threads small enough that each gets about
+ * 4 batches or more (a few large batches would split the tasks unevenly between them). */
+static inline int64_t batch_size(int64_t want, int64_t tasks) {
+#ifdef _OPENMP
+    int64_t nth = omp_get_num_threads();
+    if (nth > 1 && want > tasks / (4 * nth)) want = tasks / (4 * nth);
+#else
+    (void)tasks;
+#endif
+    return want < 1 ? 1 : (want > GRID_BATCH ? GRID_BATCH : want);
+}
+
 /* Elements [i, i + n) of row `x` as fp32: the row itself (fp32) or `buf` (exact widening of fp16/bf16). */
 static inline const float *as_f32(const void *x, int dt, int64_t i, int64_t n, float *buf) {
     if (dt == DT_F32) return (const float *)x + i;
@@ -736,7 +748,7 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
          * (grids_of), then their codes while the batch is still in L1. Stochastic chunks of SHORT elements
          * and up one at a time: chunk_minmax may leave Philox words in pre for the chunk's codes. */
         int64_t per = stochastic && chunk >= SHORT ? 1 : 8192 / chunk;
-        per = per < 1 ? 1 : (per > GRID_BATCH ? GRID_BATCH : per);
+        per = batch_size(per, tasks);
         int64_t batches = (tasks + per - 1) / per;
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < batches; b++) {
@@ -858,7 +870,7 @@ int64_t mixprec_quant_decode_u8(const uint8_t *buf, int64_t rows, int64_t length
          * per batch, so that a batch of the fp32 sum fits acc; larger ones overlap a chunk's grid with the
          * decode of the one before it well enough on their own. */
         if (chunk < 128) {
-        int64_t per = SB / chunk < GRID_BATCH ? SB / chunk : GRID_BATCH;
+        int64_t per = batch_size(SB / chunk, tasks);
         int64_t batches = reduce ? (chunks + per - 1) / per : rows * ((chunks + per - 1) / per);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < batches; b++) {
