@@ -667,6 +667,20 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
     }
 }
 
+/* Chunk c's header words (min, max) in a row of `chunks` chunks (o: the row's first byte). */
+static inline void put_header(uint8_t *o, int64_t chunks, int64_t c, float mn, float mx) {
+    memcpy(o + 4 * c, &mn, 4);
+    memcpy(o + 4 * (chunks + c), &mx, 4);
+}
+
+/* A non-finite chunk (elements [a, a + n)): NaN header words and zero codes. Returns 1, for the count. */
+static inline int flag_chunk(uint8_t *o, int64_t chunks, int64_t c, int64_t a, int64_t n) {
+    float q = bits_f32(0x7FC00000u);
+    put_header(o, chunks, c, q, q);
+    memset(o + 8 * chunks + a, 0, (size_t)n);
+    return 1;
+}
+
 #if ALIGNED_PATH
 /* Tasks [lo, hi) of mixprec_quant_encode_u8 for fp32 rows and stochastic rounding, software-pipelined: the
  * min/max scan (and Philox words) of task t + 1 runs inside the codes loop of task t (scan_t), so that its
@@ -694,14 +708,9 @@ static int64_t encode_u8_pipelined(const float *x, int64_t length, int64_t x_str
         int64_t r = t / chunks, c = t % chunks, a = c * chunk, n = length - a < chunk ? length - a : chunk;
         uint8_t *o = out + r * out_stride;
         if (nonfinite) {
-            float q = bits_f32(0x7FC00000u);
-            memcpy(o + 4 * c, &q, 4);
-            memcpy(o + 4 * (chunks + c), &q, 4);
-            memset(o + 8 * chunks + a, 0, (size_t)n);
-            bad++;
+            bad += flag_chunk(o, chunks, c, a, n);
         } else {
-            memcpy(o + 4 * c, &mn, 4);
-            memcpy(o + 4 * (chunks + c), &mx, 4);
+            put_header(o, chunks, c, mn, mx);
             encode_chunk(x + r * x_stride, DT_F32, a, n, o + 8 * chunks + a, grid_of(mn, mx), 1, key,
                          (uint64_t)(offset + r * pos_stride + a), buf, ubuf, ties, &pre[cur], next);
         }
@@ -775,15 +784,10 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
                 int64_t n = length - a < chunk ? length - a : chunk;
                 uint8_t *o = out + r * out_stride;
                 if (flagged[i]) {
-                    float q = bits_f32(0x7FC00000u);
-                    memcpy(o + 4 * c, &q, 4);
-                    memcpy(o + 4 * (chunks + c), &q, 4);
-                    memset(o + 8 * chunks + a, 0, (size_t)n);
-                    bad++;
+                    bad += flag_chunk(o, chunks, c, a, n);
                     continue;
                 }
-                memcpy(o + 4 * c, &mn[i], 4);
-                memcpy(o + 4 * (chunks + c), &mx[i], 4);
+                put_header(o, chunks, c, mn[i], mx[i]);
                 encode_chunk((const char *)x + (size_t)(r * x_stride) * esize, dt, a, n, o + 8 * chunks + a, g[i],
                              stochastic, key, (uint64_t)(offset + r * pos_stride + a), buf, ubuf, &ties, &pre, 0);
             }
