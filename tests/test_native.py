@@ -88,19 +88,21 @@ def test_compiler_arguments_are_part_of_the_cache_key(tmp_path) -> None:
     assert len(list(tmp_path.glob("mixprec_native-*.so"))) == 2
 
 
-def _avx512_flags() -> set[str]:
+def _x86_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return set()
-    return {f for f in ("avx512f", "avx512vbmi") if f" {f}" in text}
+    words = {w for line in text.splitlines() if line.startswith("flags") for w in line.split()}
+    return words & {"avx512f", "avx512vbmi", "avx"}
 
 
-@pytest.mark.parametrize("flag", ["avx512vbmi", "avx512f"])
+@pytest.mark.parametrize("flag", ["avx512vbmi", "avx512f", "avx"])
 def test_kernels_without_an_instruction_set_extension(tmp_path, flag: str) -> None:
-    """The kernels' fallbacks for CPUs without AVX-512 VBMI, or without AVX-512 at all, give the torch path's bits:
-    the bit-exactness tests of the quantizer, rounding and matmul kernels, built with the extension switched off."""
-    if flag not in _avx512_flags() or shutil.which("gcc") is None:
+    """The kernels' fallbacks give the torch path's bits: for CPUs without AVX-512 VBMI, without AVX-512 (the AVX2
+    kernels) and without AVX (-mno-avx also drops AVX2, FMA and F16C: the plain C loops that other architectures
+    compile). The bit-exactness tests of the quantizer, rounding and matmul kernels, with the extension off."""
+    if flag not in _x86_flags() or shutil.which("gcc") is None:
         pytest.skip(f"this CPU has no {flag}: the default build already is the fallback")
     tests = ["test_native_quantize.py", "test_native_rounding.py", "test_native_matmul.py", "test_compress_kernels.py"]
     env = {k: v for k, v in os.environ.items() if k != "MIXPREC_NATIVE"}

@@ -27,7 +27,7 @@ static inline void mixprec_philox4x32_10(const uint32_t ctr[4], const uint32_t k
     out[0] = x0; out[1] = x1; out[2] = x2; out[3] = x3;
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -112,6 +112,28 @@ static inline void mixprec_philox_words1024(uint64_t key, uint64_t g, __m512i w[
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__)
+/* Without AVX-512: the 10 rounds on n chains of 4 counters, one per 64-bit lane with its words in the low
+ * halves (vpmuludq reads only those), as the AVX-512 rounds with half the lanes and no three-way xor. */
+static inline __attribute__((always_inline)) void mixprec_philox_rounds_avx2(uint64_t key, int n, __m256i x0[],
+                                                                             __m256i x1[], __m256i x2[], __m256i x3[]) {
+    const __m256i m0 = _mm256_set1_epi64x(MIXPREC_PHILOX_M0), m1 = _mm256_set1_epi64x(MIXPREC_PHILOX_M1);
+    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
+    for (int r = 0; r < 10; r++) {
+        const __m256i v0 = _mm256_set1_epi64x(k0), v1 = _mm256_set1_epi64x(k1);
+        for (int i = 0; i < n; i++) {
+            __m256i p0 = _mm256_mul_epu32(x0[i], m0), p1 = _mm256_mul_epu32(x2[i], m1);
+            x0[i] = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), x1[i]), v0);
+            x2[i] = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), x3[i]), v1);
+            x1[i] = p1;
+            x3[i] = p0;
+        }
+        k0 += MIXPREC_PHILOX_W0;
+        k1 += MIXPREC_PHILOX_W1;
+    }
+}
+#endif
+
 /* The primary bytes of the 1024 elements of groups g .. g + 3 (elements 256 g .. 256 g + 1023) of the
  * stream with key `key`: out[256 i + 64 b + 16 w + l] = byte b of word w of counter 16 (g + i) + l. */
 static inline void mixprec_philox_bytes1024(uint64_t key, uint64_t g, uint8_t out[1024]) {
@@ -122,6 +144,31 @@ static inline void mixprec_philox_bytes1024(uint64_t key, uint64_t g, uint8_t ou
         for (int b = 0; b < 4; b++)
             _mm_storeu_si128((__m128i *)(out + 256 * (i >> 2) + 64 * b + 16 * (i & 3)),
                              _mm512_cvtepi32_epi8(_mm512_srli_epi32(w[i], 8 * b)));
+#elif defined(__AVX2__)
+    __m256i x0[16], x1[16], x2[16], x3[16];
+    for (int v = 0; v < 16; v++) { /* counters 4 v .. 4 v + 3: 16 (g + (v >> 2)) + 4 (v & 3) + lane */
+        uint64_t c = ((g + (uint64_t)(v >> 2)) << 4) + (uint64_t)(4 * (v & 3));
+        x0[v] = _mm256_add_epi64(_mm256_set1_epi64x((long long)c), _mm256_setr_epi64x(0, 1, 2, 3)); /* no carry */
+        x1[v] = _mm256_set1_epi64x((long long)(c >> 32));
+        x2[v] = x3[v] = _mm256_setzero_si256();
+    }
+    for (int v = 0; v < 16; v += 4) /* 4 chains at a time: their 16 words fit AVX2's registers */
+        mixprec_philox_rounds_avx2(key, 4, x0 + v, x1 + v, x2 + v, x3 + v);
+    uint64_t w[4][64]; /* w[j][l]: word j of counter 16 g + l in the low half */
+    for (int v = 0; v < 16; v++) {
+        _mm256_storeu_si256((__m256i *)(w[0] + 4 * v), x0[v]);
+        _mm256_storeu_si256((__m256i *)(w[1] + 4 * v), x1[v]);
+        _mm256_storeu_si256((__m256i *)(w[2] + 4 * v), x2[v]);
+        _mm256_storeu_si256((__m256i *)(w[3] + 4 * v), x3[v]);
+    }
+    uint32_t wd[4][64];
+    for (int j = 0; j < 4; j++)
+        for (int l = 0; l < 64; l++) wd[j][l] = (uint32_t)w[j][l];
+    for (int i = 0; i < 4; i++) /* contiguous inner loops: the compiler vectorizes them */
+        for (int by = 0; by < 4; by++)
+            for (int j = 0; j < 4; j++)
+                for (int l = 0; l < 16; l++)
+                    out[256 * i + 64 * by + 16 * j + l] = (uint8_t)(wd[j][16 * i + l] >> (8 * by));
 #else
     uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
     for (int l = 0; l < 64; l++) { /* lanes are independent: the vectorizer runs them side by side */
@@ -177,6 +224,19 @@ static inline void mixprec_philox_tie_words32(uint64_t key, const uint64_t e[32]
     __m512i kv[20];
     mixprec_philox_round_keys(key, kv);
     mixprec_philox_tie_words32_kv(kv, e, out);
+#elif defined(__AVX2__)
+    __m256i x0[8], x1[8], x2[8], x3[8];
+    for (int i = 0; i < 8; i++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(e + 4 * i));
+        x0[i] = v;
+        x1[i] = _mm256_srli_epi64(v, 32);
+        x2[i] = _mm256_set1_epi64x(1);
+        x3[i] = _mm256_setzero_si256();
+    }
+    for (int i = 0; i < 8; i += 4) mixprec_philox_rounds_avx2(key, 4, x0 + i, x1 + i, x2 + i, x3 + i);
+    uint64_t w[32];
+    for (int i = 0; i < 8; i++) _mm256_storeu_si256((__m256i *)(w + 4 * i), x0[i]);
+    for (int l = 0; l < 32; l++) out[l] = (uint32_t)w[l];
 #else
     for (int l = 0; l < 32; l++) out[l] = mixprec_philox_tie_word(key, e[l]);
 #endif

@@ -15,6 +15,9 @@
 
 #include "common.h"
 #include "philox.h"
+#if defined(__AVX__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -128,6 +131,9 @@ static inline const float *as_f32(const void *x, int dt, int64_t i, int64_t n, f
 #if defined(__AVX512F__)
         for (; k + 16 <= n; k += 16) /* exact widening */
             _mm512_storeu_ps(buf + k, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + k))));
+#elif defined(__F16C__)
+        for (; k + 8 <= n; k += 8)
+            _mm256_storeu_ps(buf + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + k))));
 #endif
         for (; k < n; k++) buf[k] = f16_to_f32(h[k]);
     } else {
@@ -232,6 +238,23 @@ static int chunk_minmax(const void *x, int dt, int64_t a, int64_t n, float *pmn,
     for (int64_t s = 0; s < n; s += SB) {
         int64_t m = n - s < SB ? n - s : SB, k = 0;
         const float *p = as_f32(x, dt, a + s, m, buf);
+#if defined(__AVX__)
+        if (k + 16 <= m) { /* the 16 lanes in two AVX registers: gcc does not vectorize the selects below */
+            __m256 mn0 = _mm256_loadu_ps(mn), mn1 = _mm256_loadu_ps(mn + 8);
+            __m256 mx0 = _mm256_loadu_ps(mx), mx1 = _mm256_loadu_ps(mx + 8), bad0 = _mm256_setzero_ps(), bad1 = bad0;
+            for (; k + 16 <= m; k += 16) { /* vminps(v, mn) = v < mn ? v : mn; vmaxps alike */
+                __m256 v0 = _mm256_loadu_ps(p + k), v1 = _mm256_loadu_ps(p + k + 8);
+                mn0 = _mm256_min_ps(v0, mn0), mn1 = _mm256_min_ps(v1, mn1);
+                mx0 = _mm256_max_ps(v0, mx0), mx1 = _mm256_max_ps(v1, mx1);
+                bad0 = _mm256_or_ps(bad0, _mm256_cmp_ps(v0, v0, _CMP_UNORD_Q));
+                bad1 = _mm256_or_ps(bad1, _mm256_cmp_ps(v1, v1, _CMP_UNORD_Q));
+            }
+            _mm256_storeu_ps(mn, mn0), _mm256_storeu_ps(mn + 8, mn1);
+            _mm256_storeu_ps(mx, mx0), _mm256_storeu_ps(mx + 8, mx1);
+            uint32_t b0 = (uint32_t)_mm256_movemask_ps(bad0), b1 = (uint32_t)_mm256_movemask_ps(bad1);
+            nan[0] |= b0 | b1;
+        }
+#endif
         for (; k + 16 <= m; k += 16) {
             for (int l = 0; l < 16; l++) {
                 float v = p[k + l];
@@ -469,6 +492,12 @@ static inline float floor24(float q) {
     return t > q ? t - 1.0f : t;
 }
 
+/* The same as an integer: without AVX-512's masked arithmetic, gcc vectorizes this form only. */
+static inline int32_t floor24i(float q) {
+    int32_t t = (int32_t)q;
+    return t - ((float)t > q);
+}
+
 /* Queue the tie of element k of a sub-block (codes c, first stream position e0) by its q, on the vector
  * loops' fp32 operations. */
 static inline void queue_tie(ties_t *ties, const float *p, int64_t k, float sub, float scale, float zero, uint8_t *c,
@@ -509,14 +538,54 @@ static void codes_stochastic(const float *restrict p, uint8_t *restrict c, int64
         for (uint32_t t = _mm512_testn_epi32_mask(d, c255); t; t &= t - 1)
             queue_tie(ties, p, k + __builtin_ctz(t), sub, scale, zero, c, e0);
     }
+#elif defined(__AVX2__)
+    /* The same on 8 lanes, 32 elements per store: vpackusdw and vpackuswb saturate, so a code below 0 (q a
+     * few ulps under 0) becomes 0 and 256 becomes 255, as the clamp above */
+    const __m256 vsub = _mm256_set1_ps(sub), vscale = _mm256_set1_ps(scale), vzero = _mm256_set1_ps(zero);
+    const __m256 v256 = _mm256_set1_ps(256.0f);
+    const __m256i c255 = _mm256_set1_epi32(255), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (; k + 32 <= m; k += 32) {
+        __m256i d[4];
+        uint32_t tied32 = 0;
+        for (int h = 0; h < 4; h++) {
+            __m256 q = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(p + k + 8 * h), vsub), vscale), vzero);
+            __m256 s256 = _mm256_round_ps(_mm256_mul_ps(q, v256), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+            __m256i S = _mm256_cvttps_epi32(s256); /* floor(256 q): exact */
+            __m256i D = _mm256_sub_epi32(S, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + k + 8 * h))));
+            __m256i low = _mm256_and_si256(D, c255);
+            tied32 |= (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(low, _mm256_setzero_si256())))
+                      << (8 * h);
+            d[h] = _mm256_srai_epi32(_mm256_add_epi32(D, c255), 8);
+        }
+        __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(d[0], d[1]), _mm256_packus_epi32(d[2], d[3]));
+        _mm256_storeu_si256((__m256i *)(c + k), _mm256_permutevar8x32_epi32(w, order));
+        for (; tied32; tied32 &= tied32 - 1) queue_tie(ties, p, k + __builtin_ctz(tied32), sub, scale, zero, c, e0);
+    }
 #endif
+    /* Without AVX2 this loop does all the work: branch-free, so that the compiler vectorizes it (a branch on
+     * u < f8 is a coin flip), with the ties flagged for the pass below. */
+    uint8_t tied[SB + 8];
+    const int64_t k0 = k;
     for (; k < m; k++) {
         float q = (p[k] - sub) * scale;
         q = q + zero;
-        float f = floor24(q), sc = (q - f) * 256.0f; /* exact product */
+        int32_t fi = floor24i(q);
+        float sc = (q - (float)fi) * 256.0f; /* exact product */
         int32_t f8 = (int32_t)sc, b = (int32_t)u[k]; /* truncation = floor */
-        c[k] = code_of(f, b < f8 ? 1.0f : 0.0f);
-        if (b == f8) tie_push_q(ties, c + k, e0 + (uint64_t)k, q); /* tie_of_q: sc - f8, code_of(f, 1) */
+        int32_t code = fi + (b < f8); /* code_of(floor(q), up), in integers */
+        code = code < 0 ? 0 : code;
+        c[k] = (uint8_t)(code > 255 ? 255 : code);
+        tied[k - k0] = (uint8_t)(b == f8);
+    }
+    memset(tied + (m - k0), 0, 8);
+    for (int64_t j = 0; j < m - k0; j += 8) { /* 8 flags per test: 1 element in 256 ties */
+        uint64_t w;
+        memcpy(&w, tied + j, 8);
+        for (; w; w &= w - 1) {
+            int64_t i = k0 + j + (__builtin_ctzll(w) >> 3);
+            float q = (p[i] - sub) * scale;
+            tie_push_q(ties, c + i, e0 + (uint64_t)i, q + zero); /* tie_of_q: sc - f8, code_of(f, 1) */
+        }
     }
 }
 
@@ -1072,6 +1141,39 @@ static inline __m512i fp8_stochastic16(__m512i b, __m512i ub, fp8fmt_t f, __mmas
     return _mm512_mask_add_epi32(kept, _mm512_cmplt_epi32_mask(ub, f8), kept, _mm512_set1_epi32(1));
 }
 
+#elif defined(__AVX2__)
+/* fp8_nearest16 and fp8_stochastic16 on 8 lanes: blends for the masked operations, signed compares (a is
+ * below 2**31), vcvtps2dq under the default rounding mode (nearest even) for the explicit one. */
+static inline __m256i fp8_nearest8(__m256i b, fp8fmt_t f) {
+    const __m128i drop = _mm_cvtsi32_si128(23 - f.man);
+    __m256i a = _mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF));
+    __m256i odd = _mm256_and_si256(_mm256_srl_epi32(a, drop), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32((1 << (22 - f.man)) - 1)), odd);
+    __m256i normal = _mm256_sub_epi32(_mm256_srl_epi32(r, drop), _mm256_set1_epi32((127 - f.bias) << f.man));
+    __m256 units = _mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(_mm256_set1_epi32((127 + f.man - f.emin) << 23)));
+    __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32((f.emin + 127) << 23), a);
+    return _mm256_blendv_epi8(normal, _mm256_cvtps_epi32(units), small);
+}
+
+static inline __m256i fp8_stochastic8(__m256i b, __m256i ub, fp8fmt_t f, __m256i *tie) {
+    __m256i a = _mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF)), ff = _mm256_set1_epi32(0xFF);
+    __m256i f8 = _mm256_and_si256(_mm256_srl_epi32(a, _mm_cvtsi32_si128(15 - f.man)), ff);
+    __m256i kept = _mm256_sub_epi32(_mm256_srl_epi32(a, _mm_cvtsi32_si128(23 - f.man)),
+                                    _mm256_set1_epi32((127 - f.bias) << f.man));
+    __m256 scaled = _mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(_mm256_set1_epi32((135 + f.man - f.emin) << 23)));
+    __m256i S = _mm256_cvttps_epi32(scaled);
+    __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32((f.emin + 127) << 23), a);
+    f8 = _mm256_blendv_epi8(f8, _mm256_and_si256(S, ff), small);
+    kept = _mm256_blendv_epi8(kept, _mm256_srli_epi32(S, 8), small);
+    *tie = _mm256_cmpeq_epi32(ub, f8);
+    return _mm256_sub_epi32(kept, _mm256_cmpgt_epi32(f8, ub)); /* + 1 where ub < f8 */
+}
+
+/* 16 codes of two 8-lane vectors (each in [0, 255]) as 16 bytes in order. */
+static inline __m128i fp8_bytes16(__m256i lo, __m256i hi) {
+    __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8); /* lo 0-7, hi 0-7 as u16 */
+    return _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+}
 #endif
 
 /* fp8_codes on the whole 16-element groups of m elements, 16 lanes at a time (fp8_nearest16,
@@ -1096,6 +1198,28 @@ static int64_t fp8_codes16(const float *restrict p, uint8_t *restrict cd, int64_
         tie[k >> 4] = (uint16_t)tie16;
         any |= (uint64_t)(tie16 != 0) << (k >> 4); /* m <= SB: 64 masks */
         _mm_storeu_si128((__m128i *)(cd + k), _mm512_cvtepi32_epi8(_mm512_or_si512(sign7, code)));
+    }
+#elif defined(__AVX2__)
+    const __m256 vup = _mm256_set1_ps(up);
+    for (; k + 16 <= m; k += 16) {
+        __m256i b[2], code[2], t[2];
+        for (int h = 0; h < 2; h++) {
+            b[h] = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(p + k + 8 * h), vup));
+            __m256i sign7 = _mm256_and_si256(_mm256_srli_epi32(b[h], 24), _mm256_set1_epi32(0x80));
+            if (u) {
+                __m256i ub = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + k + 8 * h)));
+                code[h] = _mm256_or_si256(sign7, fp8_stochastic8(b[h], ub, f, &t[h]));
+            } else {
+                code[h] = _mm256_or_si256(sign7, fp8_nearest8(b[h], f));
+            }
+        }
+        _mm_storeu_si128((__m128i *)(cd + k), fp8_bytes16(code[0], code[1]));
+        if (u) {
+            uint32_t tie16 = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(t[0])) |
+                             (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(t[1])) << 8;
+            tie[k >> 4] = (uint16_t)tie16;
+            any |= (uint64_t)(tie16 != 0) << (k >> 4);
+        }
     }
 #else
     (void)p, (void)cd, (void)m, (void)up, (void)f, (void)u, (void)tie;

@@ -314,6 +314,55 @@ static inline __attribute__((always_inline)) __m512d dload8(const void *src, int
     return _mm512_loadu_pd((const double *)src + i);
 }
 #define DIRECTED_VECTOR 1
+#elif defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+/* directed_one on 4 lanes with AVX2 (gcc leaves that loop scalar): unsigned 64-bit compares as signed ones on
+ * patterns with the top bit flipped, and floor(y) for y >= 0 as vroundpd toward zero, which also leaves
+ * integers from 2**52 on, inf and NaN as they are: the scalar code's cases in one instruction. */
+static inline __m256i ltu64(__m256i a, __m256i b) { /* a < b, unsigned */
+    const __m256i flip = _mm256_set1_epi64x((long long)0x8000000000000000ull);
+    return _mm256_cmpgt_epi64(_mm256_xor_si256(b, flip), _mm256_xor_si256(a, flip));
+}
+
+static inline __attribute__((always_inline)) __m256i directed4(__m256d x, __m256d u, const int stochastic,
+                                                               const dparams *p) {
+    const __m256i signm = _mm256_set1_epi64x((long long)0x8000000000000000ull);
+    const __m256i inf = _mm256_set1_epi64x((long long)INF);
+    const __m256i maxb = _mm256_set1_epi64x((long long)p->max_bits);
+    const __m256i lo = _mm256_set1_epi64x((long long)p->lo), hi = _mm256_set1_epi64x((long long)p->hi);
+    const __m256i xb = _mm256_castpd_si256(x), sign = _mm256_and_si256(xb, signm), ab = _mm256_andnot_si256(signm, xb);
+    __m256i c = _mm256_and_si256(xb, inf);
+    c = _mm256_blendv_epi8(c, lo, ltu64(c, lo));
+    c = _mm256_blendv_epi8(c, hi, ltu64(hi, c));
+    const __m256i e = _mm256_sub_epi64(c, _mm256_set1_epi64x((long long)p->man));
+    const __m256d sp = _mm256_castsi256_pd(e);
+    const __m256d inv = _mm256_castsi256_pd(_mm256_sub_epi64(_mm256_set1_epi64x(0x7FE0000000000000ll), e));
+    const __m256d a = _mm256_castsi256_pd(ab), y = _mm256_mul_pd(a, inv);
+    const __m256d t = _mm256_mul_pd(_mm256_round_pd(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC), sp);
+    __m256i rb = _mm256_castpd_si256(t);
+    if (stochastic) {
+        const __m256i fb = _mm256_castpd_si256(_mm256_mul_pd(_mm256_sub_pd(a, t), inv));
+        const __m256i up = ltu64(_mm256_castpd_si256(u), fb);
+        rb = _mm256_castpd_si256(_mm256_add_pd(t, _mm256_castsi256_pd(_mm256_and_si256(up, e))));
+    } else {
+        const __m256i over = _mm256_and_si256(ltu64(ab, inf), ltu64(maxb, rb));
+        rb = _mm256_blendv_epi8(rb, maxb, over);
+    }
+    const __m256i ovf = _mm256_andnot_si256(ltu64(inf, rb), ltu64(maxb, rb)); /* max < rb <= inf */
+    rb = _mm256_blendv_epi8(rb, _mm256_set1_epi64x((long long)p->ovf_bits), ovf);
+    rb = _mm256_andnot_si256(ltu64(rb, _mm256_set1_epi64x((long long)p->min_bits)), rb);
+    return _mm256_or_si256(rb, sign);
+}
+
+static inline __attribute__((always_inline)) __m256d dload4(const void *src, int64_t i, const int kind) {
+    if (kind == 0) return _mm256_cvtps_pd(_mm_loadu_ps((const float *)src + i));
+    if (kind == 1) return _mm256_cvtps_pd(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)src + i))));
+    if (kind == 2)
+        return _mm256_cvtps_pd(_mm_castsi128_ps(
+            _mm_unpacklo_epi16(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)((const uint16_t *)src + i)))));
+    return _mm256_loadu_pd((const double *)src + i);
+}
+#define DIRECTED_VECTOR 2
 #else
 #define DIRECTED_VECTOR 0
 #endif
@@ -328,7 +377,7 @@ static inline __attribute__((always_inline)) __m512d dload8(const void *src, int
         DVEC(KIND, DST_T, STOCH)                                                                           \
         for (; i < n; i++) dst[i] = (DST_T)bits_f64(directed_one(LOAD(src[i]), STOCH ? u[i] : 0.0, STOCH, &p)); \
     }
-#if DIRECTED_VECTOR
+#if DIRECTED_VECTOR == 1
 #define DVEC(KIND, DST_T, STOCH)                                                                           \
     for (; i + 8 <= n; i += 8) {                                                                           \
         __m512i r = directed8(dload8(src, i, KIND), STOCH ? _mm512_loadu_pd(u + i) : _mm512_setzero_pd(), STOCH, &p); \
@@ -336,6 +385,15 @@ static inline __attribute__((always_inline)) __m512d dload8(const void *src, int
             _mm512_storeu_si512((void *)(dst + i), r);                                                     \
         else                                                                                               \
             _mm256_storeu_ps((float *)(dst + i), _mm512_cvtpd_ps(_mm512_castsi512_pd(r)));                 \
+    }
+#elif DIRECTED_VECTOR == 2
+#define DVEC(KIND, DST_T, STOCH)                                                                           \
+    for (; i + 4 <= n; i += 4) {                                                                           \
+        __m256i r = directed4(dload4(src, i, KIND), STOCH ? _mm256_loadu_pd(u + i) : _mm256_setzero_pd(), STOCH, &p); \
+        if (sizeof(DST_T) == 8)                                                                            \
+            _mm256_storeu_si256((__m256i *)(void *)(dst + i), r);                                          \
+        else                                                                                               \
+            _mm_storeu_ps((float *)(dst + i), _mm256_cvtpd_ps(_mm256_castsi256_pd(r)));                    \
     }
 #else
 #define DVEC(KIND, DST_T, STOCH)
