@@ -23,8 +23,9 @@
 #endif
 
 enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
-/* Stochastic codes from Philox words in registers at stream positions on the 256 grid (vpermt2b: VBMI) */
-#if defined(__AVX512F__) && defined(__AVX512VBMI__)
+/* Stochastic codes from Philox words in registers at stream positions on the 256 grid (16-bit lanes: BW;
+ * with VBMI, vpermt2b gathers and stores the bytes) */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #define ALIGNED_PATH 1
 #else
 #define ALIGNED_PATH 0
@@ -590,6 +591,7 @@ static void codes_stochastic(const float *restrict p, uint8_t *restrict c, int64
 }
 
 #if ALIGNED_PATH
+#if defined(__AVX512VBMI__)
 /* vpermt2b indices for codes_stochastic_aligned. PICK: the primary byte 0 of the dwords of a word pair
  * (a, b) (b's from 64 on) in the 16-bit lanes where vpackusdw(a, b) puts them (128-bit lane L: a[4 L ..
  * 4 L + 3], then b[4 L .. 4 L + 3]); adding b picks byte b; the odd bytes are zeroed by the mask. HIGH: the
@@ -600,6 +602,7 @@ static const uint8_t PICK[64] __attribute__((aligned(64))) = {
 static const uint8_t HIGH[64] __attribute__((aligned(64))) = {
     1,  3,  5,  7,  17, 19, 21, 23, 33, 35, 37,  39,  49,  51,  53,  55,  9,  11, 13, 15, 25,  27,  29,  31,  41,  43,  45,  47,  57,  59,  61,  63,
     65, 67, 69, 71, 81, 83, 85, 87, 97, 99, 101, 103, 113, 115, 117, 119, 73, 75, 77, 79, 89, 91, 93, 95, 105, 107, 109, 111, 121, 123, 125, 127};
+#endif
 
 /* Stochastic codes of the whole 64-element groups of a sub-block (m <= SB elements) whose first stream
  * position is a multiple of 256, from the Philox words w of its groups (philox.h: byte b of word j of group
@@ -622,14 +625,24 @@ static int64_t codes_stochastic_aligned(const float *restrict p, uint8_t *restri
                                         float scale256, float zero256, const __m512i *w, uint64_t *restrict tie,
                                         uint32_t *nz, scan_t *next, int64_t base) {
     const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale256), vzero = _mm512_set1_ps(zero256);
-    const __m512i c255 = _mm512_set1_epi16(255), pick = _mm512_load_si512((const void *)PICK);
-    const __m512i high = _mm512_load_si512((const void *)HIGH);
+    const __m512i c255 = _mm512_set1_epi16(255);
+#if defined(__AVX512VBMI__)
+    const __m512i pick = _mm512_load_si512((const void *)PICK), high = _mm512_load_si512((const void *)HIGH);
+#else /* without VBMI: B by shifts and vpackusdw (the order S has), the codes by vpsrlw, vpackuswb, vpermd */
+    const __m512i ff = _mm512_set1_epi32(0xFF);
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+#endif
     const __mmask64 low = 0x5555555555555555ull;
     const int down = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC;
     int64_t groups = m >> 6;
     uint32_t any = 0;
     for (int64_t g = 0; g < groups; g++) {
-        const __m512i *wg = w + 4 * (g >> 2), sel = _mm512_add_epi8(pick, _mm512_set1_epi8((char)(g & 3)));
+        const __m512i *wg = w + 4 * (g >> 2);
+#if defined(__AVX512VBMI__)
+        const __m512i sel = _mm512_add_epi8(pick, _mm512_set1_epi8((char)(g & 3)));
+#else
+        const __m128i by = _mm_cvtsi32_si128(8 * (int)(g & 3));
+#endif
         const float *x = p + 64 * g;
         if (next) scan_step(next, base + 64 * (g + 1)); /* 64 elements of the next chunk's scan */
         __m512i e[2];
@@ -637,11 +650,21 @@ static int64_t codes_stochastic_aligned(const float *restrict p, uint8_t *restri
         for (int h = 0; h < 2; h++) { /* elements 32 h .. 32 h + 31 */
             __m512i S = _mm512_packus_epi32(_mm512_cvt_roundps_epi32(grid_q16(x + 32 * h, vsub, vscale, vzero), down),
                                             _mm512_cvt_roundps_epi32(grid_q16(x + 32 * h + 16, vsub, vscale, vzero), down));
+#if defined(__AVX512VBMI__)
             __m512i B = _mm512_maskz_permutex2var_epi8(low, wg[2 * h], sel, wg[2 * h + 1]);
+#else
+            __m512i B = _mm512_packus_epi32(_mm512_and_si512(_mm512_srl_epi32(wg[2 * h], by), ff),
+                                            _mm512_and_si512(_mm512_srl_epi32(wg[2 * h + 1], by), ff));
+#endif
             t[h] = _mm512_mask_cmpeq_epi8_mask(low, S, B);
             e[h] = _mm512_adds_epu16(_mm512_subs_epu16(S, B), c255);
         }
+#if defined(__AVX512VBMI__)
         _mm512_storeu_si512((void *)(c + 64 * g), _mm512_permutex2var_epi8(e[0], high, e[1]));
+#else
+        __m512i hb = _mm512_packus_epi16(_mm512_srli_epi16(e[0], 8), _mm512_srli_epi16(e[1], 8));
+        _mm512_storeu_si512((void *)(c + 64 * g), _mm512_permutexvar_epi32(order, hb));
+#endif
         uint64_t bits = _cvtmask64_u64(t[0]) | _cvtmask64_u64(t[1]) << 1; /* scalar ports, not k-mask ops */
         tie[g] = bits;
         any |= (uint32_t)(bits != 0) << g; /* scalar ports, idle in this loop */
