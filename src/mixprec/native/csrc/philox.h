@@ -134,6 +134,29 @@ static inline __attribute__((always_inline)) void mixprec_philox_rounds_avx2(uin
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__)
+/* The words of groups g .. g + 3 (1024 elements) as 8-lane vectors: w8[8 i + 2 j + h] holds word j of
+ * counters 16 (g + i) + 8 h .. + 7 in order, so byte b of its lanes is the 8 elements at 256 i + 64 b + 16 j + 8 h. */
+static inline void mixprec_philox_words1024_avx2(uint64_t key, uint64_t g, __m256i w8[32]) {
+    __m256i x0[16], x1[16], x2[16], x3[16];
+    for (int v = 0; v < 16; v++) { /* counters 4 v .. 4 v + 3: 16 (g + (v >> 2)) + 4 (v & 3) + lane */
+        uint64_t c = ((g + (uint64_t)(v >> 2)) << 4) + (uint64_t)(4 * (v & 3));
+        x0[v] = _mm256_add_epi64(_mm256_set1_epi64x((long long)c), _mm256_setr_epi64x(0, 1, 2, 3)); /* no carry */
+        x1[v] = _mm256_set1_epi64x((long long)(c >> 32));
+        x2[v] = x3[v] = _mm256_setzero_si256();
+    }
+    for (int v = 0; v < 16; v += 4) /* 4 chains at a time: their 16 words fit AVX2's registers */
+        mixprec_philox_rounds_avx2(key, 4, x0 + v, x1 + v, x2 + v, x3 + v);
+    for (int v = 0; v < 16; v += 2) { /* chains v, v + 1: counters 16 (v >> 2) + 8 ((v >> 1) & 1) + 0..7 */
+        __m256i *x[4] = {x0, x1, x2, x3};
+        for (int j = 0; j < 4; j++) { /* the low dwords of both, then in order */
+            __m256 lo = _mm256_shuffle_ps(_mm256_castsi256_ps(x[j][v]), _mm256_castsi256_ps(x[j][v + 1]), 0x88);
+            w8[8 * (v >> 2) + 2 * j + ((v >> 1) & 1)] = _mm256_permute4x64_epi64(_mm256_castps_si256(lo), 0xD8);
+        }
+    }
+}
+#endif
+
 /* The primary bytes of the 1024 elements of groups g .. g + 3 (elements 256 g .. 256 g + 1023) of the
  * stream with key `key`: out[256 i + 64 b + 16 w + l] = byte b of word w of counter 16 (g + i) + l. */
 static inline void mixprec_philox_bytes1024(uint64_t key, uint64_t g, uint8_t out[1024]) {
