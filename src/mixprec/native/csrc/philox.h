@@ -168,25 +168,11 @@ static inline void mixprec_philox_bytes1024(uint64_t key, uint64_t g, uint8_t ou
             _mm_storeu_si128((__m128i *)(out + 256 * (i >> 2) + 64 * b + 16 * (i & 3)),
                              _mm512_cvtepi32_epi8(_mm512_srli_epi32(w[i], 8 * b)));
 #elif defined(__AVX2__)
-    __m256i x0[16], x1[16], x2[16], x3[16];
-    for (int v = 0; v < 16; v++) { /* counters 4 v .. 4 v + 3: 16 (g + (v >> 2)) + 4 (v & 3) + lane */
-        uint64_t c = ((g + (uint64_t)(v >> 2)) << 4) + (uint64_t)(4 * (v & 3));
-        x0[v] = _mm256_add_epi64(_mm256_set1_epi64x((long long)c), _mm256_setr_epi64x(0, 1, 2, 3)); /* no carry */
-        x1[v] = _mm256_set1_epi64x((long long)(c >> 32));
-        x2[v] = x3[v] = _mm256_setzero_si256();
-    }
-    for (int v = 0; v < 16; v += 4) /* 4 chains at a time: their 16 words fit AVX2's registers */
-        mixprec_philox_rounds_avx2(key, 4, x0 + v, x1 + v, x2 + v, x3 + v);
-    uint64_t w[4][64]; /* w[j][l]: word j of counter 16 g + l in the low half */
-    for (int v = 0; v < 16; v++) {
-        _mm256_storeu_si256((__m256i *)(w[0] + 4 * v), x0[v]);
-        _mm256_storeu_si256((__m256i *)(w[1] + 4 * v), x1[v]);
-        _mm256_storeu_si256((__m256i *)(w[2] + 4 * v), x2[v]);
-        _mm256_storeu_si256((__m256i *)(w[3] + 4 * v), x3[v]);
-    }
-    uint32_t wd[4][64];
-    for (int j = 0; j < 4; j++)
-        for (int l = 0; l < 64; l++) wd[j][l] = (uint32_t)w[j][l];
+    __m256i w8[32];
+    mixprec_philox_words1024_avx2(key, g, w8);
+    uint32_t wd[4][64]; /* wd[j][l]: word j of counter 16 g + l */
+    for (int v = 0; v < 32; v++) /* w8[8 i + 2 j + h]: counters 16 i + 8 h + lane */
+        _mm256_storeu_si256((__m256i *)(wd[(v >> 1) & 3] + 16 * (v >> 3) + 8 * (v & 1)), w8[v]);
     for (int i = 0; i < 4; i++) /* contiguous inner loops: the compiler vectorizes them */
         for (int by = 0; by < 4; by++)
             for (int j = 0; j < 4; j++)
