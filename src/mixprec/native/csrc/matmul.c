@@ -229,40 +229,26 @@ static inline __attribute__((always_inline)) double load_elem(const void *p, int
     return (double)f16_to_f32(((const uint16_t *)p)[idx]);
 }
 
+#if defined(__AVX2__) && defined(__F16C__)
+/* src[idx..idx+8) as fp32 (exact widening of fp16 and bf16). */
+static inline __attribute__((always_inline)) __m256 load8_f32(const void *src, int64_t idx, int dt) {
+    if (dt == DT_FP32) return _mm256_loadu_ps((const float *)src + idx);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)src + idx));
+    if (dt == DT_FP16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
 /* dst[0..count) = src[idx..idx+count) widened to fp64; vector conversions (no scalar chain through a merged
  * register: vcvtsh2sd/vcvtss2sd depend on their destination's previous value). */
 static inline __attribute__((always_inline)) void convert_run(double *dst, const void *src, int64_t idx,
                                                               int64_t count, int dt) {
     int64_t q = 0;
 #if defined(__AVX512F__) && defined(__F16C__)
+    for (; q + 8 <= count; q += 8) _mm512_storeu_pd(dst + q, _mm512_cvtps_pd(load8_f32(src, idx + q, dt)));
+#elif defined(__AVX2__) && defined(__F16C__)
     for (; q + 8 <= count; q += 8) {
-        __m256 v;
-        if (dt == DT_FP32) {
-            v = _mm256_loadu_ps((const float *)src + idx + q);
-        } else {
-            __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)src + idx + q));
-            if (dt == DT_FP16)
-                v = _mm256_cvtph_ps(h);
-            else
-                v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        }
-        _mm512_storeu_pd(dst + q, _mm512_cvtps_pd(v));
-    }
-#elif defined(__AVX__) && defined(__F16C__)
-    for (; q + 8 <= count; q += 8) {
-        __m256 v;
-        if (dt == DT_FP32) {
-            v = _mm256_loadu_ps((const float *)src + idx + q);
-        } else {
-            __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)src + idx + q));
-            if (dt == DT_FP16)
-                v = _mm256_cvtph_ps(h);
-            else { /* bf16: the bits shifted into the upper halves, two 4-lane halves (AVX2 is not assumed) */
-                const __m128 lo = _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), h));
-                const __m128 hi = _mm_castsi128_ps(_mm_unpackhi_epi16(_mm_setzero_si128(), h));
-                v = _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
-            }
-        }
+        __m256 v = load8_f32(src, idx + q, dt);
         _mm256_storeu_pd(dst + q, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
         _mm256_storeu_pd(dst + q + 4, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
     }
