@@ -132,9 +132,7 @@ static inline __attribute__((always_inline)) void mixprec_philox_rounds_avx2(uin
         k1 += MIXPREC_PHILOX_W1;
     }
 }
-#endif
 
-#if !defined(__AVX512F__) && defined(__AVX2__)
 /* The words of groups g .. g + 3 (1024 elements) as 8-lane vectors: w8[8 i + 2 j + h] holds word j of
  * counters 16 (g + i) + 8 h .. + 7 in order, so byte b of its lanes is the 8 elements at 256 i + 64 b + 16 j + 8 h. */
 static inline void mixprec_philox_words1024_avx2(uint64_t key, uint64_t g, __m256i w8[32]) {

@@ -478,22 +478,8 @@ static inline int tie_up(uint64_t key, uint64_t e, double s, double f8) {
     return (double)mixprec_philox_tie_word(key, e) < (s - f8) * 0x1p32;
 }
 
-/* The fp32 code of q rounded down (f = floor(q)) or up, clamped to [0, 255]. */
-static inline uint8_t code_of(float f, float up) {
-    float q = up + f;
-    q = q < 0.0f ? 0.0f : q;
-    q = q > 255.0f ? 255.0f : q;
-    return (uint8_t)f32_bits(q + MAGIC);
-}
-
-/* floor(q) for |q| < 2**24, by truncation: floorf does not vectorize without -fno-trapping-math (only the
- * sign of a zero q differs, and that washes out in the 2**23 addition) */
-static inline float floor24(float q) {
-    float t = (float)(int32_t)q;
-    return t > q ? t - 1.0f : t;
-}
-
-/* The same as an integer: without AVX-512's masked arithmetic, gcc vectorizes this form only. */
+/* floor(q) for |q| < 2**24, by truncation, as an integer: floorf does not vectorize without
+ * -fno-trapping-math, nor does a conditional float subtraction without AVX-512's masked arithmetic. */
 static inline int32_t floor24i(float q) {
     int32_t t = (int32_t)q;
     return t - ((float)t > q);
@@ -598,7 +584,7 @@ static void codes_stochastic(const float *restrict p, uint8_t *restrict c, int64
         int32_t fi = floor24i(q);
         float sc = (q - (float)fi) * 256.0f; /* exact product */
         int32_t f8 = (int32_t)sc, b = (int32_t)u[k]; /* truncation = floor */
-        int32_t code = fi + (b < f8); /* code_of(floor(q), up), in integers */
+        int32_t code = fi + (b < f8); /* floor(q) + up, clamped below */
         code = code < 0 ? 0 : code;
         c[k] = (uint8_t)(code > 255 ? 255 : code);
         tied[k - k0] = (uint8_t)(b == f8);
@@ -610,7 +596,7 @@ static void codes_stochastic(const float *restrict p, uint8_t *restrict c, int64
         for (; w; w &= w - 1) {
             int64_t i = k0 + j + (__builtin_ctzll(w) >> 3);
             float q = (p[i] - sub) * scale;
-            tie_push_q(ties, c + i, e0 + (uint64_t)i, q + zero); /* tie_of_q: sc - f8, code_of(f, 1) */
+            tie_push_q(ties, c + i, e0 + (uint64_t)i, q + zero); /* tie_of_q: sc - f8, clamped floor(q) + 1 */
         }
     }
 }
