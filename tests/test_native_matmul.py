@@ -229,3 +229,16 @@ def test_signed_zeros_inf_and_nan_operands(name):
     # with fp16 inputs and k_group=1 each zero is its own step
     assert_same_bits(*both(a, b, MatmulModel(inputs="fp16", accumulator="fp16", k_group=1)))
     assert_same_bits(*both(a, b, MatmulModel(inputs="fp16", accumulator="fp32", k_group=1)))
+
+
+@pytest.mark.parametrize("k_group", [1, 2, 16])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (64, 17, 1), (64, 17, 16), (200, 64, 3)])
+def test_a_sum_of_negative_zeros_is_positive_zero_on_both_paths(k_group, shape):
+    # An fp32 accumulator starts each chain at +0, as an MMA's zeroed accumulator does, so products that are
+    # all -0 sum to +0. The torch path once took its first group from torch.bmm, whose sign of zero depends on
+    # the BLAS kernel that the shape selects (MKL's gave -0 for one-product groups at 64 x 17, +0 at 8 x 8).
+    m, n, k = shape
+    model = MatmulModel(inputs="fp16", accumulator="fp32", k_group=k_group)
+    got, want = both(-torch.ones(m, k), torch.zeros(k, n), model)
+    assert_same_bits(got, want)
+    assert not bool(torch.signbit(want).any())

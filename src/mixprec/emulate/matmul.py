@@ -512,9 +512,10 @@ def _tile(
             _aligned_step_(acc, a_g, b_g, model, products, fast_rz)
         else:
             if fresh:
-                torch.bmm(a_g, b_g, out=acc)
-            else:
-                acc.baddbmm_(a_g, b_g)  # exact in fp64 (see the module docstring)
+                # +0 + products, as an MMA's zeroed accumulator: bmm alone gives -0 for a sum of -0 products
+                # in some BLAS kernels (MKL's for one-product groups) and +0 in others
+                acc.zero_()
+            acc.baddbmm_(a_g, b_g)  # exact in fp64 (see the module docstring)
             _round_acc_(acc, acc_fmt, work, scratch32, check_overflow)
         if promoted is not None and ((g + 1) % promote_groups == 0 or g == groups - 1):
             # fp64 then fp32 rounding of a sum of two <=24-bit values equals one rounding (53 >= 2*24 + 2)
