@@ -1,11 +1,12 @@
 """Random differential checks of the compiled CPU kernels against the torch path (``mixprec.native.disabled()``).
 
 The other kernel tests walk fixed grids of sizes, chunk sizes and inputs chosen for each branch. This module
-draws the cases at random instead, so that combinations nobody listed are tried too: lengths and chunk sizes
-from 1 to a few thousand, stream offsets on and off the 256-position grid, row strides, 1 or 2 threads,
-strided inputs and outputs, and values mixed from normal data, ties, constants, signed zeros, subnormals,
-extremes and a few NaN/inf. Each case must give the torch path's bits (encoded bytes, decoded values, rounded
-values, matmul results); the one freedom is the sign of a zero bound in a quantizer header.
+draws the cases at random instead (quantizer encode/decode, ``round_to``, emulated matmul, fp32 sum of
+shards), so that combinations nobody listed are tried too: lengths and chunk sizes from 1 to a few thousand,
+stream offsets on and off the 256-position grid, row strides, 1 or 2 threads, strided inputs and outputs, and
+values mixed from normal data, ties, constants, signed zeros, subnormals, extremes and a few NaN/inf. Each
+case must give the torch path's bits (encoded bytes, decoded values, rounded values, matmul results, sums);
+the one freedom is the sign of a zero bound in a quantizer header.
 
 ``tests/test_native_fuzz.py`` runs a fixed, seeded sample in the suite. For a longer search, under
 AddressSanitizer too (``docs/native.md``), run ``python tests/kernel_fuzz.py --minutes 10 --seed 1``: it
@@ -25,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from mixprec import native
+from mixprec.comm.fp32_sum import sum_shards_into
 from mixprec.compress import MinMaxUInt8, ScaledFP8
 from mixprec.emulate import FORMAT_PRESETS, MATMUL_PRESETS, FloatFormat, MatmulModel, matmul, round_to
 
@@ -249,7 +251,38 @@ def matmul_case(rng: random.Random) -> str | None:
     return _with_threads(threads, run)
 
 
-CASES: list[Callable[[random.Random], str | None]] = [quantizer_case, quantizer_case, rounding_case, matmul_case]
+def sum_case(rng: random.Random) -> str | None:
+    """One fp32 sum of shards (``mixprec.comm.fp32_sum``) on both paths: any wire and output dtype, averaging,
+    a scale factor, strided shards. The results must have the same bits, NaN payloads included (the compiled
+    sum hands a block with NaN back to the torch path)."""
+    rows, n = rng.randint(1, 8), _length(rng, 70_000)
+    wire, out_dtype = rng.choice(FLOAT_DTYPES), rng.choice(FLOAT_DTYPES)
+    shards = _strided(_values(rng, (rows, n), nonfinite=True).to(wire), rng)
+    average = rng.random() < 0.5
+    factor = rng.choice([None, 2.0 ** rng.randint(-8, 8), rng.uniform(-2.0, 2.0)])
+    threads = rng.choice([1, 2])
+    what = f"sum of {rows} x {n} {wire} into {out_dtype} average={average} factor={factor} threads={threads}"
+    ints = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+    def run() -> str | None:
+        outs = []
+        for disabled in (False, True):
+            out = torch.full((n,), 7.0, dtype=out_dtype)
+            with native.disabled() if disabled else contextlib.nullcontext():
+                sum_shards_into(out, shards, average=average, rounding="nearest", generator=None, factor=factor)
+            outs.append(out.view(ints[out_dtype]))
+        return None if torch.equal(outs[0], outs[1]) else f"values differ: {what}"
+
+    return _with_threads(threads, run)
+
+
+CASES: list[Callable[[random.Random], str | None]] = [
+    quantizer_case,
+    quantizer_case,
+    rounding_case,
+    matmul_case,
+    sum_case,
+]
 
 
 def run_case(seed: int) -> str | None:
