@@ -31,6 +31,7 @@ from mixprec.compress import MinMaxUInt8, ScaledFP8
 from mixprec.emulate import FORMAT_PRESETS, MATMUL_PRESETS, FloatFormat, MatmulModel, matmul, round_to
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}  # same-width ints
 
 
 def _length(rng: random.Random, top: int) -> int:
@@ -93,7 +94,7 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     nan_a, nan_b = a.isnan(), b.isnan()
     if not torch.equal(nan_a, nan_b):
         return False
-    bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[a.dtype]
+    bits = BITS[a.dtype]
     return torch.equal(a.contiguous().view(bits)[~nan_a], b.contiguous().view(bits)[~nan_b])
 
 
@@ -120,7 +121,8 @@ def quantizer_case(rng: random.Random) -> str | None:
     fp8 = rng.random() < 0.4
     rounding = rng.choice(["nearest", "stochastic"])
     chunk = _length(rng, 5000)
-    rows, length = rng.randint(1, 3), _length(rng, 40_000 // max(1, rng.randint(1, 3)))
+    rows = rng.randint(1, 3)
+    length = _length(rng, 40_000 // rows)
     dtype = rng.choice(FLOAT_DTYPES)
     q = (
         ScaledFP8(rng.choice(["e4m3", "e5m2"]), chunk_size=chunk, rounding=rounding, check_finite="flag")
@@ -186,7 +188,7 @@ def _random_format(rng: random.Random) -> FloatFormat:
 
 
 def rounding_case(rng: random.Random) -> str | None:
-    """One ``round_to`` (nearest, toward_zero or stochastic from the same seed) on both paths, out= or not."""
+    """One ``round_to`` (nearest, toward_zero or stochastic from the same seed) on both paths."""
     fmt = _random_format(rng)
     mode = rng.choice(["nearest", "nearest", "toward_zero", "stochastic"])
     n = _length(rng, 70_000)
@@ -262,7 +264,6 @@ def sum_case(rng: random.Random) -> str | None:
     factor = rng.choice([None, 2.0 ** rng.randint(-8, 8), rng.uniform(-2.0, 2.0)])
     threads = rng.choice([1, 2])
     what = f"sum of {rows} x {n} {wire} into {out_dtype} average={average} factor={factor} threads={threads}"
-    ints = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
     def run() -> str | None:
         outs = []
@@ -270,7 +271,7 @@ def sum_case(rng: random.Random) -> str | None:
             out = torch.full((n,), 7.0, dtype=out_dtype)
             with native.disabled() if disabled else contextlib.nullcontext():
                 sum_shards_into(out, shards, average=average, rounding="nearest", generator=None, factor=factor)
-            outs.append(out.view(ints[out_dtype]))
+            outs.append(out.view(BITS[out_dtype]))
         return None if torch.equal(outs[0], outs[1]) else f"values differ: {what}"
 
     return _with_threads(threads, run)

@@ -1,6 +1,6 @@
 """A fixed, seeded sample of the random differential cases of ``kernel_fuzz``: the compiled quantizers,
-``round_to`` and the emulated matmul against the torch path on sizes, offsets, strides, thread counts and
-values drawn at random. Longer searches: ``python tests/kernel_fuzz.py --minutes 10``."""
+``round_to``, the emulated matmul and the fp32 sum of shards against the torch path, on sizes, offsets,
+strides, thread counts and values drawn at random. Longer searches: ``python tests/kernel_fuzz.py --minutes 10``."""
 
 from __future__ import annotations
 
