@@ -72,3 +72,37 @@ def test_ties_resolved_across_chunks_and_threads() -> None:
     with native.disabled():
         ref = _encode(q, x, 0, x.shape[1])
     assert torch.equal(outs[0], ref) and torch.equal(outs[1], ref)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_nan_in_a_pipelined_chunk_flags_it(threads: int) -> None:
+    """fp32 chunks after a thread's first are scanned for min, max and NaN inside the codes loop of the chunk
+    before them. vminps/vmaxps drop a NaN operand, so only the scan's NaN check can flag such a chunk: a NaN
+    at the start, in the middle (the scan's 64-element steps) or in the tail of later chunks, in either row,
+    must give the torch path's NaN header and zero codes, and leave the other chunks as they were."""
+    length, chunk = 9 * 2048 + 100, 2048
+    stride = 256 * (length // 256 + 1)  # both rows on the 256 grid: the loop that scans ahead
+    q = MinMaxUInt8(chunk_size=chunk, rounding="stochastic")
+    chunks = q.num_chunks(length)
+    header = 8 * chunks
+    base = torch.randn(2, length, generator=torch.Generator().manual_seed(5))
+    clean = _encode(q, base, 0, stride)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for row, at in ((0, 2048), (0, 2048 * 3 + 64), (0, 2048 * 4 + 1000), (1, 2048 * 6 + 2047), (1, 2048 * 9 + 99)):
+            x = base.clone()
+            x[row, at] = float("nan")
+            fast = _encode(q, x, 0, stride)
+            with native.disabled():
+                ref = _encode(q, x, 0, stride)
+            c = at // chunk
+            assert torch.equal(fast[:, header:], ref[:, header:]), f"NaN at {row, at}: codes differ"
+            words = fast[row, :header].view(torch.float32)
+            assert words[c].isnan() and words[chunks + c].isnan(), f"NaN at {row, at}: chunk not flagged"
+            assert not fast[row, header + c * chunk : header + (c + 1) * chunk].any()
+            keep = torch.ones(2, length, dtype=torch.bool)
+            keep[row, c * chunk : (c + 1) * chunk] = False
+            assert torch.equal(fast[:, header:][keep], clean[:, header:][keep]), f"NaN at {row, at}: others moved"
+    finally:
+        torch.set_num_threads(old)
