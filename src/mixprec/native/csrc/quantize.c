@@ -306,14 +306,22 @@ static inline void scan_start(scan_t *sc, const float *p, int64_t n, pre_words_t
     sc->pre = pre;
 }
 
+/* The Philox words of the 256 elements at element k of a scanned chunk (k a multiple of 256), in a call of its
+ * own: inlined, the rounds' registers spill the codes loop's. Two chains per 256 elements rather than eight
+ * per 1024: at 1M elements the codes loop waits on the next chunk's loads now and then, and ~130 vector
+ * operations every 4 groups of codes fill those gaps, where ~500 every 16 (a reorder buffer's worth) did not
+ * (one thread: 388 -> 350 us against a nearest encode of 255-263 us; no change at 256K, in L2). */
+static __attribute__((noinline)) void scan_words(pre_words_t *pre, int64_t k) {
+    mixprec_philox_words256(pre->kv, (pre->e0 + (uint64_t)k) >> 8, pre->w + (k >> 6));
+}
+
 /* The vectors of the scan before element `upto`. */
 static inline void scan_step(scan_t *sc, int64_t upto) {
     int64_t end = upto < sc->n ? upto : sc->n, k = sc->k, words = sc->pre ? sc->pre->subs * SB : 0;
     __m512 vmn = sc->mn, vmx = sc->mx;
     __mmask16 vnan = sc->nan;
     for (; k + 16 <= end; k += 16) {
-        if ((k & 1023) == 0 && k < words) /* the 4 groups of a sub-block: 8 chains, measured faster here */
-            mixprec_philox_words(sc->pre->kv, (sc->pre->e0 + (uint64_t)k) >> 8, 8, sc->pre->w + (k >> 6));
+        if ((k & 255) == 0 && k < words) scan_words(sc->pre, k); /* each group of 256 as its scan reaches it */
         __m512 v = _mm512_loadu_ps(sc->p + k);
         vmn = _mm512_min_ps(v, vmn);
         vmx = _mm512_max_ps(v, vmx);
@@ -665,12 +673,6 @@ static inline __attribute__((always_inline)) void group_codes(const float *x, ui
 #endif
 }
 
-/* The Philox words of the sub-block at element k of a scanned chunk: a call of its own, so that the loop
- * around it keeps its registers (the 8 chains of the rounds take all 32). */
-static __attribute__((noinline)) void scan_words(pre_words_t *pre, int64_t k) {
-    mixprec_philox_words(pre->kv, (pre->e0 + (uint64_t)k) >> 8, 8, pre->w + (k >> 6));
-}
-
 /* The scan of the next chunk in registers: 64 elements at sk when that is all scan_step would do (and the
  * Philox words due there), else scan_step itself through the struct. ok: lanes without a NaN so far (a
  * masked compare per vector; OR-ing unordered masks costs a kor on port 0 as well). The scan also asks for
@@ -681,7 +683,7 @@ static __attribute__((noinline)) void scan_words(pre_words_t *pre, int64_t k) {
 static inline __attribute__((always_inline)) void scan_group(scan_t *sc, int64_t upto, int64_t words, int64_t *sk,
                                                              __m512 *mn, __m512 *mx, __mmask16 *ok) {
     if ((*sk & 63) == 0 && *sk + 64 == upto && upto <= sc->n) {
-        if ((*sk & 1023) == 0 && *sk < words) scan_words(sc->pre, *sk);
+        if ((*sk & 255) == 0 && *sk < words) scan_words(sc->pre, *sk);
         for (int i = 0; i < 4; i++) {
             _mm_prefetch((const char *)(sc->p + *sk + SCAN_AHEAD + 16 * i), _MM_HINT_T0);
             __m512 v = _mm512_loadu_ps(sc->p + *sk + 16 * i);
