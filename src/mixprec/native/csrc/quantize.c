@@ -31,6 +31,7 @@ enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
 #define ALIGNED_PATH 0
 #endif
 #define SB 1024 /* elements per sub-block: 4 KiB of fp32 scratch per thread */
+#define SCAN_AHEAD 1024 /* elements between a min/max scan's loads and its prefetches */
 #define MAGIC 8388608.0f /* 2**23: bits(fl32(q + 2**23)) & 0xFF = rne(q) for 0 <= q < 256 */
 
 typedef struct {
@@ -221,6 +222,14 @@ static int chunk_minmax(const void *x, int dt, int64_t a, int64_t n, float *pmn,
                 minmax16(p + k, &vmn, &vmx, &vnan);
             }
 #endif
+        /* fp32 rows are read in place: ask for the lines 1024 elements on (past the end of x is harmless), as
+         * the stochastic scan does; at 16M elements the hardware prefetcher alone left this loop waiting on
+         * memory (nearest encode 9.7 -> 8.6 ms on one thread, 4.3 -> 3.4 ms on two) */
+        if (dt == DT_F32)
+            for (; k + 16 <= m; k += 16) {
+                _mm_prefetch((const char *)(p + k + SCAN_AHEAD), _MM_HINT_T0);
+                minmax16(p + k, &vmn, &vmx, &vnan);
+            }
         for (; k + 16 <= m; k += 16) minmax16(p + k, &vmn, &vmx, &vnan);
         if (k < m) minmax_tail(p + k, m - k, &vmn, &vmx, &vnan); /* only in the last sub-block: SB % 16 == 0 */
     }
@@ -679,7 +688,6 @@ static inline __attribute__((always_inline)) void group_codes(const float *x, ui
  * the lines SCAN_AHEAD elements on (a prefetch past the end of x is harmless): with the codes' arithmetic
  * between its loads, the hardware prefetcher alone left the 16M-element encode waiting on memory (12.8 ms
  * against 11.5 ms with it, one thread). */
-#define SCAN_AHEAD 1024
 static inline __attribute__((always_inline)) void scan_group(scan_t *sc, int64_t upto, int64_t words, int64_t *sk,
                                                              __m512 *mn, __m512 *mx, __mmask16 *ok) {
     if ((*sk & 63) == 0 && *sk + 64 == upto && upto <= sc->n) {
