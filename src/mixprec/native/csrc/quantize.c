@@ -651,7 +651,7 @@ typedef __m128i byte_sel_t; /* the shift count */
 static inline byte_sel_t byte_sel(__m512i pick, int64_t g) { (void)pick; return _mm_cvtsi32_si128(8 * (int)(g & 3)); }
 #endif
 
-/* Group x[0 .. 63]'s codes into c and its two tie masks (one per half, even bits: tie_element) into t. */
+/* Group x[0 .. 63]'s codes into c and its two tie masks (one per half, even bits: TIE_ELEM) into t. */
 static inline __attribute__((always_inline)) void group_codes(const float *x, uint8_t *c, const __m512i *wg,
                                                               byte_sel_t sel, __m512 vsub, __m512 vscale,
                                                               __m512 vzero, int has_sub, int has_zero, uint64_t *t) {
@@ -746,7 +746,7 @@ static inline __attribute__((always_inline)) int64_t codes_aligned_body(const fl
 /* Stochastic codes of the whole 64-element groups of a sub-block (m <= SB elements) whose first stream
  * position is a multiple of 256, from the Philox words w of its groups (philox.h: byte b of word j of group
  * i is the 16 elements at 256 i + 64 b + 16 j). Returns the number of elements done (m rounded down to a
- * multiple of 64); the ties of half h of group g are flagged in tie[2 g + h] (bit layout: tie_element), and
+ * multiple of 64); the ties of half h of group g are flagged in tie[2 g + h] (bit layout: TIE_ELEM), and
  * bit 2 g + h of *nz says whether there are any. scale256 and zero256 are 256 scale and 256 zero (exact; the caller checks that 256 scale is finite), so that
  * s = (x - sub) scale256 + zero256 = 256 q exactly (scaling by 2**8 commutes with the rounding; where q
  * would be subnormal, S below is 0 or -1 either way) and S = floor(256 q) = 256 floor(q) + f8 is one
@@ -784,12 +784,12 @@ static int64_t codes_stochastic_aligned(const float *restrict p, uint8_t *restri
     return done;
 }
 
-/* The element (0 .. 63) of bit t of a group's tie mask: bit 2 u + h is 16-bit lane u of half h, which is
- * element 32 h + 16 ((u >> 2) & 1) + 4 (u >> 3) + (u & 3) (vpackusdw's order). */
-static inline int64_t tie_element(int t) {
-    int h = t & 1, u = t >> 1;
-    return 32 * h + 16 * ((u >> 2) & 1) + 4 * (u >> 3) + (u & 3);
-}
+/* TIE_ELEM[2 u + h]: the element (0 .. 63) of a group that bit 2 u of its half h's tie mask flags, 16-bit lane
+ * u of half h: 32 h + 16 ((u >> 2) & 1) + 4 (u >> 3) + (u & 3) (vpackusdw's order). A load, where the
+ * arithmetic took a dozen instructions per tie. */
+static const uint8_t TIE_ELEM[64] = {
+    0, 32, 1, 33, 2, 34, 3, 35, 16, 48, 17, 49, 18, 50, 19, 51, 4, 36, 5, 37, 6, 38, 7, 39, 20, 52, 21, 53, 22, 54, 23, 55,
+    8, 40, 9, 41, 10, 42, 11, 43, 24, 56, 25, 57, 26, 58, 27, 59, 12, 44, 13, 45, 14, 46, 15, 47, 28, 60, 29, 61, 30, 62, 31, 63};
 
 /* Queue the ties flagged in tie (two masks per 64-element group, one per half) of a sub-block (codes c,
  * first stream position e0): one loop trip per tie, none per empty mask (nz flags the masks that hold
@@ -799,9 +799,10 @@ static inline void queue_ties(const float *p, uint32_t nz, float sub, float scal
     int64_t n = ties->n; /* in a register: the stores below could alias it as far as the compiler knows */
     for (; nz; nz &= nz - 1) { /* the masks with ties; short loop-carried chains */
         int q = __builtin_ctz(nz);
+        const uint8_t *elem = TIE_ELEM + (q & 1);
         uint64_t bits = tie[q];
         do { /* mostly once */
-            int64_t k = 64 * (q >> 1) + tie_element(__builtin_ctzll(bits) + (q & 1));
+            int64_t k = 64 * (q >> 1) + elem[__builtin_ctzll(bits)];
             float v = (p[k] - sub) * scale;
             ties->dst[n] = c + k;
             ties->e[n] = e0 + (uint64_t)k;
