@@ -510,10 +510,18 @@ static inline void queue_tie(ties_t *ties, const float *p, int64_t k, float sub,
 }
 
 #if defined(__AVX512F__)
-/* The grid coordinate q = (x - sub) scale + zero of 16 elements, rounded as the torch path does. */
-static inline __m512 grid_q16(const float *p, __m512 sub, __m512 scale, __m512 zero) {
-    return _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(p), sub), scale), zero);
+/* The grid coordinate s = (x - sub) scale + zero of 16 elements, rounded as the torch path does; where only
+ * floor(s) matters, without a subtraction of +0 (an aligned grid: x - 0 = x for every number) or an addition
+ * of +0 (zero = 0: q + 0 differs from q only for q = -0, and both floor to 0), so that the stochastic loop
+ * spends 3 vector operations per 16 elements, not 4. */
+static inline __attribute__((always_inline)) __m512 grid_s16(const float *p, __m512 sub, __m512 scale, __m512 zero,
+                                                             int has_sub, int has_zero) {
+    __m512 v = _mm512_loadu_ps(p);
+    if (has_sub) v = _mm512_sub_ps(v, sub);
+    v = _mm512_mul_ps(v, scale);
+    return has_zero ? _mm512_add_ps(v, zero) : v;
 }
+
 
 /* S = floor(256 q) = 256 floor(q) + f8 of 16 elements (256 q is exact), in one conversion rounding down. */
 static inline __m512i floor256(__m512 q) {
@@ -576,7 +584,7 @@ static void codes_stochastic(const float *restrict p, uint8_t *restrict c, int64
     const __m512i c255 = _mm512_set1_epi32(255);
     for (; k + 16 <= m; k += 16) {
         __m512i B = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u + k)));
-        __m512i d = _mm512_sub_epi32(floor256(grid_q16(p + k, vsub, vscale, vzero)), B);
+        __m512i d = _mm512_sub_epi32(floor256(grid_s16(p + k, vsub, vscale, vzero, 1, 1)), B);
         __m512i code = _mm512_max_epi32(_mm512_srai_epi32(_mm512_add_epi32(d, c255), 8), _mm512_setzero_si512());
         _mm_storeu_si128((__m128i *)(c + k), _mm512_cvtusepi32_epi8(code)); /* clamps 256 to 255 */
         for (uint32_t t = _mm512_testn_epi32_mask(d, c255); t; t &= t - 1)
@@ -629,17 +637,6 @@ static const uint8_t HIGH[64] __attribute__((aligned(64))) = {
     1,  3,  5,  7,  17, 19, 21, 23, 33, 35, 37,  39,  49,  51,  53,  55,  9,  11, 13, 15, 25,  27,  29,  31,  41,  43,  45,  47,  57,  59,  61,  63,
     65, 67, 69, 71, 81, 83, 85, 87, 97, 99, 101, 103, 113, 115, 117, 119, 73, 75, 77, 79, 89, 91, 93, 95, 105, 107, 109, 111, 121, 123, 125, 127};
 #endif
-
-/* The grid coordinate s = (x - sub) scale + zero of 16 elements, leaving out a subtraction of +0 (an aligned
- * grid: x - 0 = x for every number) or an addition of +0 (zero = 0: q + 0 differs from q only for q = -0,
- * and both floor to 0), so that the stochastic loop spends 3 vector operations per 16 elements, not 4. */
-static inline __attribute__((always_inline)) __m512 grid_s16(const float *p, __m512 sub, __m512 scale, __m512 zero,
-                                                             int has_sub, int has_zero) {
-    __m512 v = _mm512_loadu_ps(p);
-    if (has_sub) v = _mm512_sub_ps(v, sub);
-    v = _mm512_mul_ps(v, scale);
-    return has_zero ? _mm512_add_ps(v, zero) : v;
-}
 
 #if defined(__AVX512VBMI__)
 typedef __m512i byte_sel_t; /* which byte of the Philox words a group reads: vpermt2b indices */
