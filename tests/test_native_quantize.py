@@ -14,6 +14,7 @@ import torch
 from mixprec import native
 from mixprec.compress import MinMaxUInt8
 from mixprec.compress.quantize import _kernels
+from mixprec.core import philox
 
 pytestmark = pytest.mark.skipif(_kernels() is None, reason="no compiled kernels on this machine")
 
@@ -72,6 +73,36 @@ def test_ties_resolved_across_chunks_and_threads() -> None:
     with native.disabled():
         ref = _encode(q, x, 0, x.shape[1])
     assert torch.equal(outs[0], ref) and torch.equal(outs[1], ref)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_element_a_tie(threads: int) -> None:
+    """x = i + (u + 1/2) / 256 on a grid with q = x, u the element's own primary byte: every element ties, so
+    every tie mask is full. The kernel lists the masks with ties and takes one tie of each per step, putting
+    the rest back at the end of its list: here 32 steps per mask, with the list compacted on the way and the
+    queue flushed many times in one go. Codes are i or i + 1, as the torch path's."""
+    rows, length, chunk = 2, 40_000, 2048
+    stride = 256 * (length // 256 + 1)  # both rows on the 256 grid
+    u = philox.byte_rows(KEY, 0, stride, rows, length)
+    i = torch.arange(rows * length).view(rows, length) % 200
+    x = i + (u.float() + 0.5) / 256
+    x[:, ::chunk] = 0.0  # min 0 and max 255 in every chunk: scale 1, q = x
+    x[:, 1::chunk] = 255.0
+    q = MinMaxUInt8(chunk_size=chunk, rounding="stochastic")
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        fast = _encode(q, x, 0, stride)
+    finally:
+        torch.set_num_threads(old)
+    with native.disabled():
+        ref = _encode(q, x, 0, stride)
+    assert torch.equal(fast, ref)
+    up = fast[:, 8 * q.num_chunks(length) :].long() - i
+    tie = torch.ones_like(up, dtype=torch.bool)
+    tie[:, ::chunk] = tie[:, 1::chunk] = False
+    assert ((up[tie] == 0) | (up[tie] == 1)).all()
+    assert 0.45 < up[tie].float().mean() < 0.55  # up with probability 1/2 each: sd 0.002 for 80,000
 
 
 @pytest.mark.parametrize("threads", [1, 2])

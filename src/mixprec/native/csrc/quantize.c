@@ -387,12 +387,24 @@ static inline const uint8_t *stream_bytes(uint64_t key, uint64_t p, int64_t n, u
  * that moving the unbatched rest (< 32) to the front is rare; a sub-block adds at most SB ties. */
 #define TIE_FLUSH 256
 #define TIE_CAP (TIE_FLUSH + SB + 32)
+/* The aligned loop (AVX-512) leaves its tie masks in a list that resolve_ties queues with vector code every
+ * TIE_SUBS sub-blocks: a scalar loop over about 4 ties per sub-block mispredicted its exit each time. */
+#define TIE_SUBS 16
+#define TIE_LIST (2 * TIE_SUBS * SB / 32) /* masks: SB / 32 per sub-block at most, and room for the split ones */
+_Static_assert(TIE_SUBS <= 16, "resolve_ties looks the slots up in two vectors of 8");
 typedef struct {
     int64_t n;
     int of_q; /* rem holds the uint8 grid coordinate q; tie_flush derives remainder and rounded-up code */
     uint64_t key;
 #if defined(__AVX512F__)
     __m512i kv[20]; /* the round keys of key (philox.h), set once per thread */
+#endif
+#if ALIGNED_PATH
+    int subs;   /* sub-blocks in the slots below */
+    int64_t nl; /* masks in lm */
+    uint64_t lm[TIE_LIST + 8], li[TIE_LIST + 8]; /* a mask with ties; 32 slot + its index in the sub-block */
+    int64_t sp[TIE_SUBS], sc[TIE_SUBS], se[TIE_SUBS]; /* a slot's x, codes and first stream position */
+    float ssub[TIE_SUBS], sscale[TIE_SUBS], szero[TIE_SUBS]; /* and its grid */
 #endif
     uint8_t *dst[TIE_CAP];
     uint64_t e[TIE_CAP];
@@ -406,6 +418,10 @@ static inline void ties_init(ties_t *t, uint64_t key, int of_q) {
     t->key = key;
 #if defined(__AVX512F__)
     mixprec_philox_round_keys(key, t->kv);
+#endif
+#if ALIGNED_PATH
+    t->subs = 0;
+    t->nl = 0;
 #endif
 }
 
@@ -648,7 +664,7 @@ typedef __m128i byte_sel_t; /* the shift count */
 static inline byte_sel_t byte_sel(__m512i pick, int64_t g) { (void)pick; return _mm_cvtsi32_si128(8 * (int)(g & 3)); }
 #endif
 
-/* Group x[0 .. 63]'s codes into c and its two tie masks (one per half, even bits: TIE_ELEM) into t. */
+/* Group x[0 .. 63]'s codes into c and its two tie masks (one per half, even bits: resolve_ties) into t. */
 static inline __attribute__((always_inline)) void group_codes(const float *x, uint8_t *c, const __m512i *wg,
                                                               byte_sel_t sel, __m512 vsub, __m512 vscale,
                                                               __m512 vzero, int has_sub, int has_zero, uint64_t *t) {
@@ -743,14 +759,14 @@ static inline __attribute__((always_inline)) int64_t codes_aligned_body(const fl
 /* Stochastic codes of the whole 64-element groups of a sub-block (m <= SB elements) whose first stream
  * position is a multiple of 256, from the Philox words w of its groups (philox.h: byte b of word j of group
  * i is the 16 elements at 256 i + 64 b + 16 j). Returns the number of elements done (m rounded down to a
- * multiple of 64); the ties of half h of group g are flagged in tie[2 g + h] (bit layout: TIE_ELEM), and
- * bit 2 g + h of *nz says whether there are any. scale256 and zero256 are 256 scale and 256 zero (exact;
- * the caller checks that 256 scale is finite), so that s = (x - sub) scale256 + zero256 = 256 q exactly
- * (scaling by 2**8 commutes with the rounding; where q would be subnormal, S below is 0 or -1 either way)
- * and S = floor(256 q) = 256 floor(q) + f8 is one conversion.
+ * multiple of 64); the ties of half h of group g are flagged in tie[2 g + h] (bit layout: resolve_ties).
+ * scale256 and zero256 are 256 scale and 256 zero (exact; the caller checks that 256 scale is finite), so
+ * that s = (x - sub) scale256 + zero256 = 256 q exactly (scaling by 2**8 commutes with the rounding; where q
+ * would be subnormal, S below is 0 or -1 either way) and S = floor(256 q) = 256 floor(q) + f8 is one
+ * conversion.
  *
  * The rest runs on 32 16-bit lanes per vector: S saturated to [0, 65535] by vpackusdw (S = -1, for q a few
- * ulps below 0, becomes 0: the code is 0 either way, and so is the rounded-up code queue_tie gives a tie
+ * ulps below 0, becomes 0: the code is 0 either way, and so is the rounded-up code tie_of_q gives a tie
  * there); B = the primary bytes in the same lanes (one vpermt2b for 32); a tie is f8 = B, equal low bytes
  * (one masked vpcmpeqb); with D = S - B saturated at 0, floor(q) + up = min(D + 255, 65535) >> 8 is
  * already clamped to [0, 255] (D = 0 when S < B, where floor(q) = 0 and f8 < B), and the high bytes of
@@ -759,7 +775,7 @@ static inline __attribute__((always_inline)) int64_t codes_aligned_body(const fl
  * with the scan's state in registers (scan_group). */
 static int64_t codes_stochastic_aligned(const float *restrict p, uint8_t *restrict c, int64_t m, float sub,
                                         float scale256, float zero256, const __m512i *w, uint64_t *restrict tie,
-                                        uint32_t *nz, scan_t *next, int64_t base) {
+                                        scan_t *next, int64_t base) {
     const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale256), vzero = _mm512_set1_ps(zero256);
     int64_t done;
     if (sub == 0.0f) /* an aligned grid (or min = 0) */
@@ -770,44 +786,92 @@ static int64_t codes_stochastic_aligned(const float *restrict p, uint8_t *restri
                     : codes_aligned_body(p, c, m, vsub, vscale, vzero, 1, 0, w, tie, 0, base);
     else
         done = codes_aligned_body(p, c, m, vsub, vscale, vzero, 1, 1, w, tie, next, base);
-    uint32_t any = 0; /* which masks (two per group) hold ties: 8 tested per instruction */
-    for (int64_t i = 0; i < done >> 5; i += 8) {
-        int64_t left = (done >> 5) - i;
-        __mmask8 live = (__mmask8)(left >= 8 ? 0xFF : (1u << left) - 1);
-        __m512i v = _mm512_maskz_loadu_epi64(live, (const void *)(tie + i));
-        any |= (uint32_t)_mm512_test_epi64_mask(v, v) << i;
-    }
-    *nz = any;
     return done;
 }
 
-/* TIE_ELEM[2 u + h]: the element (0 .. 63) of a group that bit 2 u of its half h's tie mask flags, 16-bit lane
- * u of half h: 32 h + 16 ((u >> 2) & 1) + 4 (u >> 3) + (u & 3) (vpackusdw's order). A load, where the
- * arithmetic took a dozen instructions per tie. */
-static const uint8_t TIE_ELEM[64] = {
-    0, 32, 1, 33, 2, 34, 3, 35, 16, 48, 17, 49, 18, 50, 19, 51, 4, 36, 5, 37, 6, 38, 7, 39, 20, 52, 21, 53, 22, 54, 23, 55,
-    8, 40, 9, 41, 10, 42, 11, 43, 24, 56, 25, 57, 26, 58, 27, 59, 12, 44, 13, 45, 14, 46, 15, 47, 28, 60, 29, 61, 30, 62, 31, 63};
-
-/* Queue the ties flagged in tie (two masks per 64-element group, one per half) of a sub-block (codes c,
- * first stream position e0): one loop trip per tie, none per empty mask (nz flags the masks that hold
- * ties). About 4 per sub-block, at random places. */
-static inline void queue_ties(const float *p, uint32_t nz, float sub, float scale, float zero, uint64_t *tie, uint8_t *c,
-                              uint64_t e0, ties_t *ties) {
-    int64_t n = ties->n; /* in a register: the stores below could alias it as far as the compiler knows */
-    for (; nz; nz &= nz - 1) { /* the masks with ties; short loop-carried chains */
-        int q = __builtin_ctz(nz);
-        const uint8_t *elem = TIE_ELEM + (q & 1);
-        uint64_t bits = tie[q];
-        do { /* mostly once */
-            int64_t k = 64 * (q >> 1) + elem[__builtin_ctzll(bits)];
-            float v = (p[k] - sub) * scale;
-            ties->dst[n] = c + k;
-            ties->e[n] = e0 + (uint64_t)k;
-            ties->rem[n++] = v + zero; /* tie_push_q */
-            bits &= bits - 1;
-        } while (bits);
+/* Take the sub-block just coded (x at p, codes at c, first stream position e0, its grid) into the next slot,
+ * and its tie masks (tie, `masks` of them) into the list: the non-zero ones, 8 tested and packed at a time. */
+static inline void list_ties(ties_t *t, const uint64_t *tie, int64_t masks, const float *p, uint8_t *c, uint64_t e0,
+                             float sub, float scale, float zero) {
+    int s = t->subs++;
+    t->sp[s] = (int64_t)(intptr_t)p, t->sc[s] = (int64_t)(intptr_t)c, t->se[s] = (int64_t)e0;
+    t->ssub[s] = sub, t->sscale[s] = scale, t->szero[s] = zero;
+    const __m512i id = _mm512_add_epi64(_mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7), _mm512_set1_epi64(32 * s));
+    int64_t nl = t->nl;
+    for (int64_t i = 0; i < masks; i += 8) {
+        __mmask8 live = (__mmask8)(masks - i >= 8 ? 0xFF : (1u << (masks - i)) - 1);
+        __m512i v = _mm512_maskz_loadu_epi64(live, (const void *)(tie + i));
+        __mmask8 k = _mm512_test_epi64_mask(v, v);
+        _mm512_storeu_si512((void *)(t->lm + nl), _mm512_maskz_compress_epi64(k, v)); /* lm has 8 spare */
+        __m512i at = _mm512_add_epi64(id, _mm512_set1_epi64(i));
+        _mm512_storeu_si512((void *)(t->li + nl), _mm512_maskz_compress_epi64(k, at));
+        nl += __builtin_popcount(k);
     }
-    ties->n = n;
+    t->nl = nl;
+}
+
+/* The bit index of a single set bit, per 64-bit lane. */
+static inline __m512i bit_index(__m512i b) {
+#if defined(__AVX512CD__)
+    return _mm512_sub_epi64(_mm512_set1_epi64(63), _mm512_lzcnt_epi64(b));
+#else
+    static const uint64_t half[6] = {0xFFFFFFFF00000000ull, 0xFFFF0000FFFF0000ull, 0xFF00FF00FF00FF00ull,
+                                     0xF0F0F0F0F0F0F0F0ull, 0xCCCCCCCCCCCCCCCCull, 0xAAAAAAAAAAAAAAAAull};
+    __m512i r = _mm512_setzero_si512();
+    for (int i = 0; i < 6; i++)
+        r = _mm512_mask_add_epi64(r, _mm512_test_epi64_mask(b, _mm512_set1_epi64((long long)half[i])), r,
+                                  _mm512_set1_epi64(32 >> i));
+    return r;
+#endif
+}
+
+/* Queue (tie_push_q's format, 8 at a time) the ties of the listed masks and empty the list and the slots.
+ * Each step takes the lowest tie of 8 masks and puts those with more at the end of the list: about 1 mask
+ * in 20 has two. Bit 2 u of the mask of half h of a group flags element 32 h + 16 ((u >> 2) & 1) + 4 (u >> 3)
+ * + (u & 3) of the group (16-bit lane u of half h, in vpackusdw's order). */
+static void resolve_ties(ties_t *t) {
+    if (!t->subs) return;
+    const __m512i P0 = _mm512_loadu_si512((const void *)t->sp), P1 = _mm512_loadu_si512((const void *)(t->sp + 8));
+    const __m512i C0 = _mm512_loadu_si512((const void *)t->sc), C1 = _mm512_loadu_si512((const void *)(t->sc + 8));
+    const __m512i E0 = _mm512_loadu_si512((const void *)t->se), E1 = _mm512_loadu_si512((const void *)(t->se + 8));
+    const __m512 SUB = _mm512_loadu_ps(t->ssub), SCALE = _mm512_loadu_ps(t->sscale), ZERO = _mm512_loadu_ps(t->szero);
+    const __m512i one = _mm512_set1_epi64(1), c3 = _mm512_set1_epi64(3), c31 = _mm512_set1_epi64(31);
+    for (int64_t b = 0, left; (left = t->nl - b) > 0; b += left < 8 ? left : 8) {
+        if (t->nl + 8 > TIE_LIST) { /* the masks taken so far leave; a step adds no more than it takes, so */
+            /* at most TIE_SUBS * SB / 32 = TIE_LIST / 2 are left */
+            memmove(t->lm, t->lm + b, (size_t)left * sizeof *t->lm);
+            memmove(t->li, t->li + b, (size_t)left * sizeof *t->li);
+            t->nl = left, b = 0;
+        }
+        __mmask8 live = (__mmask8)(left >= 8 ? 0xFF : (1u << left) - 1);
+        __m512i m = _mm512_maskz_loadu_epi64(live, (const void *)(t->lm + b));
+        __m512i id = _mm512_maskz_loadu_epi64(live, (const void *)(t->li + b));
+        __m512i m1 = _mm512_sub_epi64(m, one), rest = _mm512_and_si512(m, m1);
+        __mmask8 more = _mm512_test_epi64_mask(rest, rest);
+        _mm512_storeu_si512((void *)(t->lm + t->nl), _mm512_maskz_compress_epi64(more, rest));
+        _mm512_storeu_si512((void *)(t->li + t->nl), _mm512_maskz_compress_epi64(more, id));
+        t->nl += __builtin_popcount(more);
+        __m512i u = _mm512_srli_epi64(bit_index(_mm512_andnot_si512(m1, m)), 1); /* the lowest tie */
+        __m512i q = _mm512_and_si512(id, c31), s = _mm512_srli_epi64(id, 5);
+        __m512i elem = _mm512_add_epi64(
+            _mm512_add_epi64(_mm512_slli_epi64(_mm512_and_si512(q, one), 5),
+                             _mm512_slli_epi64(_mm512_and_si512(_mm512_srli_epi64(u, 2), one), 4)),
+            _mm512_add_epi64(_mm512_slli_epi64(_mm512_srli_epi64(u, 3), 2), _mm512_and_si512(u, c3)));
+        __m512i k = _mm512_add_epi64(_mm512_slli_epi64(_mm512_srli_epi64(q, 1), 6), elem); /* in the sub-block */
+        __m512i at = _mm512_add_epi64(_mm512_permutex2var_epi64(P0, s, P1), _mm512_slli_epi64(k, 2));
+        __m256 x = _mm512_mask_i64gather_ps(_mm256_setzero_ps(), live, at, (const void *)0, 1);
+        __m512i s32 = _mm512_zextsi256_si512(_mm512_cvtepi64_epi32(s));
+        __m256 sub = _mm512_castps512_ps256(_mm512_permutexvar_ps(s32, SUB));
+        __m256 scale = _mm512_castps512_ps256(_mm512_permutexvar_ps(s32, SCALE));
+        __m256 zero = _mm512_castps512_ps256(_mm512_permutexvar_ps(s32, ZERO));
+        if (t->n >= TIE_FLUSH) tie_flush(t, 0);
+        _mm512_storeu_si512((void *)(t->dst + t->n), _mm512_add_epi64(_mm512_permutex2var_epi64(C0, s, C1), k));
+        _mm512_storeu_si512((void *)(t->e + t->n), _mm512_add_epi64(_mm512_permutex2var_epi64(E0, s, E1), k));
+        _mm256_storeu_ps(t->rem + t->n, _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(x, sub), scale), zero)); /* q */
+        t->n += left < 8 ? left : 8;
+    }
+    t->nl = 0;
+    t->subs = 0;
 }
 #endif
 
@@ -848,9 +912,9 @@ static void encode_chunk(const void *x, int dt, int64_t a, int64_t n, uint8_t *c
                 uint64_t tie[SB / 32];
                 const __m512i *w = have_pre ? pre->w + 16 * (s / SB) : own;
                 if (w == own) mixprec_philox_words1024(key, e0 >> 8, own);
-                uint32_t nz;
-                k = codes_stochastic_aligned(p, c, m, sub, scale * 256.0f, zero * 256.0f, w, tie, &nz, (scan_t *)next, s);
-                queue_ties(p, nz, sub, scale, zero, tie, c, e0, ties);
+                k = codes_stochastic_aligned(p, c, m, sub, scale * 256.0f, zero * 256.0f, w, tie, (scan_t *)next, s);
+                list_ties(ties, tie, k >> 5, p, c, e0, sub, scale, zero);
+                if (ties->subs == TIE_SUBS || p == buf) resolve_ties(ties); /* buf: overwritten by the next */
             }
 #elif !defined(__AVX512F__) && defined(__AVX2__)
             if ((e0 & 255) == 0 && m >= SHORT) { /* shorter pieces share stream_bytes with their neighbours */
@@ -956,6 +1020,7 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
 #endif
             bad += encode_u8_pipelined((const float *)x, length, x_stride, out, out_stride, chunk, key, offset,
                                        pos_stride, tasks * me / nth, tasks * (me + 1) / nth, buf, ubuf, &ties, two);
+            resolve_ties(&ties);
             tie_flush(&ties, 1);
         } else
 #endif
@@ -999,6 +1064,9 @@ int64_t mixprec_quant_encode_u8(const void *x, int dt, int64_t rows, int64_t len
                              stochastic, key, (uint64_t)(offset + r * pos_stride + a), buf, ubuf, &ties, &pre, 0);
             }
         }
+#if ALIGNED_PATH
+        resolve_ties(&ties);
+#endif
         if (stochastic) tie_flush(&ties, 1);
         }
     }
