@@ -4,6 +4,7 @@ independent of the thread count and of how a tensor is cut into pieces."""
 from __future__ import annotations
 
 import ctypes
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -103,12 +104,30 @@ def test_round_up_resolves_ties_with_the_secondary_word() -> None:
         assert not philox.round_up(key, (f8 + 1).clamp_max(255).to(torch.uint8), frac, positions)[f8 < 255].any()
 
 
+def _randint_keys(g: torch.Generator | None, n: int) -> list[int]:
+    draws = [torch.randint(0, 1 << 32, (2,), generator=g).tolist() for _ in range(n)]
+    return [lo | (hi << 32) for lo, hi in draws]
+
+
 def test_draw_key_takes_two_32_bit_words_from_the_generator() -> None:
+    """Each key is the next torch.randint(0, 2**32, (2,)) of the generator (torch's default one for None),
+    also when threads draw at once from generators of their own (draw_key reuses a tensor per thread)."""
+    keys = [philox.draw_key(torch.Generator().manual_seed(11)) for _ in range(2)]
+    assert keys[0] == keys[1] == _randint_keys(torch.Generator().manual_seed(11), 1)[0]
     g = torch.Generator().manual_seed(11)
-    key = philox.draw_key(g)
-    lo, hi = torch.randint(0, 1 << 32, (2,), generator=torch.Generator().manual_seed(11)).tolist()
-    assert key == lo | (hi << 32)
-    assert philox.draw_key(g) != key
+    assert [philox.draw_key(g) for _ in range(5)] == _randint_keys(torch.Generator().manual_seed(11), 5)
+    torch.manual_seed(12)
+    drawn = [philox.draw_key(None) for _ in range(3)]
+    torch.manual_seed(12)
+    assert drawn == _randint_keys(None, 3)
+
+    def draw(seed: int) -> list[int]:
+        gen = torch.Generator().manual_seed(seed)
+        return [philox.draw_key(gen) for _ in range(300)]
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(draw, range(8)))
+    assert got == [_randint_keys(torch.Generator().manual_seed(s), 300) for s in range(8)]
 
 
 def _codes(q: MinMaxUInt8, x: torch.Tensor, key: int, rows: int) -> torch.Tensor:

@@ -15,6 +15,8 @@ vector-friendly and the proof of unbiasedness: ``docs/compress.md``.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 __all__ = ["MAX_POSITION", "byte_rows", "draw_key", "philox4x32_10", "round_up", "stream_bytes", "tie_words"]
@@ -24,6 +26,7 @@ _W0, _W1 = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
 _MASK32 = 0xFFFFFFFF
 # Element positions stay below 2**62: counters ((e >> 8) << 4) and e itself fit in 64 bits with room.
 MAX_POSITION = 1 << 62
+_CPU = torch.device("cpu")
 _GROUPS = 1 << 11  # groups of 256 elements per block of work: 32768 counters, 256 KiB per int64 word
 
 
@@ -117,12 +120,23 @@ def round_up(key: int, primary: torch.Tensor, frac: torch.Tensor, positions: tor
     return up
 
 
+_draws = threading.local()  # per thread: a 2-element int64 tensor per device, refilled by each draw_key
+
+
 def draw_key(generator: torch.Generator | None) -> int:
     """One 64-bit key from ``generator`` (None: torch's default CPU generator): two 32-bit draws, low first.
 
-    Advances the generator by one ``torch.randint`` call of two elements, so a generator seeded with
-    ``mixprec.comm.rank_generator`` gives each rank, and each call, its own stream.
+    Advances the generator as one ``torch.randint(0, 2**32, (2,))`` call does, so a generator seeded with
+    ``mixprec.comm.rank_generator`` gives each rank, and each call, its own stream. The draws land in a
+    tensor kept per thread and device (``randint`` is ``random_`` on a new one): half the time of a
+    ``randint`` call, which a stochastic encode of a small tensor pays every time.
     """
-    device = generator.device if generator is not None else "cpu"
-    lo, hi = torch.randint(0, 1 << 32, (2,), dtype=torch.int64, generator=generator, device=device).tolist()
+    device = generator.device if generator is not None else _CPU
+    bufs: dict[torch.device, torch.Tensor] | None = getattr(_draws, "bufs", None)
+    if bufs is None:
+        bufs = _draws.bufs = {}
+    buf = bufs.get(device)
+    if buf is None:
+        buf = bufs[device] = torch.empty(2, dtype=torch.int64, device=device)
+    lo, hi = buf.random_(0, 1 << 32, generator=generator).tolist()
     return lo | (hi << 32)
