@@ -836,40 +836,50 @@ static void resolve_ties(ties_t *t) {
     const __m512i E0 = _mm512_loadu_si512((const void *)t->se), E1 = _mm512_loadu_si512((const void *)(t->se + 8));
     const __m512 SUB = _mm512_loadu_ps(t->ssub), SCALE = _mm512_loadu_ps(t->sscale), ZERO = _mm512_loadu_ps(t->szero);
     const __m512i one = _mm512_set1_epi64(1), c3 = _mm512_set1_epi64(3), c31 = _mm512_set1_epi64(31);
-    for (int64_t b = 0, left; (left = t->nl - b) > 0; b += left < 8 ? left : 8) {
-        if (t->nl + 8 > TIE_LIST) { /* the masks taken so far leave; a step adds no more than it takes, so */
-            /* at most TIE_SUBS * SB / 32 = TIE_LIST / 2 are left */
-            memmove(t->lm, t->lm + b, (size_t)left * sizeof *t->lm);
-            memmove(t->li, t->li + b, (size_t)left * sizeof *t->li);
-            t->nl = left, b = 0;
+    int64_t n = t->n, b = 0, end, nl = t->nl; /* in registers: the vector stores could alias t's fields */
+    /* Rounds over [b, end): the steps of a round do not wait on each other (how many masks a step puts
+     * back moves only where the next round starts), so they overlap. */
+    for (; (end = nl) > b; b = end) {
+        if (end + (end - b) > TIE_LIST) { /* the masks taken so far leave: a round puts back no more than it */
+            /* takes (into lm + end, + 8 spare), and the first takes TIE_SUBS * SB / 32 = TIE_LIST / 2 at most */
+            memmove(t->lm, t->lm + b, (size_t)(end - b) * sizeof *t->lm);
+            memmove(t->li, t->li + b, (size_t)(end - b) * sizeof *t->li);
+            end -= b, nl = end, b = 0;
         }
-        __mmask8 live = (__mmask8)(left >= 8 ? 0xFF : (1u << left) - 1);
-        __m512i m = _mm512_maskz_loadu_epi64(live, (const void *)(t->lm + b));
-        __m512i id = _mm512_maskz_loadu_epi64(live, (const void *)(t->li + b));
-        __m512i m1 = _mm512_sub_epi64(m, one), rest = _mm512_and_si512(m, m1);
-        __mmask8 more = _mm512_test_epi64_mask(rest, rest);
-        _mm512_storeu_si512((void *)(t->lm + t->nl), _mm512_maskz_compress_epi64(more, rest));
-        _mm512_storeu_si512((void *)(t->li + t->nl), _mm512_maskz_compress_epi64(more, id));
-        t->nl += __builtin_popcount(more);
-        __m512i u = _mm512_srli_epi64(bit_index(_mm512_andnot_si512(m1, m)), 1); /* the lowest tie */
-        __m512i q = _mm512_and_si512(id, c31), s = _mm512_srli_epi64(id, 5);
-        __m512i elem = _mm512_add_epi64(
-            _mm512_add_epi64(_mm512_slli_epi64(_mm512_and_si512(q, one), 5),
-                             _mm512_slli_epi64(_mm512_and_si512(_mm512_srli_epi64(u, 2), one), 4)),
-            _mm512_add_epi64(_mm512_slli_epi64(_mm512_srli_epi64(u, 3), 2), _mm512_and_si512(u, c3)));
-        __m512i k = _mm512_add_epi64(_mm512_slli_epi64(_mm512_srli_epi64(q, 1), 6), elem); /* in the sub-block */
-        __m512i at = _mm512_add_epi64(_mm512_permutex2var_epi64(P0, s, P1), _mm512_slli_epi64(k, 2));
-        __m256 x = _mm512_mask_i64gather_ps(_mm256_setzero_ps(), live, at, (const void *)0, 1);
-        __m512i s32 = _mm512_zextsi256_si512(_mm512_cvtepi64_epi32(s));
-        __m256 sub = _mm512_castps512_ps256(_mm512_permutexvar_ps(s32, SUB));
-        __m256 scale = _mm512_castps512_ps256(_mm512_permutexvar_ps(s32, SCALE));
-        __m256 zero = _mm512_castps512_ps256(_mm512_permutexvar_ps(s32, ZERO));
-        if (t->n >= TIE_FLUSH) tie_flush(t, 0);
-        _mm512_storeu_si512((void *)(t->dst + t->n), _mm512_add_epi64(_mm512_permutex2var_epi64(C0, s, C1), k));
-        _mm512_storeu_si512((void *)(t->e + t->n), _mm512_add_epi64(_mm512_permutex2var_epi64(E0, s, E1), k));
-        _mm256_storeu_ps(t->rem + t->n, _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(x, sub), scale), zero)); /* q */
-        t->n += left < 8 ? left : 8;
+        for (int64_t i = b; i < end; i += 8) {
+            __mmask8 live = (__mmask8)(end - i >= 8 ? 0xFF : (1u << (end - i)) - 1);
+            __m512i m = _mm512_maskz_loadu_epi64(live, (const void *)(t->lm + i));
+            __m512i id = _mm512_maskz_loadu_epi64(live, (const void *)(t->li + i));
+            __m512i m1 = _mm512_sub_epi64(m, one), rest = _mm512_and_si512(m, m1);
+            __mmask8 more = _mm512_test_epi64_mask(rest, rest);
+            _mm512_storeu_si512((void *)(t->lm + nl), _mm512_maskz_compress_epi64(more, rest));
+            _mm512_storeu_si512((void *)(t->li + nl), _mm512_maskz_compress_epi64(more, id));
+            nl += __builtin_popcount(more);
+            __m512i u = _mm512_srli_epi64(bit_index(_mm512_andnot_si512(m1, m)), 1); /* the lowest tie */
+            __m512i q = _mm512_and_si512(id, c31), s = _mm512_srli_epi64(id, 5);
+            __m512i elem = _mm512_add_epi64(
+                _mm512_add_epi64(_mm512_slli_epi64(_mm512_and_si512(q, one), 5),
+                                 _mm512_slli_epi64(_mm512_and_si512(_mm512_srli_epi64(u, 2), one), 4)),
+                _mm512_add_epi64(_mm512_slli_epi64(_mm512_srli_epi64(u, 3), 2), _mm512_and_si512(u, c3)));
+            __m512i k = _mm512_add_epi64(_mm512_slli_epi64(_mm512_srli_epi64(q, 1), 6), elem); /* in the sub-block */
+            __m512i at = _mm512_add_epi64(_mm512_permutex2var_epi64(P0, s, P1), _mm512_slli_epi64(k, 2));
+            __m256 x = _mm512_mask_i64gather_ps(_mm256_setzero_ps(), live, at, (const void *)0, 1);
+            __m512i s32 = _mm512_zextsi256_si512(_mm512_cvtepi64_epi32(s));
+            __m256 sub = _mm512_castps512_ps256(_mm512_permutexvar_ps(s32, SUB));
+            __m256 scale = _mm512_castps512_ps256(_mm512_permutexvar_ps(s32, SCALE));
+            __m256 zero = _mm512_castps512_ps256(_mm512_permutexvar_ps(s32, ZERO));
+            if (n >= TIE_FLUSH) {
+                t->n = n;
+                tie_flush(t, 0);
+                n = t->n;
+            }
+            _mm512_storeu_si512((void *)(t->dst + n), _mm512_add_epi64(_mm512_permutex2var_epi64(C0, s, C1), k));
+            _mm512_storeu_si512((void *)(t->e + n), _mm512_add_epi64(_mm512_permutex2var_epi64(E0, s, E1), k));
+            _mm256_storeu_ps(t->rem + n, _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(x, sub), scale), zero)); /* q */
+            n += end - i >= 8 ? 8 : end - i;
+        }
     }
+    t->n = n;
     t->nl = 0;
     t->subs = 0;
 }
