@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -66,25 +67,19 @@ def test_compiler_error_falls_back(tmp_path) -> None:
 
 
 def test_compiler_with_arguments(tmp_path) -> None:
-    """$CC may be a command with arguments (``CC="ccache gcc"``): here ``env gcc``."""
-    if shutil.which("env") is None or shutil.which("gcc") is None:
-        pytest.skip("needs env and gcc")
-    done = _run({"CC": "env gcc"}, tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[0] == "False 0"
-    assert "compiled (env gcc" in done.stdout
-
-
-def test_compiler_arguments_are_part_of_the_cache_key(tmp_path) -> None:
-    """Two $CC commands that differ only in their arguments build two libraries, not one reused: next to this
-    process's library (built with its own $CC), ``CC="env gcc"`` builds a second one."""
+    """$CC may be a command with arguments (``CC="ccache gcc"``): here ``env gcc``. Two $CC commands that differ
+    only in their arguments build two libraries, not one reused: next to this process's library (built with its
+    own $CC), ``CC="env gcc"`` builds a second one."""
     if shutil.which("env") is None or shutil.which("gcc") is None or native.library() is None:
         pytest.skip("needs env, gcc and the compiled library")
     if os.environ.get("CC", "gcc") == "env gcc":
         pytest.skip("this process's own $CC is the one tested")
     built = Path(native.describe().rsplit(", ", 1)[1].rstrip(")"))
     shutil.copy(built, tmp_path / built.name)
-    assert _run({"CC": "env gcc"}, tmp_path).returncode == 0
+    done = _run({"CC": "env gcc"}, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == "False 0"
+    assert "compiled (env gcc" in done.stdout
     assert len(list(tmp_path.glob("mixprec_native-*.so"))) == 2
 
 
@@ -97,21 +92,47 @@ def _x86_flags() -> set[str]:
     return words & {"avx512f", "avx512vbmi", "avx"}
 
 
-@pytest.mark.parametrize("flag", ["avx512vbmi", "avx512f", "avx"])
-def test_kernels_without_an_instruction_set_extension(tmp_path, flag: str) -> None:
+EXTENSIONS = ["avx512vbmi", "avx512f", "avx"]
+
+
+@pytest.fixture(scope="module")
+def fallback_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[subprocess.Popen, Path]]]:
+    """For each extension this CPU has: a child pytest of the kernel tests on a build without it, all started at
+    once: each builds for about 12 s on one core, then runs mostly one thread, so side by side on 2 cores they
+    take 60 s where one after the other took 110 s. Their idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE)
+    instead of spinning on the cores the others need (180 s). Output goes to files, which never fill up as a
+    pipe would."""
+    tests = ["test_native_quantize.py", "test_native_rounding.py", "test_native_matmul.py", "test_compress_kernels.py"]
+    runs: dict[str, tuple[subprocess.Popen, Path]] = {}
+    for flag in EXTENSIONS if shutil.which("gcc") else []:
+        if flag not in _x86_flags():
+            continue
+        where = tmp_path_factory.mktemp(f"no-{flag}")
+        env = {k: v for k, v in os.environ.items() if k != "MIXPREC_NATIVE"}
+        env.update(CC=f"gcc -mno-{flag}", MIXPREC_CACHE_DIR=str(where), OMP_WAIT_POLICY="PASSIVE")
+        with open(where / "out.txt", "w") as out:
+            runs[flag] = (subprocess.Popen(
+                [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                 *[os.path.join(os.path.dirname(__file__), t) for t in tests], "-k", "not fake_tensors"],
+                env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+            ), where)  # fmt: skip
+    yield runs
+    for proc, _ in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("flag", EXTENSIONS)
+def test_kernels_without_an_instruction_set_extension(fallback_runs, flag: str) -> None:
     """The kernels' fallbacks give the torch path's bits: for CPUs without AVX-512 VBMI, without AVX-512 (the AVX2
     kernels) and without AVX (-mno-avx also drops AVX2, FMA and F16C: the plain C loops that other architectures
     compile). The bit-exactness tests of the quantizer, rounding and matmul kernels, with the extension off."""
-    if flag not in _x86_flags() or shutil.which("gcc") is None:
-        pytest.skip(f"this CPU has no {flag}: the default build already is the fallback")
-    tests = ["test_native_quantize.py", "test_native_rounding.py", "test_native_matmul.py", "test_compress_kernels.py"]
-    env = {k: v for k, v in os.environ.items() if k != "MIXPREC_NATIVE"}
-    env.update(CC=f"gcc -mno-{flag}", MIXPREC_CACHE_DIR=str(tmp_path))
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-         *[os.path.join(os.path.dirname(__file__), t) for t in tests], "-k", "not fake_tensors"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout
-    assert list(tmp_path.glob("mixprec_native-*.so"))  # the children ran the library built without the extension
+    if flag not in fallback_runs:
+        pytest.skip(f"this CPU has no {flag} (or no gcc): the default build already is the fallback")
+    proc, where = fallback_runs[flag]
+    proc.wait(timeout=600)
+    out = (where / "out.txt").read_text()
+    assert proc.returncode == 0, out[-5000:]
+    assert " passed" in out
+    assert list(where.glob("mixprec_native-*.so"))  # the children ran the library built without the extension
