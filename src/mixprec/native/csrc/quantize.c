@@ -777,16 +777,13 @@ static int64_t codes_stochastic_aligned(const float *restrict p, uint8_t *restri
                                         float scale256, float zero256, const __m512i *w, uint64_t *restrict tie,
                                         scan_t *next, int64_t base) {
     const __m512 vsub = _mm512_set1_ps(sub), vscale = _mm512_set1_ps(scale256), vzero = _mm512_set1_ps(zero256);
-    int64_t done;
     if (sub == 0.0f) /* an aligned grid (or min = 0) */
-        done = next ? codes_aligned_body(p, c, m, vsub, vscale, vzero, 0, 1, w, tie, next, base)
+        return next ? codes_aligned_body(p, c, m, vsub, vscale, vzero, 0, 1, w, tie, next, base)
                     : codes_aligned_body(p, c, m, vsub, vscale, vzero, 0, 1, w, tie, 0, base);
-    else if (zero256 == 0.0f) /* min = sub, zero = 0 */
-        done = next ? codes_aligned_body(p, c, m, vsub, vscale, vzero, 1, 0, w, tie, next, base)
+    if (zero256 == 0.0f) /* min = sub, zero = 0 */
+        return next ? codes_aligned_body(p, c, m, vsub, vscale, vzero, 1, 0, w, tie, next, base)
                     : codes_aligned_body(p, c, m, vsub, vscale, vzero, 1, 0, w, tie, 0, base);
-    else
-        done = codes_aligned_body(p, c, m, vsub, vscale, vzero, 1, 1, w, tie, next, base);
-    return done;
+    return codes_aligned_body(p, c, m, vsub, vscale, vzero, 1, 1, w, tie, next, base);
 }
 
 /* Take the sub-block just coded (x at p, codes at c, first stream position e0, its grid) into the next slot,
