@@ -5,7 +5,10 @@ Implementations live above this module: ``mixprec.parallel`` (``"native"``, ``"f
 one with :func:`make_reducer` or takes any object that keeps the contract.
 
 The contract every reducer keeps is in :class:`GradReducer`'s docstring; :func:`check_bucket` and
-:func:`check_shard_out` check its tensor arguments.
+:func:`check_shard_out` check its tensor arguments. Every consumer (the wrapper, the sharded optimizer, the
+torch DDP hooks, the simulated data parallelism, the studies) goes through these objects: a reducer's
+:meth:`~GradReducer.model` is the bit-exact one-process model of its ``all_reduce``, built from
+:mod:`mixprec.comm.models` and the compressed pipelines' models, so a new reducer gets every consumer at once.
 """
 
 from __future__ import annotations
@@ -20,16 +23,19 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from mixprec.comm.handles import PendingReduction
+from mixprec.comm.models import check_rows
 from mixprec.core.dtypes import WIRE_DTYPES
 from mixprec.core.validate import check_group, check_positive_int, check_tensor
 
 __all__ = [
     "BUCKET_ALIGNMENT",
+    "BucketReducer",
     "GradReducer",
     "ReductionHandle",
     "after_work",
     "bucket_multiple",
     "check_bucket",
+    "check_model_rows",
     "check_shard_out",
     "make_reducer",
     "register_reducer",
@@ -53,7 +59,25 @@ class ReductionHandle(Protocol):
 
 
 @runtime_checkable
-class GradReducer(Protocol):
+class BucketReducer(Protocol):
+    """The four methods the data-parallel wrapper calls (an object passed to it as ``reduce=`` needs only
+    these); a registered reducer is a full :class:`GradReducer`."""
+
+    def all_reduce(
+        self, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
+    ) -> ReductionHandle: ...
+
+    def reduce_scatter(
+        self, shard_out: torch.Tensor, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
+    ) -> ReductionHandle: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class GradReducer(BucketReducer, Protocol):
     """Reduces one flat gradient bucket (1-D, contiguous, length a multiple of lcm(world_size, 128)).
 
     The contract every reducer keeps (the data-parallel wrapper relies on it):
@@ -78,19 +102,23 @@ class GradReducer(Protocol):
       ``weights_only=True``); ``load_state_dict`` accepts what ``state_dict`` returned.
     * The bucket's padding (the elements after the last parameter) is zero when a reduction starts; a
       reducer may write there, the wrapper zeroes it again.
+
+    ``model(rows, *, average, key=0)``: the P ranks' buckets stacked as ``rows`` [P, n] (rank r's in row r,
+    the buckets' dtype, n a multiple of ``lcm(P, 128)``) in, [P, n] out: what each rank's bucket holds after
+    ``all_reduce(..., average=average, key=key)`` on a P-rank group, bit for bit, computed in this process
+    without a process group (CPU or the rows' device). Since every rank holds the same bits, the result may
+    be a broadcast view: read it, copy it before writing. ``rows`` is not modified.
+
+    State while modelling: one reducer object stands for the whole group, so it keeps the state of all P
+    simulated ranks, apart from its own rank's state for real calls (:class:`mixprec.comm.models.GroupState`):
+    rank r's random stream seeded as ``mixprec.comm.rank_generator`` seeds rank r's (``seed + r``), and per
+    bucket key one residual per rank, each advancing exactly as the real ranks' do at each call. The first call
+    fixes P for that object. Hierarchical reducers take their topology as they do for real calls (options, or
+    ``LOCAL_WORLD_SIZE``), and ``P`` must be its size. A configuration whose result cannot be modelled
+    exactly raises ValueError saying why, before any state changes.
     """
 
-    def all_reduce(
-        self, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
-    ) -> ReductionHandle: ...
-
-    def reduce_scatter(
-        self, shard_out: torch.Tensor, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
-    ) -> ReductionHandle: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def model(self, rows: torch.Tensor, *, average: bool, key: int = 0) -> torch.Tensor: ...
 
 
 def after_work(work: Any, then: Callable[[], None] | None = None, *, keep: Any = None) -> PendingReduction:
@@ -126,6 +154,20 @@ def check_bucket(bucket: torch.Tensor, group: ProcessGroup | None) -> int:
             f"{BUCKET_ALIGNMENT}) = {multiple}"
         )
     return world_size
+
+
+def check_model_rows(rows: torch.Tensor, key: int) -> tuple[int, int]:
+    """Check :meth:`GradReducer.model`'s arguments; returns (P, n). TypeError: not a tensor of a wire dtype;
+    ValueError: not [P, n] with rows contiguous, n not a multiple of ``lcm(P, 128)``, or a bad key."""
+    if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+        raise ValueError(f"key must be an int >= 0; got {key!r}")
+    world, n = check_rows(rows)
+    multiple = bucket_multiple(world)
+    if n % multiple:
+        raise ValueError(
+            f"rows hold buckets of {n} elements, not a multiple of lcm(P={world}, {BUCKET_ALIGNMENT}) = {multiple}"
+        )
+    return world, n
 
 
 def check_shard_out(shard_out: torch.Tensor, bucket: torch.Tensor, world_size: int) -> None:
@@ -184,5 +226,10 @@ def make_reducer(name: str, **options: Any) -> GradReducer:
         raise TypeError(f"reducer {name!r} rejected its options {sorted(options)}: {exc}") from None
     reducer = factory(**options)
     if not isinstance(reducer, GradReducer):
-        raise TypeError(f"the factory registered as {name!r} returned {type(reducer).__name__}, not a GradReducer")
+        why = (
+            " (it has no model method: a registered reducer models itself)"
+            if isinstance(reducer, BucketReducer)
+            else ""
+        )
+        raise TypeError(f"the factory registered as {name!r} returned {type(reducer).__name__}, not a GradReducer{why}")
     return reducer

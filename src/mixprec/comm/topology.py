@@ -49,16 +49,7 @@ class Topology:
         """From torchrun's ``LOCAL_WORLD_SIZE`` (ranks per node) and the world size (default: the default
         group's). Raises ValueError when ``LOCAL_WORLD_SIZE`` is unset or does not divide the world size.
         """
-        value = os.environ.get("LOCAL_WORLD_SIZE")
-        if value is None:
-            raise ValueError(
-                "no topology given and LOCAL_WORLD_SIZE is not set (torchrun sets it): pass "
-                "topology=Topology(nodes, ranks_per_node) or a 2-D DeviceMesh with dims ('node', 'local')"
-            )
-        try:
-            per_node = int(value)
-        except ValueError:
-            raise ValueError(f"LOCAL_WORLD_SIZE must be an integer; got {value!r}") from None
+        per_node = local_world_size_from_env()
         if world_size is None:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError("Topology.from_env() needs world_size or an initialised process group")
@@ -66,6 +57,20 @@ class Topology:
         if per_node < 1 or world_size % per_node:
             raise ValueError(f"LOCAL_WORLD_SIZE={per_node} does not divide the world size {world_size}")
         return cls(world_size // per_node, per_node)
+
+
+def local_world_size_from_env() -> int:
+    """torchrun's ``LOCAL_WORLD_SIZE`` (ranks per node); ValueError when it is unset or not an integer."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value is None:
+        raise ValueError(
+            "no topology given and LOCAL_WORLD_SIZE is not set (torchrun sets it): pass "
+            "topology=Topology(nodes, ranks_per_node) or a 2-D DeviceMesh with dims ('node', 'local')"
+        )
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"LOCAL_WORLD_SIZE must be an integer; got {value!r}") from None
 
 
 @dataclass(frozen=True)

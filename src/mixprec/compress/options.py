@@ -19,7 +19,10 @@ from mixprec.core.dtypes import ROUNDINGS
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rank_generator
 from mixprec.core.validate import check_bool, check_choice, check_positive_int
 
-__all__ = ["WIRES", "Uint8Options"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "WIRES", "Uint8Options", "build_compressor"]
+
+# Elements per chunk (one header entry) of the data-parallel compressors: ByteGrad's block, 0.4% of header bytes.
+DEFAULT_CHUNK_SIZE = 2048
 
 # What goes on the wire: min-max uint8, fp8 with per-chunk scales, or a choice per bucket (compress/auto.py).
 WIRES: tuple[str, ...] = ("uint8", *FP8_FORMATS, "auto")
@@ -48,7 +51,7 @@ class Uint8Options:
             reduction (rank 0's measurement, broadcast).
     """
 
-    chunk_size: int = 2048
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     rounding: str = "nearest"
     error_feedback: bool = False
     check_finite: str = "flag"
@@ -129,6 +132,22 @@ def load_feedback(entry: dict[str, Any]) -> ErrorFeedback:
     return feedback
 
 
+def build_compressor(options: Uint8Options, wire: str, generator: torch.Generator | None) -> Compressor:
+    """The compressor of ``wire`` (``"uint8"``, ``"e4m3"``, ``"e5m2"``) with ``options``' chunk size, rounding
+    and check_finite, drawing stochastic keys from ``generator``."""
+    kwargs: dict[str, Any] = {
+        "chunk_size": options.chunk_size,
+        "rounding": options.rounding,
+        "generator": generator,
+        "check_finite": options.check_finite,
+    }
+    if wire == "uint8":
+        return MinMaxUInt8(**kwargs)
+    if wire in FP8_FORMATS:
+        return ScaledFP8(wire, **kwargs)
+    raise ValueError(f"wire must be one of {', '.join(map(repr, WIRES[:-1]))} here; got {wire!r}")
+
+
 class RankCompressors:
     """One compressor per (device, wire) with ``options``; stochastic rounding draws from
     ``rank_generator(options.seed, device)``, created at first use (when the process group is up). A
@@ -153,19 +172,7 @@ class RankCompressors:
                 if self._pending is not None:
                     _apply(generator, *self._pending)
                     self._pending = None
-            kwargs: dict[str, Any] = {
-                "chunk_size": opts.chunk_size,
-                "rounding": opts.rounding,
-                "generator": generator,
-                "check_finite": opts.check_finite,
-            }
-            if wire == "uint8":
-                comp = MinMaxUInt8(**kwargs)
-            elif wire in FP8_FORMATS:
-                comp = ScaledFP8(wire, **kwargs)
-            else:
-                raise ValueError(f"wire must be one of {', '.join(map(repr, WIRES[:-1]))} here; got {wire!r}")
-            self._by_device[device, wire] = comp
+            comp = self._by_device[device, wire] = build_compressor(opts, wire, generator)
         self._generator = comp.generator
         return comp
 

@@ -10,11 +10,13 @@ and ``"auto"`` (full precision, uint8 or fp8 per bucket: :mod:`mixprec.compress.
 
 Each bucket goes through :func:`mixprec.compress.start_compressed_all_reduce` (or the reduce-scatter with
 ``sharded_optimizer=True``): the quantization and the all-to-all start when the bucket is launched, the
-fp32 sum, re-quantization and all-gather run in the handle's ``wait()``.
+fp32 sum, re-quantization and all-gather run in the handle's ``wait()``. ``model`` replays the same
+pipelines for P ranks in one process (:mod:`mixprec.compress.models`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections import deque
 from collections.abc import Callable
@@ -26,12 +28,23 @@ from torch.distributed import ProcessGroup
 
 from mixprec.comm.fp32_accumulate import all_reduce_fp32_accumulate, reduce_scatter_fp32_accumulate
 from mixprec.comm.handles import PendingReduction
-from mixprec.comm.reducer import check_bucket, check_shard_out, register_reducer
-from mixprec.comm.topology import Topology
+from mixprec.comm.models import GroupState, fp32_accumulate_rows, same_on_every_rank, topology_shape
+from mixprec.comm.reducer import check_bucket, check_model_rows, check_shard_out, register_reducer
+from mixprec.comm.topology import Topology, local_world_size_from_env
 from mixprec.compress import auto
 from mixprec.compress.collectives import start_compressed_all_reduce, start_compressed_reduce_scatter
-from mixprec.compress.options import RankCompressors, Uint8Options, check_feedback_entry, load_feedback
+from mixprec.compress.models import compressed_all_reduce_rows, feedback_shapes
+from mixprec.compress.options import (
+    DEFAULT_CHUNK_SIZE,
+    RankCompressors,
+    Uint8Options,
+    build_compressor,
+    check_feedback_entry,
+    load_feedback,
+)
+from mixprec.compress.quantize import NonFiniteError
 from mixprec.compress.state import CompressionStats, CompressionWorkspace, ErrorFeedback
+from mixprec.core.philox import draw_key
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED
 from mixprec.core.validate import check_positive_int
 
@@ -57,7 +70,7 @@ class Uint8Reducer:
     def __init__(
         self,
         *,
-        chunk_size: int = 2048,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
         rounding: str = "nearest",
         error_feedback: bool = False,
         check_finite: str = "flag",
@@ -91,6 +104,17 @@ class Uint8Reducer:
         self.choices: dict[int, auto.AutoChoice] = {}
         """``wire="auto"``: each bucket's choice (made at its first reduction, then kept)."""
         self._costs: auto.LinkCosts | None = None
+        self.model_state = GroupState()
+        """The simulated ranks' state while :meth:`model` stands for a group: their random streams and, per
+        bucket key, their error-feedback residuals (``worker`` [P, sent elements], ``server`` [n])."""
+        self._model_choices: dict[int, auto.AutoChoice] = {}
+        self._nodes_from_world = False  # LOCAL_WORLD_SIZE read before the group size was known
+
+    def _settle_topology(self, world: int) -> None:
+        if self._nodes_from_world:
+            self.options = dataclasses.replace(self.options, topology=Topology.from_env(world))
+            self._compressors.options = self.options
+            self._nodes_from_world = False
 
     @property
     def link_costs(self) -> auto.LinkCosts | None:
@@ -148,7 +172,7 @@ class Uint8Reducer:
     def all_reduce(
         self, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
     ) -> _PendingBucket:
-        check_bucket(bucket, group)
+        self._settle_topology(check_bucket(bucket, group))
         if self._wire_for(key, bucket, group) == "full":
             return self._start_full(
                 key, lambda: all_reduce_fp32_accumulate(bucket, group, average=average, async_op=True)
@@ -160,6 +184,7 @@ class Uint8Reducer:
     ) -> _PendingBucket:
         world_size = check_bucket(bucket, group)
         check_shard_out(shard_out, bucket, world_size)
+        self._settle_topology(world_size)
         if self._wire_for(key, bucket, group) == "full":
             return self._start_full(
                 key,
@@ -204,6 +229,68 @@ class Uint8Reducer:
             self._free.append(workspace)  # refused before anything was sent: the buffers are idle
             raise
         return self._track(reduction, workspace, key)
+
+    def model(self, rows: torch.Tensor, *, average: bool, key: int = 0) -> torch.Tensor:
+        """The compressed all-reduce of the P buckets ``rows`` (see :class:`mixprec.comm.GradReducer`): the flat
+        or hierarchical pipeline of :mod:`mixprec.compress.models`, with the simulated ranks' residuals and
+        streams in :attr:`model_state`. ``wire="auto"`` uses the bucket's choice of a real call of this reducer,
+        else chooses as a real rank would with this process's quantizing costs and ``link_gbps`` (a model
+        has no link to probe: without ``link_gbps`` it refuses). Not modelled: :attr:`last_stats` and the
+        byte counts (nothing is sent). ``check_finite="raise"`` raises NonFiniteError as every real rank does.
+        """
+        world, n = check_model_rows(rows, key)
+        self._settle_topology(world)
+        per_node = None
+        if self.options.topology is not None:
+            nodes, per_node = topology_shape(self.options.topology)
+            if nodes * per_node != world:
+                raise ValueError(
+                    f"rows hold {world} ranks but the topology {nodes} x {per_node} has {nodes * per_node}"
+                )
+        wire = self._model_wire(key, rows)
+        self.model_state.check_world(world)
+        if wire == "full":  # what _start_full runs: the flat fp32-accumulating all-reduce, round to nearest
+            return same_on_every_rank(fp32_accumulate_rows(rows, average=average), world)
+        if world == 1:  # nothing is quantized or sent on one rank
+            out, found = rows[0].clone(), not bool(torch.isfinite(rows).all())
+        else:
+            comp = build_compressor(self.options, wire, None)
+            keys = None
+            if self.options.rounding == "stochastic":
+                keys = [draw_key(g) for g in self.model_state.streams(self.options.seed, rows.device)]
+            worker = server = None
+            if self.options.error_feedback:
+                worker_shape, server_shape = feedback_shapes(world, n, per_node)
+                worker = self.model_state.tensor(key, "worker", worker_shape, rows.device)
+                server = self.model_state.tensor(key, "server", server_shape, rows.device)
+            out, found = compressed_all_reduce_rows(
+                rows, comp, average=average, ranks_per_node=per_node, keys=keys, worker=worker, server=server
+            )
+        if found:
+            for residual in self.model_state.tensors.get(key, {}).values():
+                residual.zero_()  # what every real rank's ErrorFeedback.reset() does
+            if self.options.check_finite == "raise":
+                raise NonFiniteError(
+                    "model: some rank's bucket holds NaN or Inf, or the reduction overflowed (the affected chunks "
+                    "reduced to NaN on every rank)"
+                )
+        return same_on_every_rank(out, world)
+
+    def _model_wire(self, key: int, rows: torch.Tensor) -> str:
+        if self.options.wire != "auto":
+            return self.options.wire
+        choice = self.choices.get(key) or self._model_choices.get(key)
+        if choice is None:
+            if self.options.link_gbps is None:
+                raise ValueError(
+                    "wire='auto' chooses each bucket's wire from the link rate, which a one-process model cannot "
+                    "probe: give link_gbps (or model after a real reduction of this bucket, whose choice is kept)"
+                )
+            world, n = rows.shape
+            costs = auto.LinkCosts(self.options.link_gbps * 1e9 / 8, *auto.measure_quantize_cost(rows.device))
+            choice = auto.choose(costs, n, rows.element_size(), world, self.options.chunk_size)
+            self._model_choices[key] = choice
+        return choice.wire
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: the options that change results (rounding, chunk_size, check_finite, topology as
@@ -282,11 +369,18 @@ def _factory(name: str, wires: tuple[str, ...], hierarchical: bool) -> Callable[
         wire = options.setdefault("wire", wires[0])
         if wire not in wires:
             raise ValueError(f"reducer {name!r}: wire must be one of {', '.join(map(repr, wires))}; got {wire!r}")
+        deferred = False
         if hierarchical and options.get("topology") is None:
-            options["topology"] = Topology.from_env()
+            if dist.is_available() and dist.is_initialized():
+                options["topology"] = Topology.from_env()
+            else:  # no group yet (a model): the node count comes from the group size at the first call
+                options["topology"] = Topology(1, local_world_size_from_env())
+                deferred = True
         elif not hierarchical and options.get("topology") is not None:
             raise ValueError(f"reducer {name!r} is flat; for a topology use reduce={name + '_hierarchical'!r}")
-        return Uint8Reducer(**options)
+        reducer = Uint8Reducer(**options)
+        reducer._nodes_from_world = deferred
+        return reducer
 
     # The factory takes Uint8Reducer's keywords; its signature says so, so that make_reducer can name a
     # wrong option before any reducer is built.

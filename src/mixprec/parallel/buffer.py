@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from mixprec.comm.reducer import GradReducer, ReductionHandle
+from mixprec.comm.reducer import BucketReducer, ReductionHandle
 from mixprec.core.dtypes import WIRE_DTYPES
 from mixprec.core.validate import check_bool, check_dtype, check_group
 from mixprec.parallel.buckets import BucketLayout, build_layout
@@ -364,7 +364,7 @@ class GradBuffer:
         return tuple(self._names[s.index] for s in b.slots if not bool(torch.isfinite(self._slots[s.index].view).all()))
 
     @torch.no_grad()
-    def start_reduction(self, k: int, reducer: GradReducer, *, average: bool = True) -> ReductionHandle:
+    def start_reduction(self, k: int, reducer: BucketReducer, *, average: bool = True) -> ReductionHandle:
         """Start bucket ``k``'s reduction with ``reducer``: an all-reduce in place, or with sharding a
         reduce-scatter into this rank's fp32 shard. The padding is zeroed first, so whatever a reducer left
         there (inf/NaN of an earlier step included) never enters a sum. Every rank must start the same

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from mixprec.comm.compat import require_initialized
 from mixprec.comm.handles import wait_all
-from mixprec.comm.reducer import GradReducer, ReductionHandle, make_reducer
+from mixprec.comm.reducer import BucketReducer, ReductionHandle, make_reducer
 from mixprec.core.dtypes import LOW_PRECISION_DTYPES
 from mixprec.core.validate import check_bool, check_group
 from mixprec.parallel.buckets import BucketLayout
@@ -66,7 +66,8 @@ class DistributedDataParallel(torch.nn.Module):
         bucket_size: parameter elements per bucket, int >= 1 (default 40M, Megatron's); a larger
             parameter gets a bucket of its own. Smaller buckets start reducing earlier in backward.
         reduce: a registered reducer name (``"fp32_accumulate"``, ``"native"``, or ``"uint8"`` /
-            ``"uint8_hierarchical"`` from mixprec.compress) or a :class:`GradReducer` instance.
+            ``"uint8_hierarchical"`` from mixprec.compress) or a reducer instance (any object with the
+            four methods of :class:`mixprec.comm.reducer.BucketReducer`; a registered one is a :class:`GradReducer`).
         reduce_options: keyword options for the reducer's factory (only with a name).
         grad_dtype: dtype of the gradient buffers and so of the wire: float16, bfloat16 or float32;
             None = each parameter's dtype. E.g. fp32 parameters with ``grad_dtype=torch.bfloat16`` send
@@ -86,7 +87,7 @@ class DistributedDataParallel(torch.nn.Module):
         group: dist.ProcessGroup | None = None,
         *,
         bucket_size: int = 40_000_000,
-        reduce: str | GradReducer = "fp32_accumulate",
+        reduce: str | BucketReducer = "fp32_accumulate",
         reduce_options: dict[str, Any] | None = None,
         grad_dtype: torch.dtype | None = None,
         overlap: bool = True,
@@ -102,8 +103,8 @@ class DistributedDataParallel(torch.nn.Module):
         check_bool("sharded_optimizer", sharded_optimizer)
         check_bool("check_finite", check_finite)
         if isinstance(reduce, str):
-            self.reducer: GradReducer = make_reducer(reduce, **(reduce_options or {}))
-        elif isinstance(reduce, GradReducer):
+            self.reducer: BucketReducer = make_reducer(reduce, **(reduce_options or {}))
+        elif isinstance(reduce, BucketReducer):
             if reduce_options:
                 raise ValueError("reduce_options only apply when reduce is a reducer name, not an instance")
             self.reducer = reduce

@@ -2,7 +2,8 @@
 
 * ``"native"``: the backend's own collective in the bucket dtype (what torch DDP does): ``average``
   divides every element by the group size *before* the sum, in the bucket dtype (torch DDP's pre-divide,
-  which keeps fp16 sums from overflowing), then SUM. gloo and NCCL add in the wire dtype.
+  which keeps fp16 sums from overflowing), then SUM. gloo and NCCL add in the wire dtype. Its model follows
+  gloo's ring (``algorithm="ring"``, measured) or the shape of NCCL's tree (``algorithm="tree"``).
 * ``"fp32_accumulate"``: :func:`mixprec.comm.reduce_scatter_fp32_accumulate` /
   :func:`mixprec.comm.all_reduce_fp32_accumulate`: wire in the bucket dtype, fp32 sum, one rounding.
   Options: ``rounding="nearest"|"stochastic"``, ``seed`` (stochastic rounding's stream, plus the rank),
@@ -11,7 +12,8 @@
 * ``"fp32_accumulate_hierarchical"``: the same with the topology from torchrun's ``LOCAL_WORLD_SIZE``
   when none is given.
 
-Both keep the contract of :class:`mixprec.comm.reducer.GradReducer`.
+All keep the contract of :class:`mixprec.comm.reducer.GradReducer`, ``model`` included (its arithmetic is
+:mod:`mixprec.comm.models`').
 """
 
 from __future__ import annotations
@@ -28,13 +30,33 @@ from mixprec.comm.compat import reduce_scatter_flat
 from mixprec.comm.fp32_accumulate import all_reduce_fp32_accumulate, reduce_scatter_fp32_accumulate
 from mixprec.comm.handles import PendingReduction, wait_all
 from mixprec.comm.hierarchical_fp32 import per_segment
-from mixprec.comm.reducer import ReductionHandle, after_work, check_bucket, check_shard_out, register_reducer
-from mixprec.comm.topology import Topology, check_topology
+from mixprec.comm.models import (
+    GroupState,
+    binary_tree_sum,
+    fp32_accumulate_rows,
+    gloo_ring_sum_padded,
+    hierarchical_fp32_rows,
+    ring_chunk,
+    same_on_every_rank,
+    topology_shape,
+)
+from mixprec.comm.reducer import (
+    ReductionHandle,
+    after_work,
+    check_bucket,
+    check_model_rows,
+    check_shard_out,
+    register_reducer,
+)
+from mixprec.comm.topology import Topology, check_topology, local_world_size_from_env
 from mixprec.core.dtypes import ROUNDINGS, Rounding
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rank_generator
 from mixprec.core.validate import check_choice, check_positive_int
 
-__all__ = ["FP32AccumulateReducer", "NativeReducer"]
+__all__ = ["NATIVE_ALGORITHMS", "FP32AccumulateReducer", "NativeReducer"]
+
+# What NativeReducer.model follows: gloo's ring (measured, bit for bit) or the shape of NCCL's tree.
+NATIVE_ALGORITHMS: tuple[str, ...] = ("ring", "tree")
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -49,7 +71,15 @@ class NativeReducer:
     DDP's default hook does. Extra memory: ``all_reduce`` none (it divides the bucket in place);
     ``reduce_scatter`` with ``average`` a pre-divided copy of the bucket (the bucket itself is left as it
     is), plus a bucket-dtype shard when ``shard_out`` is fp32.
+
+    Args:
+        algorithm: what :meth:`model` follows: ``"ring"`` (gloo's ring, measured bit for bit) or ``"tree"``
+            (a binary tree in rank order, the shape of NCCL's, not its exact order). The collective itself
+            runs whatever the backend runs.
     """
+
+    def __init__(self, *, algorithm: str = "ring") -> None:
+        self.algorithm = check_choice("algorithm", algorithm, NATIVE_ALGORITHMS)
 
     def all_reduce(
         self, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
@@ -73,6 +103,19 @@ class NativeReducer:
         work = reduce_scatter_flat(staging, source, group, async_op=True)
         return after_work(work, lambda: shard_out.copy_(staging), keep=source)
 
+    def model(self, rows: torch.Tensor, *, average: bool, key: int = 0) -> torch.Tensor:
+        """Each rank pre-divides its bucket by P in its dtype (``average``), then gloo's ring or the tree SUM,
+        rounding to the wire dtype at every hop."""
+        world, n = check_model_rows(rows, key)
+        if self.algorithm == "tree":
+            return same_on_every_rank(binary_tree_sum(torch.div(rows, world) if average else rows), world)
+        padded = rows.new_zeros(world, world * ring_chunk(n, world, rows.element_size()))
+        if average:
+            torch.div(rows, world, out=padded[:, :n])  # the pre-divide, in the wire dtype
+        else:
+            padded[:, :n] = rows
+        return same_on_every_rank(gloo_ring_sum_padded(padded, n), world)
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -81,7 +124,7 @@ class NativeReducer:
             raise TypeError(f"state must be a dict; got {type(state).__name__}")
 
     def __repr__(self) -> str:
-        return "NativeReducer()"
+        return "NativeReducer()" if self.algorithm == "ring" else f"NativeReducer(algorithm={self.algorithm!r})"
 
 
 class FP32AccumulateReducer:
@@ -150,6 +193,14 @@ class FP32AccumulateReducer:
         self._largest: dict[tuple[torch.dtype, torch.device], int] = {}
         self._generator: torch.Generator | None = None
         self._generator_state: torch.Tensor | None = None
+        self.model_state = GroupState()
+        """The simulated ranks' state while :meth:`model` stands for a group (their random streams)."""
+        self._nodes_from_world = False  # LOCAL_WORLD_SIZE read before the group size was known
+
+    def _settle_topology(self, world: int) -> None:
+        if self._nodes_from_world:
+            self.topology = Topology.from_env(world)
+            self._nodes_from_world = False
 
     # ------------------------------------------------------------------ buffers
     def _take_scratch(self, bucket: torch.Tensor) -> torch.Tensor:
@@ -223,6 +274,7 @@ class FP32AccumulateReducer:
         self, bucket: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
     ) -> ReductionHandle:
         world_size = check_bucket(bucket, group)
+        self._settle_topology(world_size)
         scratch = self._take_scratch(bucket) if self.topology is None else self._take_area(bucket, world_size)
         pending = all_reduce_fp32_accumulate(
             bucket,
@@ -242,6 +294,7 @@ class FP32AccumulateReducer:
     ) -> ReductionHandle:
         world_size = check_bucket(bucket, group)
         check_shard_out(shard_out, bucket, world_size)
+        self._settle_topology(world_size)
         scratch = self._take_scratch(bucket) if self.topology is None else self._take_area(bucket, world_size)
         pending = reduce_scatter_fp32_accumulate(
             shard_out,
@@ -256,6 +309,36 @@ class FP32AccumulateReducer:
             inter_node_dtype=self.inter_node_dtype,
         )
         return self._track(pending, scratch)
+
+    def model(self, rows: torch.Tensor, *, average: bool, key: int = 0) -> torch.Tensor:
+        """Flat: the fp32 sum in rank order (/ P), one rounding; stochastic rounding rounds owner p's shard with
+        simulated rank p's stream. Hierarchical (round to nearest): the two stages of
+        :func:`mixprec.comm.models.hierarchical_fp32_rows`. Stochastic hierarchical rounding is refused: its
+        draws follow the segment pipeline, which is not modelled."""
+        world, _ = check_model_rows(rows, key)
+        self._settle_topology(world)
+        if self.topology is not None:
+            nodes, per_node = topology_shape(self.topology)
+            if nodes * per_node != world:
+                raise ValueError(
+                    f"rows hold {world} ranks but the topology {nodes} x {per_node} has {nodes * per_node}"
+                )
+            if self.rounding == "stochastic":
+                raise ValueError(
+                    "the hierarchical scheme's stochastic rounding is not modelled (its draws follow the segment "
+                    "pipeline); model rounding='nearest'"
+                )
+            self.model_state.check_world(world)
+            return same_on_every_rank(
+                hierarchical_fp32_rows(rows, per_node, average=average, inter_dtype=self.inter_node_dtype), world
+            )
+        stochastic = self.rounding == "stochastic"
+        if stochastic and rows.dtype == torch.float32:
+            raise ValueError(f"rounding='stochastic' needs a float16/bfloat16 tensor; rows are {rows.dtype}")
+        self.model_state.check_world(world)
+        generators = self.model_state.streams(self.seed, rows.device) if stochastic else None
+        out = fp32_accumulate_rows(rows, average=average, rounding=self.rounding, generators=generators)
+        return same_on_every_rank(out, world)
 
     def state_dict(self) -> dict[str, Any]:
         """The rounding mode and, for stochastic rounding, the generator state (a uint8 tensor)."""
@@ -286,10 +369,17 @@ class FP32AccumulateReducer:
 
 def make_hierarchical_fp32_reducer(**options: Any) -> FP32AccumulateReducer:
     """Factory of ``"fp32_accumulate_hierarchical"``: ``topology`` from the options, else from torchrun's
-    ``LOCAL_WORLD_SIZE``."""
-    if options.get("topology") is None:
+    ``LOCAL_WORLD_SIZE`` (without a process group, as for a model, the node count comes from the group size
+    at the first call)."""
+    if options.get("topology") is not None:
+        return FP32AccumulateReducer(**options)
+    if dist.is_available() and dist.is_initialized():
         options["topology"] = Topology.from_env()
-    return FP32AccumulateReducer(**options)
+        return FP32AccumulateReducer(**options)
+    options["topology"] = Topology(1, local_world_size_from_env())  # nodes: set at the first call
+    reducer = FP32AccumulateReducer(**options)
+    reducer._nodes_from_world = True
+    return reducer
 
 
 make_hierarchical_fp32_reducer.__signature__ = inspect.signature(FP32AccumulateReducer)  # type: ignore[attr-defined]

@@ -1,0 +1,146 @@
+"""Every registered reducer against real gloo runs: ``model`` gives each rank's bits after ``all_reduce``.
+
+The test walks ``registered_reducers()``: a new reducer is covered as soon as it registers (with its default
+options; ``OPTIONS`` below adds the variants whose state a model must carry: error-feedback residuals and
+stochastic streams). Each real run reduces three steps of two bucket keys on P = 2, 3, 4 ranks and on two
+nodes of two, bf16 and fp32 buckets, the middle step with a NaN on one rank (the residuals' reset); the
+model of a fresh reducer of the same name and options, fed the same buckets in the same order, must give
+the same bits at every call, or refuse the same configurations.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import mixprec  # noqa: F401  (registers the compressed reducers)
+from mixprec.comm import make_reducer, registered_reducers
+from mixprec.comm.reducer import bucket_multiple
+from mixprec.comm.topology import Topology
+from mixprec.testing import run_distributed
+
+DTYPES = (torch.bfloat16, torch.float32)
+# (step, key) in call order: two buckets per step; step 1 holds a NaN on rank 0.
+CALLS = ((0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1))
+NAN_STEP = 1
+# Options beyond the defaults for the reducers whose model carries state; any other name gets [{}].
+OPTIONS: dict[str, list[dict]] = {
+    "native": [{}, {"algorithm": "ring"}],
+    "fp32_accumulate": [{}, {"rounding": "stochastic", "seed": 11}],
+    "fp32_accumulate_hierarchical": [{}, {"inter_node_dtype": torch.float32}],
+    "auto": [{"link_gbps": 1e6}, {"link_gbps": 1e-6, "error_feedback": True}],  # full precision; uint8
+}
+for _name in ("uint8", "uint8_hierarchical", "fp8", "fp8_hierarchical"):
+    OPTIONS[_name] = [{}, {"error_feedback": True, "rounding": "stochastic", "seed": 5}]
+# (P, LOCAL_WORLD_SIZE): the hierarchical reducers take their topology from it (flat ones ignore it).
+GROUPS = ((2, 1), (3, 3), (4, 4), (4, 2))
+
+
+def _cases() -> list[tuple[str, int, dict]]:
+    return [(name, i, opts) for name in registered_reducers() for i, opts in enumerate(OPTIONS.get(name, [{}]))]
+
+
+def _options(c: int, opts: dict, dtype: torch.dtype) -> dict:
+    """``opts`` with a seed of its own per case and dtype: a process shares one stream per seed
+    (mixprec.comm.rank_generator), so two real reducers of one seed would draw from the same stream."""
+    if "seed" not in opts:
+        return opts
+    return {**opts, "seed": opts["seed"] + 100 * c + 10 * DTYPES.index(dtype)}
+
+
+def _numel(world: int) -> int:
+    multiple = bucket_multiple(world)
+    return multiple * -(-5000 // multiple)  # several 2048-element chunks per part at P = 2
+
+
+def _bucket(rank: int, step: int, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + 100 * key + rank)
+    # Magnitudes spread over ~2**8, so that the order of additions shows in the low bits.
+    x = torch.randn(numel, generator=g) * torch.exp2(torch.randint(-4, 4, (numel,), generator=g).float())
+    x[-7:] = 0.0  # padding
+    if step == NAN_STEP and rank == 0:
+        x[5] = float("nan")
+    return x.to(dtype)
+
+
+def _real(rank: int, world: int, local: int, cases: list[tuple[str, int, dict]]) -> dict:
+    torch.set_num_threads(1)
+    os.environ["LOCAL_WORLD_SIZE"] = str(local)
+    numel = _numel(world)
+    out: dict = {}
+    for c, (name, i, opts) in enumerate(cases):
+        for dtype in DTYPES:
+            try:
+                reducer = make_reducer(name, **_options(c, opts, dtype))
+                results = []
+                for step, key in CALLS:
+                    bucket = _bucket(rank, step, key, numel, dtype)
+                    reducer.all_reduce(bucket, None, average=True, key=key).wait()
+                    results.append(bucket)
+                out[name, i, dtype] = results
+            except ValueError as exc:  # refused before anything was sent, on every rank alike
+                out[name, i, dtype] = f"refused: {exc}"
+    return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits, NaN payloads aside (both NaN at the same elements)."""
+    nan = torch.isnan(a)
+    return a.dtype == b.dtype and torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
+
+
+@pytest.mark.parametrize(("world", "local"), GROUPS)
+def test_every_registered_reducer_models_its_gloo_all_reduce(monkeypatch, world: int, local: int) -> None:
+    cases = _cases()
+    assert {"native", "fp32_accumulate", "uint8", "fp8", "auto"} <= {name for name, _, _ in cases}
+    per_rank = run_distributed(_real, world, local, cases, timeout=300)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    numel = _numel(world)
+    refused = {key for key, value in per_rank[0].items() if isinstance(value, str)}
+    assert refused == {("fp32_accumulate", 1, torch.float32)}, refused  # stochastic rounding to fp32: nothing to round
+    for case, (name, i, opts) in enumerate(cases):
+        for dtype in DTYPES:
+            real = [r[name, i, dtype] for r in per_rank]
+            options = _options(case, opts, dtype)
+            where = (name, options, dtype, world, local)
+            if isinstance(real[0], str):  # the real reducer refused: so must the model
+                with pytest.raises(ValueError):
+                    reducer = make_reducer(name, **options)
+                    for step, key in CALLS:
+                        rows = torch.stack([_bucket(r, step, key, numel, dtype) for r in range(world)])
+                        reducer.model(rows, average=True, key=key)
+                continue
+            reducer = make_reducer(name, **options)
+            for c, (step, key) in enumerate(CALLS):
+                rows = torch.stack([_bucket(r, step, key, numel, dtype) for r in range(world)])
+                before = rows.clone()
+                model = reducer.model(rows, average=True, key=key)
+                assert model.shape == (world, numel) and model.dtype == dtype, where
+                assert torch.equal(rows.view(torch.uint8), before.view(torch.uint8)), where  # rows not modified
+                for r in range(world):
+                    assert _same_bits(model[r], real[r][c]), (*where, step, key, r)
+                if step == NAN_STEP and key == 0:
+                    assert torch.isnan(model[0, 5]), where  # NaN/Inf never becomes finite
+
+
+def test_a_model_fixes_its_group_size_and_checks_its_rows() -> None:
+    reducer = make_reducer("uint8", error_feedback=True)
+    rows = torch.zeros(2, 256)
+    reducer.model(rows, average=True, key=0)
+    with pytest.raises(ValueError, match="models a group of 2 ranks"):
+        reducer.model(torch.zeros(4, 256), average=True, key=0)
+    with pytest.raises(ValueError, match="multiple of lcm"):
+        make_reducer("native").model(torch.zeros(2, 100), average=True)
+    with pytest.raises(ValueError, match="key must be an int >= 0"):
+        make_reducer("native").model(rows, average=True, key=-1)
+    with pytest.raises(TypeError, match="rows"):
+        make_reducer("native").model(torch.zeros(2, 256, dtype=torch.int32), average=True)
+    with pytest.raises(ValueError, match="link_gbps"):
+        make_reducer("auto").model(rows, average=True)
+    hierarchical = make_reducer("fp32_accumulate_hierarchical", topology=Topology(2, 1), rounding="stochastic")
+    with pytest.raises(ValueError, match="stochastic rounding is not modelled"):
+        hierarchical.model(rows.bfloat16(), average=True)
+    with pytest.raises(ValueError, match="topology 2 x 1"):
+        make_reducer("uint8_hierarchical", topology=Topology(2, 1)).model(torch.zeros(4, 128), average=True)
