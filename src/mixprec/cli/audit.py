@@ -72,10 +72,13 @@ def prepare(args: argparse.Namespace) -> Callable[[], int]:
 
 
 def _run(args: argparse.Namespace, config: Any) -> int:
+    from mixprec.core.progress import is_terminal
     from mixprec.lab.audit import format_table, plot_rows, run_audit, verdicts, write_json
 
     start = time.monotonic()
-    rows = run_audit(config, nproc=args.nproc, backend=args.backend, timeout=args.timeout, progress=True)
+    # the bar only where someone watches it: in a log it is a line of carriage returns per case
+    progress = is_terminal()
+    rows = run_audit(config, nproc=args.nproc, backend=args.backend, timeout=args.timeout, progress=progress)
     if rows is None:  # a torchrun rank other than 0
         return 0
     print(format_table(rows))

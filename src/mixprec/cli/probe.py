@@ -110,7 +110,7 @@ def _run(args: argparse.Namespace, names: list[str], shape: tuple[int, int, int]
         if call is None:
             call, label = _torch_fn(dtype, args.fast_accum), f"torch {args.device}"
         t0 = time.monotonic()
-        result = fingerprint(call, dtype, m=m, n=n, k=k, device=args.device, seed=args.seed, label=label, progress=True)
+        result = fingerprint(call, dtype, m=m, n=n, k=k, device=args.device, seed=args.seed, label=label, progress=None)
         print(result.summary() + f"\n  ({time.monotonic() - t0:.1f} s)")
         if args.save is not None:
             print(f"  wrote {result.save(args.save / f'matmul_{name}.json')}")

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from mixprec.core.formats import FORMAT_PRESETS, FloatFormat, get_format
-from mixprec.core.validate import check_bool, check_positive_int
+from mixprec.core.progress import progress_bar, resolve_progress
+from mixprec.core.validate import check_positive_int
 from mixprec.emulate.matmul import MATMUL_PRESETS, MatmulModel, matmul
 
 __all__ = [
@@ -336,7 +337,7 @@ def fingerprint(
     device: str | torch.device = "cpu",
     seed: int = 0,
     label: str = "",
-    progress: bool = False,
+    progress: bool | None = False,
 ) -> Fingerprint:
     """Infer how ``fn(a, b)`` (a matmul of ``dtype`` operands) accumulates, and the model that reproduces it.
 
@@ -352,7 +353,7 @@ def fingerprint(
         device: where the operands are built.
         seed: seed of the random operands of the bit-equal check.
         label: a name for the summary.
-        progress: show a tqdm bar over the calls.
+        progress: a tqdm bar over the calls on stderr: True, False, or None for "when stderr is a terminal".
 
     Returns:
         A :class:`Fingerprint`. Cost: about ``600 / min(m, n) + 2`` calls of ``fn`` plus emulations of the
@@ -369,15 +370,13 @@ def fingerprint(
     check_positive_int("k", k, minimum=_MIN_K)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int; got {type(seed).__name__}")
-    check_bool("progress", progress)
+    draw = resolve_progress(progress)
     device = torch.device(device)
 
     bar = None
-    if progress:
-        from tqdm.auto import tqdm  # a dependency of mixprec; imported here to keep `import mixprec` light
-
-        per_call = min(m, n)
-        bar = tqdm(total=-(-600 // per_call) + 4, desc=f"probe {label or dtype}", unit="call", leave=False)
+    if draw:
+        calls = -(-600 // min(m, n)) + 4
+        bar = progress_bar(total=calls, desc=f"probe {label or dtype}", unit="call", enabled=True, leave=False)
     try:
         return _fingerprint(fn, dtype, m, n, k, device, seed, label, bar)
     finally:

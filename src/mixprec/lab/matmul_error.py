@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from mixprec.core.progress import progress_bar
+
 __all__ = [
     "CLAIM_FACTOR",
     "DEFAULT_PRESETS",
@@ -93,10 +95,11 @@ def matmul_error_study(
     rows: int = 256,
     seed: int = 0,
     device: str | torch.device = "cpu",
-    progress: bool = False,
+    progress: bool | None = False,
 ) -> list[MatmulErrorResult]:
     """Run the study; returns one result per (size, preset). ``rows``: output rows computed per size (a random
-    subset when ``size > rows``). ``progress``: a tqdm bar over the output rows of every (size, model), on stderr.
+    subset when ``size > rows``). ``progress``: a tqdm bar over the output rows of every (size, model), on stderr
+    (None: when stderr is a terminal).
 
     Raises:
         ValueError: a bad size, row count or preset name, or a device this installation cannot use.
@@ -104,10 +107,8 @@ def matmul_error_study(
     from mixprec.emulate import bounds, matmul, round_to
 
     models, dev = check_study_arguments(sizes, presets, rows=rows, device=device)
-    from tqdm.auto import tqdm
-
     total = sum(min(size, rows) for size in sizes) * len(models)
-    bar = tqdm(total=total, unit="row", desc="matmul-error", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(total=total, unit="row", desc="matmul-error", enabled=progress)
     results: list[MatmulErrorResult] = []
     for size in sizes:
         gen = torch.Generator().manual_seed(seed + size)
@@ -376,7 +377,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", type=Path, default=Path("mixprec_out/matmul-error"), help="output folder")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     parser.add_argument(
-        "--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar on stderr"
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: when stderr is a terminal)",
     )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from mixprec.comm.objects import all_reduce_sum_fp64
+from mixprec.core.progress import progress_bar
 from mixprec.lab.build import Parts, autocast, build_parts
 from mixprec.lab.checkpoint import (
     CHECKPOINT_NAME,
@@ -181,10 +182,7 @@ def train_rank(
         metrics = stack.enter_context(open(metrics_path, "a")) if is_main else None
         bar = None
         if is_main:
-            from tqdm.auto import tqdm  # only rank 0 draws a bar
-
-            disable = None if progress is None else not progress
-            bar = tqdm(total=t.steps, initial=start_step, disable=disable, unit="step", dynamic_ncols=True)
+            bar = progress_bar(total=t.steps, initial=start_step, unit="step", enabled=progress)  # rank 0 only
             stack.callback(bar.close)
         if cfg.resolved_loss_scaler == "dynamic" and parts.wrapper is not None:
             # Overflows are how a dynamic scaler finds its scale: each is logged as a skipped step, so the
