@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import pytest
 
@@ -14,11 +16,37 @@ def _rows(path) -> list[dict]:
     return [json.loads(line) for line in open(path)]
 
 
+_WALL = re.compile(
+    r"^Wall time: (?P<total>\d+) s in total, from the start of the demo to this report: (?P<runs>\d+) s the 5 runs "
+    r"and their comparison; (?P<studies>\d+) s the studies at size quick \(simulated-DP bands \d+ s, loss scale "
+    r"\d+ s, uint8 offset \d+ s\)\.$",
+    re.MULTILINE,
+)
+
+
 @pytest.mark.slow
 def test_quick_demo_writes_a_generated_report(tmp_path, capsys) -> None:
     out = tmp_path / "demo"
+    t0 = time.perf_counter()
     assert main(["demo", "--quick", "--out-dir", str(out)]) == 0
+    elapsed = time.perf_counter() - t0
     report = (out / "report.md").read_text()
+    # The header's wall time is the whole demo's (runs and studies), measured around all of it: at least its
+    # parts, at most what this test measured around the call (each rounded to a second).
+    wall = _WALL.search(report)
+    assert wall, report[:1000]
+    total, runs, studies = (int(wall[k]) for k in ("total", "runs", "studies"))
+    assert runs + studies - 1 <= total <= elapsed + 0.5
+    # It opens with the three verdicts, in this order, before any table.
+    verdicts = [report.index(f"{k}. **{title}**: ") for k, title in enumerate(demo.HEADLINE_TITLES.values(), 1)]
+    assert report.index("Wall time:") < report.index("## Verdicts") < verdicts[0] < verdicts[1] < verdicts[2]
+    assert verdicts[2] < report.index("| run |") < report.index("## Reduction precision at simulated")
+    assert "at simulated DP 16, bf16 gradients summed by the backend's native ring (15 roundings" in report
+    assert "misscaled configurations" in report and "`mixprec check-config`" in report
+    assert "uint8 - fp32 final validation loss" in report
+    printed = capsys.readouterr().out
+    for title in demo.HEADLINE_TITLES.values():
+        assert f"- {title}: " in printed
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
     assert "![loss curves and differences](compare.png)" in report
     available = [run.name for run in demo.DEMO_RUNS]
@@ -45,7 +73,18 @@ def test_quick_demo_writes_a_generated_report(tmp_path, capsys) -> None:
         "## The uint8 offset: compression or chaos?",
     ):
         assert title in report
-    assert report.count("Verdicts:") == 3 and "Wall time:" in report
+    assert report.count("Verdicts:") == 3
+
+
+def test_report_without_studies_says_where_the_verdicts_would_come_from(tmp_path) -> None:
+    out = tmp_path / "demo"
+    assert demo.run_demo(out_dir=str(out), overrides=demo.QUICK_OVERRIDES, runs=demo.DEMO_RUNS[:1]) == 0
+    report = (out / "report.md").read_text()
+    assert re.search(
+        r"^Wall time: \d+ s in total, from the start of the demo to this report: \d+ s the 1 run and", report, re.M
+    )
+    assert report.index("## Verdicts") < report.index("skipped (`--no-studies`)") < report.index("| run |")
+    assert "## Reduction precision" not in report
 
 
 @pytest.mark.parametrize(

@@ -76,3 +76,9 @@ def test_dp_band_section_states_a_verdict_per_size_and_band(tmp_path) -> None:
     section, verdicts = run_dp_band(str(tmp_path), 0, setting, progress=False)
     assert len(verdicts) == 2 * 3  # per size: native and fp32acc against fp32, native against bf16 fp32acc
     assert "### P = 4" in section and all(("stays inside" in v) or ("leaves" in v) for v in verdicts)
+    # the headline (the demo report's first verdict): the native ring against the fp32acc band at the largest P,
+    # with the uncalibrated 2-replica band said to be a first look, whatever the verdict
+    native = next(v for v in verdicts if v.startswith("P = 4: bf16-native") and "fp32-accumulate band" in v)
+    assert verdicts.headline.startswith("at simulated DP 4, bf16 gradients summed by the backend's native ring")
+    assert ("stay inside" in verdicts.headline) == ("stays inside" in native)
+    assert "2 replicas" in verdicts.headline and "`mixprec demo --full`" in verdicts.headline

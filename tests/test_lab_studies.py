@@ -139,6 +139,10 @@ def test_loss_scale_section_states_a_verdict_per_broken_configuration(tmp_path) 
     assert len(verdicts) == 3
     assert "scale-below-microbatches" in section and "| check-config |" in section
     assert all(("stays inside" in v) or ("leaves it" in v) for v in verdicts)
+    # the headline (the demo report's second verdict) counts the configurations that left the band
+    left = sum("leaves it" in v for v in verdicts)
+    assert (f"{left} of 3 misscaled" if left else "none of 3 misscaled") in verdicts.headline
+    assert all(name in verdicts.headline for name in ("below-microbatches", "far-below", "not-rescaled-up"))
 
 
 def test_every_study_size_plans_valid_runs(tmp_path) -> None:

@@ -9,7 +9,6 @@ cores; --quick: seconds; --full: the studies at full size.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -59,8 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def prepare(args: argparse.Namespace) -> Callable[[], int]:
     """Check every argument and build every run's configuration before the first run starts."""
+    started = time.perf_counter()  # the report's total wall time counts from here
     from mixprec.lab.audit import audit_citation
-    from mixprec.lab.demo import QUICK_OVERRIDES, plan_demo, plan_studies, run_demo, run_studies
+    from mixprec.lab.demo import QUICK_OVERRIDES, plan_demo, plan_studies, run_demo
 
     if args.dp_band:
         print("mixprec demo: --dp-band does nothing: the DP bands are now part of the default demo", file=sys.stderr)
@@ -80,27 +80,15 @@ def prepare(args: argparse.Namespace) -> Callable[[], int]:
         plan_studies(args.out_dir, args.seed, size)
 
     def work() -> int:
-        t0 = time.perf_counter()
-        code = run_demo(
+        return run_demo(
             out_dir=args.out_dir,
             seed=args.seed,
             overrides=overrides,
             threshold=args.threshold,
             progress=args.progress,
             audit_lines=audit_lines,
+            study_size=None if args.no_studies else size,
+            started=started,
         )
-        if args.no_studies:
-            return code
-        t1 = time.perf_counter()
-        sections, verdicts = run_studies(args.out_dir, args.seed, size)
-        total = time.perf_counter() - t0
-        with open(os.path.join(args.out_dir, "report.md"), "a") as fh:
-            fh.write(
-                "\n" + sections + f"\nWall time: {total:.0f} s in total ({t1 - t0:.0f} s the five runs, "
-                f"{total - (t1 - t0):.0f} s the studies; study size {size}).\n"
-            )
-        print("\n".join(["", "mixprec demo: what the studies measured:", *verdicts]))
-        print(f"mixprec demo: {total:.0f} s in total; report {os.path.join(args.out_dir, 'report.md')}")
-        return code
 
     return work

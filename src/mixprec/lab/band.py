@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +27,7 @@ from mixprec.lab.config import TrainConfig
 __all__ = [
     "REPLICA_PREFIX",
     "BandVerdict",
+    "Verdicts",
     "band_runs",
     "band_verdicts",
     "false_alarms",
@@ -74,6 +75,15 @@ def band_runs(band_dir: str) -> list[str]:
     if len(names) < 2:
         raise ValueError(f"--band {band_dir!r} holds {len(names)} replica-K run(s); a band needs at least 2")
     return [os.path.join(band_dir, n) for n in sorted(names, key=lambda n: int(n[len(REPLICA_PREFIX) :]))]
+
+
+class Verdicts(list[str]):
+    """A study's verdict lines, with ``headline``: the one sentence of the study a user acts on (what was
+    measured, the verdict, and what to do), which ``mixprec demo``'s report opens with."""
+
+    def __init__(self, lines: Iterable[str] = (), headline: str = "") -> None:
+        super().__init__(lines)
+        self.headline = headline
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,17 @@ from mixprec.lab.metrics import METRICS_NAME, read_rows
 from mixprec.lab.train import TrainingDiverged
 from mixprec.scaling import LossScaleFloorError
 
-__all__ = ["DEMO_DEFAULTS", "DEMO_RUNS", "DemoRun", "plan_demo", "run_demo", "write_report"]
+__all__ = [
+    "DEMO_DEFAULTS",
+    "DEMO_RUNS",
+    "DemoRun",
+    "Studies",
+    "plan_demo",
+    "plan_studies",
+    "run_demo",
+    "run_studies",
+    "write_report",
+]
 
 
 @dataclass(frozen=True)
@@ -137,17 +147,26 @@ def run_demo(
     progress: bool | None = None,
     runs: Sequence[DemoRun] = DEMO_RUNS,
     audit_lines: Sequence[str] = (),
+    study_size: str | None = None,
+    started: float | None = None,
 ) -> int:
-    """Train each of ``runs``, compare them, write ``out_dir/report.md`` and ``out_dir/compare.png``.
+    """Train each of ``runs``, compare them, then (with ``study_size``) run the three studies at that size
+    (:func:`run_studies`); write ``out_dir/report.md`` once, at the end, and ``out_dir/compare.png``.
 
+    The report opens with the wall time of the whole demo, measured from ``started`` (a ``time.perf_counter()``
+    value; default: this call's start) to the report, and with the studies' three verdicts, before any table.
     Returns 0 when every available run finished, 1 when one failed. Runs needing a missing capability are
-    skipped and reported, not failed. Raises what :func:`plan_demo` raises, before any run starts.
-    ``audit_lines`` (from :func:`mixprec.lab.audit.audit_citation`): a section citing this machine's audit.
+    skipped and reported, not failed. Raises what :func:`plan_demo` and :func:`plan_studies` raise, before any
+    run starts. ``audit_lines`` (from :func:`mixprec.lab.audit.audit_citation`): a section citing this
+    machine's audit.
     """
     configs = plan_demo(out_dir=out_dir, seed=seed, overrides=overrides, threshold=threshold, runs=runs)
+    if study_size is not None:
+        plan_studies(out_dir, seed, study_size)
     base = {**DEMO_DEFAULTS, **(overrides or {}), "seed": seed}
+    t_start = time.perf_counter() if started is None else started
     os.makedirs(out_dir, exist_ok=True)
-    t_start = time.perf_counter()
+    t_runs = time.perf_counter()
     outcomes: list[_Outcome] = []
     for i, (demo_run, cfg) in enumerate(zip(runs, configs)):
         print(f"mixprec demo: [{i + 1}/{len(runs)}] {demo_run.name}: {demo_run.description}", flush=True)
@@ -162,6 +181,9 @@ def run_demo(
             outcomes.append(_Outcome(demo_run, "failed", str(exc), time.perf_counter() - t0))
     finished = [o for o in outcomes if o.status == "ok"]
     report = os.path.join(out_dir, "report.md")
+    logs: list[RunLog] = []
+    rows: list[RunComparison] = []
+    png = None
     if finished:
         logs = [load_run(os.path.join(out_dir, "runs", o.run.name, METRICS_NAME), o.run.name) for o in finished]
         png = plot_comparison(
@@ -171,25 +193,34 @@ def run_demo(
             title="mixprec demo: same model, seed, data",
         )
         rows = compare_runs(logs, threshold=threshold)
-        table = format_table(rows, threshold=threshold)
         print()
-        print(table)
-        cfg0 = TrainConfig.from_dict({**base, "out_dir": out_dir})
+        print(format_table(rows, threshold=threshold))
+    else:
+        print("mixprec demo: no run finished; nothing to compare")
+    runs_seconds = time.perf_counter() - t_runs
+    studies = run_studies(out_dir, seed, study_size) if study_size is not None else None
+    if finished or studies is not None:
         text = write_report(
             outcomes,
             logs,
             rows,
-            cfg=cfg0,
+            cfg=TrainConfig.from_dict({**base, "out_dir": out_dir}),
             threshold=threshold,
-            png=os.path.basename(png),
+            png=os.path.basename(png) if png else None,
             total_seconds=time.perf_counter() - t_start,
+            runs_seconds=runs_seconds,
+            studies=studies,
             audit_lines=audit_lines,
         )
         with open(report, "w") as fh:
             fh.write(text)
-        print(f"\nmixprec demo: report {report}, plot {png} ({time.perf_counter() - t_start:.0f} s in total)")
-    else:
-        print("mixprec demo: no run finished; nothing to compare")
+        if studies is not None:
+            print("\n".join(["", "mixprec demo: what the studies measured:", *studies.verdicts]))
+            print("\nmixprec demo: the verdicts:")
+            for title, sentence in studies.headlines:
+                print(f"- {title}: {sentence}.")
+        where = f"report {report}" + (f", plot {png}" if png else "")
+        print(f"\nmixprec demo: {where} ({time.perf_counter() - t_start:.0f} s in total)")
     return 0 if all(o.status != "failed" for o in outcomes) and finished else 1
 
 
@@ -276,72 +307,111 @@ def write_report(
     *,
     cfg: TrainConfig,
     threshold: float,
-    png: str,
+    png: str | None,
     total_seconds: float,
+    runs_seconds: float | None = None,
+    studies: Studies | None = None,
     audit_lines: Sequence[str] = (),
 ) -> str:
-    """The text of ``report.md``, every sentence computed from the runs' metrics."""
+    """The text of ``report.md``, every sentence computed from the runs' metrics and the studies' measurements:
+    the header with the whole demo's wall time, the studies' three verdicts, then the runs' table and sections,
+    then the study sections."""
     by_name = {o.run.name: o for o in outcomes}
-    ref, ref_row = logs[0], rows[0]
     cpu = _cpu_model()
     m, d, t = cfg.model, cfg.data, cfg.training
     lines = [
         "# mixprec demo report",
         "",
         f"{datetime.date.today().isoformat()}, {platform.node() or 'unknown host'}: {os.cpu_count()} CPU cores "
-        f"({cpu}), torch {torch.__version__}, Python {platform.python_version()}; {total_seconds:.0f} s in total.",
+        f"({cpu}), torch {torch.__version__}, Python {platform.python_version()}.",
         "",
-        f"Every run trains the same {m.n_layer}-layer GPT (n_embd {m.n_embd}, context {m.block_size} "
-        f"characters) from the same seed ({t.seed}) on the same batches of Python's standard library sources, for "
-        f"{t.steps} steps of {d.global_batch_size} sequences ({d.global_batch_size * m.block_size} "
-        f"characters) on {cfg.parallel.nproc} gloo ranks, AdamW at lr {cfg.optimizer.lr:g}, gradient clipping at "
-        f"{t.clip_grad_norm:g}. "
-        f"Only the precision and the gradient reduction change. Differences are taken against `{ref.name}` at "
-        "each step (same batch), so they show what the numerics did, not sampling noise.",
+        _wall_time_line(len(outcomes), total_seconds, runs_seconds, studies),
         "",
-        table_with_descriptions(rows, by_name, threshold),
-        "",
-        f"![loss curves and differences]({png})",
-        "",
-        "## What differed",
+        "## Verdicts",
         "",
     ]
-    for log, row in zip(logs[1:], rows[1:]):
-        demo_run = by_name[log.name].run
-        precision = str(demo_run.overrides.get("precision", cfg.model.precision))
-        sentences = _run_sentences(log, row, ref, ref_row, threshold, precision)
-        lines.append(f"- **{log.name}** ({demo_run.description}): {sentences}")
-    pair = _pair_sentence(logs)
-    if pair:
-        lines += ["", pair]
-    ranked = sorted(
-        (r for r in rows[1:] if r.final_eval_loss is not None and ref_row.final_eval_loss is not None),
-        key=lambda r: abs(r.final_eval_loss - ref_row.final_eval_loss),  # type: ignore[operator]
-    )
-    if len(ranked) >= 2:
+    if studies is not None:
+        lines += [f"{k}. **{title}**: {sentence}." for k, (title, sentence) in enumerate(studies.headlines, 1)]
+        lines += ["", "Each is measured in its study section below, with its band, table and every verdict line."]
+    else:
+        lines.append(
+            "The three verdicts (reduction precision at large DP, the loss-scale rule, uint8 compression or chaos) "
+            "come from the studies, which this demo skipped (`--no-studies`): the runs below are compared step by "
+            "step only."
+        )
+    lines.append("")
+    if logs:
+        ref, ref_row = logs[0], rows[0]
         lines += [
+            f"## {len(outcomes)} runs of one model",
             "",
-            f"Closest to the reference in final validation loss: **{ranked[0].name}** "
-            f"({ranked[0].final_eval_loss - ref_row.final_eval_loss:+.4f}); furthest: **{ranked[-1].name}** "  # type: ignore[operator]
-            f"({ranked[-1].final_eval_loss - ref_row.final_eval_loss:+.4f}).",  # type: ignore[operator]
+            f"Every run trains the same {m.n_layer}-layer GPT (n_embd {m.n_embd}, context {m.block_size} "
+            f"characters) from the same seed ({t.seed}) on the same batches of Python's standard library sources, "
+            f"for {t.steps} steps of {d.global_batch_size} sequences ({d.global_batch_size * m.block_size} "
+            f"characters) on {cfg.parallel.nproc} gloo ranks, AdamW at lr {cfg.optimizer.lr:g}, gradient clipping "
+            f"at {t.clip_grad_norm:g}. "
+            f"Only the precision and the gradient reduction change. Differences are taken against `{ref.name}` at "
+            "each step (same batch), so they show what the numerics did, not sampling noise.",
+            "",
+            table_with_descriptions(rows, by_name, threshold),
+            "",
+            f"![loss curves and differences]({png})",
+            "",
+            "### What differed",
+            "",
         ]
+        for log, row in zip(logs[1:], rows[1:]):
+            demo_run = by_name[log.name].run
+            precision = str(demo_run.overrides.get("precision", cfg.model.precision))
+            sentences = _run_sentences(log, row, ref, ref_row, threshold, precision)
+            lines.append(f"- **{log.name}** ({demo_run.description}): {sentences}")
+        pair = _pair_sentence(logs)
+        if pair:
+            lines += ["", pair]
+        ranked = sorted(
+            (r for r in rows[1:] if r.final_eval_loss is not None and ref_row.final_eval_loss is not None),
+            key=lambda r: abs(r.final_eval_loss - ref_row.final_eval_loss),  # type: ignore[operator]
+        )
+        if len(ranked) >= 2:
+            lines += [
+                "",
+                f"Closest to the reference in final validation loss: **{ranked[0].name}** "
+                f"({ranked[0].final_eval_loss - ref_row.final_eval_loss:+.4f}); furthest: **{ranked[-1].name}** "  # type: ignore[operator]
+                f"({ranked[-1].final_eval_loss - ref_row.final_eval_loss:+.4f}).",  # type: ignore[operator]
+            ]
+        lines.append("")
+    if studies is not None:
+        lines.append(studies.sections)
     skipped = [o for o in outcomes if o.status != "ok"]
     if skipped:
-        lines += ["", "## Not run", ""]
+        lines += ["## Not run", ""]
         for o in skipped:
             lines.append(f"- **{o.run.name}** ({o.run.description}): {o.status}: {o.detail}")
+        lines.append("")
     if audit_lines:
-        lines += ["", "## This machine's collectives (mixprec audit collectives)", "", *audit_lines]
-    lines += [
-        "",
-        "## Reproduce",
-        "",
-        "Each run directory holds its resolved `config.toml`; rerun one with "
-        f"`mixprec train --config {os.path.join(t.out_dir, 'runs', ref.name, 'config.toml')} --overwrite`, and "
-        f"compare any runs with `mixprec compare {os.path.join(t.out_dir, 'runs', '*')}`.",
-        "",
-    ]
+        lines += ["## This machine's collectives (mixprec audit collectives)", "", *audit_lines, ""]
+    if logs:
+        lines += [
+            "## Reproduce",
+            "",
+            "Each run directory holds its resolved `config.toml`; rerun one with "
+            f"`mixprec train --config {os.path.join(t.out_dir, 'runs', logs[0].name, 'config.toml')} --overwrite`, "
+            f"and compare any runs with `mixprec compare {os.path.join(t.out_dir, 'runs', '*')}`.",
+            "",
+        ]
     return "\n".join(lines)
+
+
+def _wall_time_line(runs: int, total: float, runs_seconds: float | None, studies: Studies | None) -> str:
+    """The whole demo's wall time, and what it went to."""
+    parts = []
+    if runs_seconds is not None:
+        parts.append(f"{runs_seconds:.0f} s the {runs} run{'s' if runs != 1 else ''} and their comparison")
+    if studies is not None:
+        each = ", ".join(f"{name} {sec:.0f} s" for name, sec in studies.seconds.items())
+        parts.append(f"{sum(studies.seconds.values()):.0f} s the studies at size {studies.size} ({each})")
+    detail = f": {'; '.join(parts)}" if parts else ""
+    return f"Wall time: {total:.0f} s in total, from the start of the demo to this report{detail}."
 
 
 def table_with_descriptions(rows: Sequence[RunComparison], by_name: dict[str, _Outcome], threshold: float) -> str:
@@ -448,15 +518,36 @@ def plan_studies(out_dir: str, seed: int, size: str) -> None:
             uint8_study.plan_uint8_study(out_dir, seed, setting)
 
 
-def run_studies(out_dir: str, seed: int, size: str) -> tuple[str, list[str]]:
+@dataclass
+class Studies:
+    """What :func:`run_studies` measured: the report's sections (markdown), every verdict line (prefixed by its
+    study), each study's headline (title, sentence) and wall time, at ``size``."""
+
+    size: str
+    sections: str
+    verdicts: list[str]
+    headlines: list[tuple[str, str]]
+    seconds: dict[str, float]
+
+
+# The report's opening verdicts: one per study, under these titles, in the order of _study_settings.
+HEADLINE_TITLES = {
+    "simulated-DP bands": "Reduction precision at large DP",
+    "loss scale": "Loss-scale rule",
+    "uint8 offset": "uint8 compression or chaos",
+}
+
+
+def run_studies(out_dir: str, seed: int, size: str) -> Studies:
     """Run the three study sections (reduction precision at simulated DP, the loss-scale rules, the uint8 offset)
-    at ``size``; returns the report's sections (markdown) and every verdict line."""
-    sections, verdicts = [], []
+    at ``size``; returns their sections, verdict lines, headlines and wall times."""
+    sections, verdicts, headlines, seconds = [], [], [], {}
     for name, run, setting in _study_settings(size):
         t0 = time.perf_counter()
         section, said = run(out_dir, seed, setting)
-        seconds = time.perf_counter() - t0
-        sections.append(section + f"\n({name}: {seconds:.0f} s)\n")
+        seconds[name] = time.perf_counter() - t0
+        sections.append(section + f"\n({name}: {seconds[name]:.0f} s)\n")
         verdicts += [f"[{name}] {s}" for s in said]
-        print(f"mixprec demo: {name}: {seconds:.0f} s", flush=True)
-    return "\n".join(sections), verdicts
+        headlines.append((HEADLINE_TITLES[name], said.headline))
+        print(f"mixprec demo: {name}: {seconds[name]:.0f} s", flush=True)
+    return Studies(size, "\n".join(sections), verdicts, headlines, seconds)

@@ -11,10 +11,9 @@ variant, whether and from which step the variant leaves the fp32 band, with the 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from typing import Any
 
-from mixprec.lab.band import band_verdicts, false_alarms, format_band_table, replica_configs
+from mixprec.lab.band import BandVerdict, Verdicts, band_verdicts, false_alarms, format_band_table, replica_configs
 from mixprec.lab.compare import RunLog, load_run
 from mixprec.lab.config import TrainConfig
 from mixprec.lab.pool import train_all
@@ -78,7 +77,9 @@ def plan_dp_band(out_dir: str, seed: int, setting: dict[str, Any]) -> list[tuple
     return plan
 
 
-def _judge(replicas: list[RunLog], variants: list[RunLog], band: str, size: int) -> tuple[list[str], list[str]]:
+def _judge(
+    replicas: list[RunLog], variants: list[RunLog], band: str, size: int
+) -> tuple[list[str], list[str], list[BandVerdict], int]:
     verdicts, spread = band_verdicts(replicas, variants, widen=_WIDEN, persist=_PERSIST)
     alarms = false_alarms(replicas, widen=_WIDEN, persist=_PERSIST)
     table = format_band_table(verdicts, spread, replicas=len(replicas), widen=_WIDEN, persist=_PERSIST, alarms=alarms)
@@ -89,14 +90,43 @@ def _judge(replicas: list[RunLog], variants: list[RunLog], band: str, size: int)
             f"P = {size}: {v.name} {verdict} the {band} band "
             f"({v.outside:.0%} of steps outside; final loss {v.final:.4f}, z = {v.z_final:+.1f})"
         )
-    return ["", f"Against the {band} band:", "", table], summary
+    return ["", f"Against the {band} band:", "", table], summary, verdicts, alarms
+
+
+def _headline(size: int, native: BandVerdict, replicas: int, alarms: int, steps: int) -> str:
+    """What the native run against the bf16 fp32-accumulate band at the largest DP means for a user."""
+    head = f"at simulated DP {size}, bf16 gradients summed by the backend's native ring ({size - 1} roundings to bf16)"
+    if native.leaves_at is None:
+        inside = (
+            f"{head} stay inside the band of {replicas} fp32-accumulate replicas over {steps} steps (final z = "
+            f"{native.z_final:+.1f}): no effect of the reduction's precision measurable at this size"
+        )
+        if replicas < 3:
+            return inside + f"; a band of {replicas} replicas is a first look, `mixprec demo --full` decides it"
+        return inside + "; the native reduction does as well as the fp32 sum here"
+    where = (
+        f"{head} leave the band of {replicas} fp32-accumulate replicas ({native.side}) at step {native.leaves_at} "
+        f"({native.outside:.0%} of steps outside, final z = {native.z_final:+.1f})"
+    )
+    if replicas >= 3 and alarms == 0:
+        return where + ", and no replica leaves the band of the others: use `--reduce fp32_accumulate` at this scale"
+    calibration = (
+        f"{alarms} of the {replicas} replicas also leave the band of the others (false alarms)"
+        if replicas >= 3
+        else f"{replicas} replicas cannot calibrate the band"
+    )
+    return (
+        where + f", but {calibration}: a hint, not a verdict; `mixprec demo --full` (more replicas and steps) "
+        "decides it, and `--reduce fp32_accumulate` is the safe choice meanwhile"
+    )
 
 
 def run_dp_band(
     out_dir: str, seed: int, setting: dict[str, Any], *, progress: bool | None = None
-) -> tuple[str, Sequence[str]]:
+) -> tuple[str, Verdicts]:
     """Train every run of :func:`plan_dp_band`; returns the report section (markdown) and one verdict line per
-    size, variant and band."""
+    size, variant and band (``headline``: the native reduction against the fp32-accumulate band at the largest
+    size)."""
     del progress  # the runs train in worker processes, silently
     plan = plan_dp_band(out_dir, seed, setting)
     failures = train_all([cfg for _, _, cfg in plan], workers=setting.get("workers"), label="simulated DP bands:")
@@ -124,6 +154,7 @@ def run_dp_band(
         ),
     ]
     summary: list[str] = []
+    headline = ""
     for size in setting["sizes"]:
         runs = {
             role: [
@@ -139,8 +170,10 @@ def run_dp_band(
         lines += ["", f"### P = {size}"]
         judged = [(runs["band-fp32"], native + acc, "fp32")] if fp32_band else []
         for replicas, variants, band in (*judged, (runs["band-bf16acc"], native, "bf16 fp32-accumulate")):
-            more, said = _judge(replicas, variants, band, size)
+            more, said, verdicts, alarms = _judge(replicas, variants, band, size)
             lines += more
             summary += said
+        if size == max(setting["sizes"]):
+            headline = _headline(size, verdicts[0], len(runs["band-bf16acc"]), alarms, setting["steps"])
     lines += ["", "Verdicts:", "", *[f"- {s}" for s in summary]]
-    return "\n".join(lines) + "\n", summary
+    return "\n".join(lines) + "\n", Verdicts(summary, headline)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mixprec.lab.band import band_verdicts, false_alarms, format_band_table, replica_configs
+from mixprec.lab.band import BandVerdict, Verdicts, band_verdicts, false_alarms, format_band_table, replica_configs
 from mixprec.lab.build import build_model
 from mixprec.lab.checkpoint import CHECKPOINT_NAME, load_train_checkpoint
 from mixprec.lab.compare import load_run
@@ -195,11 +195,32 @@ def _skipped(path: str) -> int:
     return sum(bool(row.get("skipped")) for row in read_rows(os.path.join(path, METRICS_NAME)))
 
 
+def _headline(judged: Sequence[tuple[BandVerdict, Flush, Flush, int]], steps: int) -> str:
+    """The broken configurations' verdicts in one sentence: which left the band of correctly scaled runs, what
+    each flushed beside the correct scale at its DP, and the rule that follows."""
+    left = [f"{v.name} ({v.side} from step {v.leaves_at})" for v, _, _, _ in judged if v.leaves_at is not None]
+    if left:
+        curve = f"{len(left)} of {len(judged)} misscaled configurations left the band of correctly scaled runs: "
+        curve += ", ".join(left)
+    else:
+        curve = f"none of {len(judged)} misscaled configurations left the band of correctly scaled runs at this size"
+    flushed = ", ".join(
+        f"{v.name} {f.reduced:.2%} (correct scale {ref.reduced:.2%}; {f.overflow:.1%} overflow, {skipped} of "
+        f"{steps} steps skipped)"
+        for v, f, ref, skipped in judged
+    )
+    return (
+        f"{curve}; gradient elements flushed to zero after the reduction, at init: {flushed}. Keep loss_scale / "
+        "microbatches fixed (a power of two) when DP or the number of microbatches changes; `mixprec check-config` "
+        "flags a scale that does not"
+    )
+
+
 def run_scale_study(
     out_dir: str, seed: int, setting: dict[str, Any], *, workers: int | None = None
-) -> tuple[str, Sequence[str]]:
+) -> tuple[str, Verdicts]:
     """Train every run of :func:`plan_scale_study`, measure the flush fractions; returns the report section
-    (markdown) and one verdict line per broken configuration."""
+    (markdown) and one verdict line per broken configuration (``headline``: all of them in one sentence)."""
     plan = plan_scale_study(out_dir, seed, setting)
     workers = workers if workers is not None else setting.get("workers")
     failures = train_all([cfg for _, cfg in plan], workers=workers, label="loss scale:")
@@ -248,6 +269,7 @@ def run_scale_study(
             f"{_skipped(cfg.training.out_dir)} of {steps} |"
         )
     summary: list[str] = []
+    judged: list[tuple[BandVerdict, Flush, Flush, int]] = []
     for band_role, size in (("band-small", small), ("band-large", large)):
         replicas = [load_run(c.training.out_dir, f"replica-{k}") for k, c in enumerate(by_role[band_role])]
         others = [r for r in by_role if not r.startswith("band") and variants[r].size == size]
@@ -263,6 +285,7 @@ def run_scale_study(
         ref = flush[band_role][0]
         for v in verdicts:
             f0 = flush[v.name][0]
+            judged.append((v, f0, ref, _skipped(by_role[v.name][0].training.out_dir)))
             where = "stays inside" if v.leaves_at is None else f"leaves it ({v.side}) at step {v.leaves_at}"
             effect = (
                 "no effect on the curve visible at this size"
@@ -276,4 +299,4 @@ def run_scale_study(
                 f"{len(replicas)} correctly scaled replicas at DP {size} it {where}: {effect}"
             )
     lines += ["", "Verdicts:", "", *[f"- {s}" for s in summary]]
-    return "\n".join(lines) + "\n", summary
+    return "\n".join(lines) + "\n", Verdicts(summary, _headline(judged, steps))

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from mixprec.lab.band import band_verdicts, false_alarms, format_band_table, replica_configs
+from mixprec.lab.band import Verdicts, band_verdicts, false_alarms, format_band_table, replica_configs
 from mixprec.lab.build import build_parts
 from mixprec.lab.compare import RunLog, load_run
 from mixprec.lab.config import MAX_SEED, TrainConfig
@@ -236,9 +236,9 @@ def plan_uint8_study(out_dir: str, seed: int, setting: dict[str, Any]) -> list[T
 
 def run_uint8_study(
     out_dir: str, seed: int, setting: dict[str, Any], *, workers: int | None = None
-) -> tuple[str, Sequence[str]]:
+) -> tuple[str, Verdicts]:
     """The shadow measurement, the seed pairs (and with ``replicas`` the ulp band); returns the report section
-    and the verdict lines."""
+    and the verdict lines (``headline``: the offset's verdict with the numbers it rests on)."""
     plan_uint8_study(out_dir, seed, setting)
     where = os.path.join(out_dir, "uint8-offset")
     print("mixprec demo: uint8 offset: the uint8 reduction beside the fp32 one, step by step", flush=True)
@@ -354,7 +354,11 @@ def run_uint8_study(
     verdict = offset_verdict(diffs, step_change=step_change, bias=bias)
     summary.append("verdict: " + verdict)
     lines += ["", "Verdicts:", "", *[f"- {s}" for s in summary]]
-    return "\n".join(lines) + "\n", summary
+    headline = (
+        f"uint8 - fp32 final validation loss {mean:+.4f} +- {se:.4f} over {len(diffs)} seeds at DP {setting['dp']}: "
+        + verdict
+    )
+    return "\n".join(lines) + "\n", Verdicts(summary, headline)
 
 
 def _off_one(mean: float, sd: float, steps: int) -> bool:
