@@ -1,10 +1,17 @@
 """wire="auto": the cost model, the same choice on every rank, bit-exact results whichever wire it picks, and a
-rate-limited link (network namespaces + tc) on which it compresses at 0.5 Gbit/s and not at 10 Gbit/s."""
+rate-limited link (network namespaces + tc) as a check of the probe's plumbing.
+
+The choice depends on measured speeds (the link rate, this CPU's quantizing cost), which differ with the machine
+and its load; so every test of *which* wire is chosen gives the decision function its measurements (the cost
+model directly, or the reducers with the quantizing costs given and the link rate given), and the netns test
+asserts only what holds on any machine: the probe returns a positive finite rate no faster than the shaped link
+allows, and the reducer's choice is the cost model applied to what it measured."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -24,9 +31,14 @@ CHUNK = 256
 BUCKET = 3 * 1024
 
 
-def _costs(gbps: float) -> auto.LinkCosts:
-    # Per-element costs of the order measured on this machine's CPU (ns): uint8 encode 1.7, decode 1.1; fp8 6.
-    return auto.LinkCosts(gbps * 1e9 / 8, 1.7e-9, 1.1e-9, 6e-9, 6e-9)
+# Per-element quantizing costs (s) of the order measured on a 2-core development CPU: uint8 encode 1.7 ns,
+# decode 1.1 ns; fp8 6 ns each. CHEAP_FP8: a machine whose fp8 codec is the cheaper one.
+QUANTIZE = (1.7e-9, 1.1e-9, 6e-9, 6e-9)
+CHEAP_FP8 = (6e-9, 6e-9, 1e-9, 1e-9)
+
+
+def _costs(gbps: float, quantize: tuple[float, float, float, float] = QUANTIZE) -> auto.LinkCosts:
+    return auto.LinkCosts(gbps * 1e9 / 8, *quantize)
 
 
 def test_cost_model_crossover() -> None:
@@ -81,11 +93,21 @@ def _worker_auto(rank: int, world: int, gbps: float | None) -> dict:
     return {"buckets": buckets, "choices": {k: c.wire for k, c in reducer.choices.items()}, "log": records}
 
 
-@pytest.mark.parametrize("gbps, compress", [(0.01, True), (1000.0, False)])
-def test_auto_reducer_same_choice_on_every_rank_and_bit_exact(dist_run, gbps: float, compress: bool) -> None:
+@pytest.mark.parametrize(
+    ("gbps", "quantize", "expected"),
+    [(0.01, QUANTIZE, "uint8"), (0.5, CHEAP_FP8, "e4m3"), (1000.0, QUANTIZE, "full")],
+    ids=["slow-uint8", "slow-fp8", "fast-full"],
+)
+def test_auto_reducer_same_choice_on_every_rank_and_bit_exact(
+    dist_run, monkeypatch, gbps: float, quantize: tuple[float, float, float, float], expected: str
+) -> None:
+    # The quantizing costs are given, not measured (the forked ranks inherit the patch): the wire is then the cost
+    # model's choice on any machine, under any load.
+    monkeypatch.setattr(auto, "measure_quantize_cost", lambda device: quantize)
+    assert auto.choose(_costs(gbps, quantize), BUCKET, 4, 2, CHUNK).wire == expected
     res = dist_run(_worker_auto, 2, gbps, timeout=120)
-    wire = res[0]["choices"][0]  # uint8 or fp8 on the slow link: the measured quantizing costs decide
-    assert (wire != "full") == compress
+    wire = res[0]["choices"][0]
+    assert wire == expected
     assert res[0]["choices"] == res[1]["choices"] == {0: wire, 1: wire, 5: wire}
     assert len(res[0]["log"]) == 3 and all(wire in line and "Gbit/s" in line for line in res[0]["log"])
     # Run twice with the same buckets: the first round's results are the inputs of the second.
@@ -112,7 +134,8 @@ def _worker_hook(rank: int, world: int) -> dict:
     return {"choices": {k: c.wire for k, c in state.choices.items()}, "bytes": state.bytes_sent_total}
 
 
-def test_auto_hook_compresses_on_a_slow_link(dist_run) -> None:
+def test_auto_hook_compresses_on_a_slow_link(dist_run, monkeypatch) -> None:
+    monkeypatch.setattr(auto, "measure_quantize_cost", lambda device: QUANTIZE)  # given, as above
     res = dist_run(_worker_hook, 2, timeout=120)
     assert res[0]["choices"] == res[1]["choices"] and "full" not in res[0]["choices"].values()
     assert res[0]["bytes"] > 0
@@ -121,7 +144,7 @@ def test_auto_hook_compresses_on_a_slow_link(dist_run) -> None:
 # ---------------------------------------------------------------------------------------------- netns
 _WORKER = textwrap.dedent(
     """
-    import json, os, sys, datetime
+    import dataclasses, json, os, sys, datetime
     import torch, torch.distributed as dist
     torch.set_num_threads(1)
     from mixprec.comm import make_reducer
@@ -131,7 +154,8 @@ _WORKER = textwrap.dedent(
     bucket = torch.randn(1 << 20).bfloat16()
     reducer.all_reduce(bucket, None, average=True, key=0).wait()
     if rank == 0:
-        print(json.dumps({"wire": reducer.choices[0].wire, "rate": reducer.link_costs.link_bytes_per_s}))
+        costs = list(dataclasses.astuple(reducer.link_costs))
+        print(json.dumps({"wire": reducer.choices[0].wire, "costs": costs}))
     dist.destroy_process_group()
     """
 )
@@ -151,12 +175,27 @@ def _free_subnet() -> str:
 
 def _set_rate(ns: str, dev: str, gbit: float) -> None:
     _sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
-    burst = max(64 * 1024, int(gbit * 1e9 / 8 / 250))  # one 250 Hz timer tick's worth, as bench_netns.py
+    burst = _burst(gbit)
     _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{gbit}gbit",
         "burst", str(burst), "latency", "50ms")  # fmt: skip
 
 
-def test_auto_picks_compression_on_a_slow_link_only() -> None:
+def _rate_bound(gbit: float) -> float:
+    """The most bytes/s the probe can measure through a tbf shaper at ``gbit``, on any machine: each direction
+    carries 2 (W-1)/W of the probe's bytes (W = 2), of which at most one burst (the bucket starts full) passes
+    faster than the rate; 10% for the shaper's accounting. A slower machine only measures less."""
+    sent = auto._PROBE_BYTES
+    return 1.1 * gbit * 1e9 / 8 * sent / (sent - _burst(gbit))
+
+
+def _burst(gbit: float) -> int:
+    return max(64 * 1024, int(gbit * 1e9 / 8 / 250))  # one 250 Hz timer tick's worth, as bench_netns.py
+
+
+def test_auto_probes_a_rate_limited_link_and_decides_by_the_cost_model() -> None:
+    """The plumbing, on a real link: which wire wins depends on this machine's speed and load (under load a
+    10 Gbit/s link measured 2.6 Gbit/s and uint8 rightly won), so it is not asserted here; the decision itself is
+    tested with given measurements above."""
     if not (shutil.which("ip") and shutil.which("tc")):
         pytest.skip("needs the ip and tc commands (iproute2)")
     if os.geteuid() != 0:
@@ -176,19 +215,15 @@ def test_auto_picks_compression_on_a_slow_link_only() -> None:
         for i in range(2):
             _sh("ip", "netns", "exec", ns[i], "ip", "addr", "add", f"{addr[i]}/24", "dev", dev[i])
             _sh("ip", "netns", "exec", ns[i], "ip", "link", "set", dev[i], "up")
-        picked = {}
-        # The choice follows a measurement of the link: a CPU busy with other work cannot push 10 Gbit/s, and
-        # the model then rightly compresses. Up to three measurements per rate; the first that agrees counts.
-        expect = {0.5: ("uint8", "e4m3"), 10.0: ("full",)}
-        for base_port, gbit in ((29611, 0.5), (29621, 10.0)):
-            for attempt in range(3):
-                picked[gbit] = _measure(ns, dev, addr, gbit, base_port + attempt)
-                if picked[gbit]["wire"] in expect[gbit]:
-                    break
-        print("auto on a rate-limited link:", picked)
-        assert picked[0.5]["wire"] in ("uint8", "e4m3"), picked
-        assert picked[10.0]["wire"] == "full", picked
-        assert picked[0.5]["rate"] < picked[10.0]["rate"]
+        for port, gbit in ((29611, 0.5), (29621, 10.0)):
+            picked = _measure(ns, dev, addr, gbit, port)
+            print(f"auto on a {gbit} Gbit/s link:", picked)
+            costs = auto.LinkCosts(*picked["costs"])
+            # a rate was measured on the shaped link (not on loopback: it cannot beat the shaper) ...
+            assert math.isfinite(costs.link_bytes_per_s) and 0 < costs.link_bytes_per_s <= _rate_bound(gbit)
+            assert all(math.isfinite(c) and c > 0 for c in picked["costs"][1:])
+            # ... and the reducer chose what the cost model gives for what it measured
+            assert picked["wire"] == auto.choose(costs, 1 << 20, 2, 2, 2048).wire
     finally:
         for name in created:
             _sh("ip", "netns", "del", name, check=False)  # removes the veth pair with it
