@@ -75,12 +75,32 @@ def test_split_k_scales_with_k():
     assert fp.bit_equal == 1.0
 
 
+def test_rounded_products_are_reported():
+    """A BLAS without FMA rounds each fp32 product before adding it (MKL's SSE2 branch, MKL_CBWR=COMPATIBLE, or
+    an x86-64 CPU without FMA): the fingerprint must say so rather than claim exact products."""
+
+    def no_fma(a, b):  # each product rounded to fp32, then an fp32 chain in K order
+        products = a.unsqueeze(2) * b.unsqueeze(0)
+        acc = torch.zeros(a.shape[0], b.shape[1])
+        for j in range(a.shape[1]):
+            acc = acc + products[:, j, :]
+        return acc
+
+    fp = fingerprint(no_fma, torch.float32, m=16, n=16)
+    assert not fp.products_exact and "products ROUNDED" in fp.summary()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_torch_cpu_matmul_report_is_what_the_model_gives(dtype):
+    """What holds on any x86-64 CPU: the report scores its model by what the model gives on the same operands.
+    How torch's CPU matmul accumulates is the CPU's (MKL picks its kernel and blocking by CPU: promotion every 256
+    products on the Intel Xeons, every 192 on an AMD EPYC, products rounded on its SSE2 branch), so no blocking is
+    asserted, and the claim that the model reproduces it is made where the family covers it (exact products)."""
     fp = fingerprint(torch.matmul, dtype, seed=3)
     assert fp.inputs == {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     assert fp.output == fp.inputs  # torch's CPU matmul returns its input dtype
-    assert fp.products_exact
+    if dtype != torch.float32:
+        assert fp.products_exact  # 8- or 11-bit significands: their products fit fp32's 24 bits, FMA or not
     # recompute the bit-equal fraction from the same operands (an independent call of both sides)
     gen = torch.Generator().manual_seed(3)
     a = torch.randn(fp.m, fp.k, generator=gen, dtype=torch.float64).to(dtype)
@@ -92,9 +112,12 @@ def test_torch_cpu_matmul_report_is_what_the_model_gives(dtype):
         preset = dataclasses.replace(MATMUL_PRESETS[name], output=fp.model.output)
         assert score == float((real == matmul(a, b, mode=preset).double()).double().mean())
     if dtype == torch.float32:
-        # products enter an fp32 chain exactly (FMA), nothing else rounds: the model reproduces MKL's blocking
-        assert fp.effective_bits == 24 and fp.rounding == "nearest"
-        assert fp.bit_equal >= 0.99
+        if fp.products_exact:
+            # products enter an fp32 chain exactly (FMA), nothing else rounds: the model reproduces MKL's blocking
+            assert fp.effective_bits == 24 and fp.rounding == "nearest"
+            assert fp.bit_equal >= 0.99
+        else:  # rounded products lie outside the model family (test_rounded_products_are_reported)
+            assert "products ROUNDED" in fp.summary()
     else:
         assert fp.bit_equal >= 0.9  # fp32 accumulation rounded once to the output: even fp16/32 is this close
 
