@@ -33,7 +33,6 @@ __all__ = [
     "check_rows",
     "fp32_accumulate_rows",
     "gloo_ring_sum",
-    "gloo_ring_sum_padded",
     "hierarchical_fp32_rows",
     "ring_chunk",
     "same_on_every_rank",
@@ -83,29 +82,36 @@ def ring_chunk(numel: int, world: int, itemsize: int) -> int:
     return segments // world * -(-numel // segments)
 
 
-def gloo_ring_sum(rows: torch.Tensor) -> torch.Tensor:
+def gloo_ring_sum(rows: torch.Tensor, *, pre_divide: int | None = None) -> torch.Tensor:
     """gloo's ring all-reduce (SUM) of ``rows[r]`` = rank r's tensor, bit for bit, in the rows' dtype; [n].
 
     gloo cuts the n elements into S segments of ceil(n / S) elements (S: :func:`ring_chunk`), S / P consecutive
     ones per rank; chunk c starts at rank c-1 and travels down the ring, each rank adding its own value and
     rounding: ``((x[c-1] + x[c-2]) + ...) + x[c]`` (indices mod P). Measured against torch 2.13's gloo for
-    P = 2-4 (fp16, bf16, fp32, fp64; above 2P MiB too), see docs/lab.md.
+    P = 2-4 (fp16, bf16, fp32, fp64; above 2P MiB too), see docs/lab.md. ``pre_divide``: each rank's values
+    are first divided by it in their dtype (torch DDP's pre-divide), element by element as they are read, so
+    no divided copy of ``rows`` is made. Work: P - 1 gathers of n elements; memory: a few times n.
     """
     world, n = rows.shape
-    padded = rows.new_zeros(world, world * ring_chunk(n, world, rows.element_size()))
-    padded[:, :n] = rows
-    return gloo_ring_sum_padded(padded, n)
+    chunk = ring_chunk(n, world, rows.element_size())
+    full = n // chunk  # whole chunks; then at most one partial chunk, and empty ones (nothing to add)
+    out = rows.new_empty(n)
+    pieces = [(rows[:, : full * chunk].reshape(world, full, chunk), 0, full)] if full else []
+    if full * chunk < n:
+        pieces.append((rows[:, full * chunk :].reshape(world, 1, n - full * chunk), full, full + 1))
+    for v, first, stop in pieces:
+        c = torch.arange(first, stop)
+        cols = torch.arange(stop - first)
 
+        def hop(m: int, v: torch.Tensor = v, c: torch.Tensor = c, cols: torch.Tensor = cols) -> torch.Tensor:
+            x = v[(c - m) % world, cols]  # chunk c's value on rank c - m
+            return torch.div(x, pre_divide) if pre_divide is not None else x
 
-def gloo_ring_sum_padded(padded: torch.Tensor, n: int) -> torch.Tensor:
-    """:func:`gloo_ring_sum` of rows already zero-padded to P chunks of :func:`ring_chunk` (no copy)."""
-    world = padded.shape[0]
-    v = padded.view(world, world, -1)
-    c = torch.arange(world)
-    acc = v[(c - 1) % world, c]
-    for m in range(2, world + 1):
-        acc = wire_add(acc, v[(c - m) % world, c])
-    return acc.reshape(-1)[:n]
+        acc = hop(1)
+        for m in range(2, world + 1):
+            acc = wire_add(acc, hop(m))
+        out[first * chunk : min(stop * chunk, n)] = acc.reshape(-1)
+    return out
 
 
 def binary_tree_sum(rows: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from mixprec.lab.model import GPT, GPTConfig, Linear
 from mixprec.parallel import DistributedDataParallel
 from mixprec.scaling import LossScaler, MasterWeightOptimizer, Updater
 
-__all__ = ["DTYPES", "Parts", "autocast", "build_model", "build_parts", "gpt_config"]
+__all__ = ["DTYPES", "Parts", "autocast", "build_model", "build_parts", "gpt_config", "reducer_options"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
@@ -70,16 +70,24 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPT:
     return model
 
 
-def _wrap_data_parallel(module: GPT, cfg: TrainConfig, world_size: int) -> DistributedDataParallel | None:
-    """mixprec's DistributedDataParallel around ``module``, or None when there is nothing to reduce (one rank)."""
-    if world_size == 1:
-        return None
+def reducer_options(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+    """``make_reducer(cfg.parallel.reduce, **options)``'s options for ``world_size`` ranks: the config's, and for
+    a hierarchical reduction its topology (what a real run's wrapper and a simulated run's model both build)."""
     p = cfg.parallel
     options = p.reduce_options()
     if p.reduce.endswith("_hierarchical"):
         if not p.ranks_per_node:
             raise RuntimeError("ranks_per_node must be resolved before training (launch does it)")
         options["topology"] = Topology(nodes=world_size // p.ranks_per_node, ranks_per_node=p.ranks_per_node)
+    return options
+
+
+def _wrap_data_parallel(module: GPT, cfg: TrainConfig, world_size: int) -> DistributedDataParallel | None:
+    """mixprec's DistributedDataParallel around ``module``, or None when there is nothing to reduce (one rank)."""
+    if world_size == 1:
+        return None
+    p = cfg.parallel
+    options = reducer_options(cfg, world_size)
     return DistributedDataParallel(
         module, reduce=p.reduce, reduce_options=options, sharded_optimizer=p.sharded_optimizer
     )

@@ -404,6 +404,8 @@ class ParallelConfig:
             options["wire"] = self.fp8_format
         if self.reduce == "auto" and self.link_gbps:
             options["link_gbps"] = self.link_gbps
+        if self.reduce == "native" and self.simulate_dp:
+            options["algorithm"] = self.simulate_algorithm  # what the model follows (mixprec.lab.simulate)
         return options
 
 

@@ -21,7 +21,10 @@ from mixprec.comm.padding import round_up
 from mixprec.comm.reducer import bucket_multiple
 from mixprec.core.validate import check_positive_int
 
-__all__ = ["Bucket", "BucketLayout", "ParamSlot", "ShardPiece", "build_layout"]
+__all__ = ["DEFAULT_BUCKET_SIZE", "Bucket", "BucketLayout", "ParamSlot", "ShardPiece", "build_layout"]
+
+# Parameter elements per bucket of DistributedDataParallel (Megatron-LM's default, 40M).
+DEFAULT_BUCKET_SIZE = 40_000_000
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from mixprec.comm.handles import wait_all
 from mixprec.comm.reducer import BucketReducer, ReductionHandle, make_reducer
 from mixprec.core.dtypes import LOW_PRECISION_DTYPES
 from mixprec.core.validate import check_bool, check_group
-from mixprec.parallel.buckets import BucketLayout
+from mixprec.parallel.buckets import DEFAULT_BUCKET_SIZE, BucketLayout
 from mixprec.parallel.buffer import GradBuffer
 from mixprec.parallel.zero import ShardedOptimizer
 from mixprec.scaling import MasterWeightOptimizer
@@ -86,7 +86,7 @@ class DistributedDataParallel(torch.nn.Module):
         module: torch.nn.Module,
         group: dist.ProcessGroup | None = None,
         *,
-        bucket_size: int = 40_000_000,
+        bucket_size: int = DEFAULT_BUCKET_SIZE,
         reduce: str | BucketReducer = "fp32_accumulate",
         reduce_options: dict[str, Any] | None = None,
         grad_dtype: torch.dtype | None = None,

@@ -34,9 +34,8 @@ from mixprec.comm.models import (
     GroupState,
     binary_tree_sum,
     fp32_accumulate_rows,
-    gloo_ring_sum_padded,
+    gloo_ring_sum,
     hierarchical_fp32_rows,
-    ring_chunk,
     same_on_every_rank,
     topology_shape,
 )
@@ -106,15 +105,10 @@ class NativeReducer:
     def model(self, rows: torch.Tensor, *, average: bool, key: int = 0) -> torch.Tensor:
         """Each rank pre-divides its bucket by P in its dtype (``average``), then gloo's ring or the tree SUM,
         rounding to the wire dtype at every hop."""
-        world, n = check_model_rows(rows, key)
+        world, _ = check_model_rows(rows, key)
         if self.algorithm == "tree":
             return same_on_every_rank(binary_tree_sum(torch.div(rows, world) if average else rows), world)
-        padded = rows.new_zeros(world, world * ring_chunk(n, world, rows.element_size()))
-        if average:
-            torch.div(rows, world, out=padded[:, :n])  # the pre-divide, in the wire dtype
-        else:
-            padded[:, :n] = rows
-        return same_on_every_rank(gloo_ring_sum_padded(padded, n), world)
+        return same_on_every_rank(gloo_ring_sum(rows, pre_divide=world if average else None), world)
 
     def state_dict(self) -> dict[str, Any]:
         return {}
