@@ -190,11 +190,12 @@ def _dead_peer_case(rank: int, world_size: int, path: str) -> dict[str, object]:
 
 
 def test_a_peer_gone_before_the_first_hook_call_fails_within_the_timeout(dist_run, tmp_path) -> None:
-    """Rank 1 leaves after building torch DDP; rank 0's first hook call must fail within the 3 s group
-    timeout (it waited for torch's 30-minute default, so this harness's 25 s deadline killed it)."""
+    """Rank 1 leaves after building torch DDP; rank 0's first hook call must fail by the 3 s group timeout (it
+    waited for torch's 30-minute default, so this harness's 25 s deadline killed it). The cause is asserted, not
+    the seconds: a timeout ended the wait, and one shorter than the harness's deadline (which raises otherwise);
+    that the hook's group gets the default group's timeout is checked exactly above."""
     result = dist_run(_dead_peer_case, 2, str(tmp_path / "store"), timeout=25)[0]
-    assert result["error"] != "no error"
-    assert result["seconds"] < 15, result
+    assert "timeout" in result["error"].lower(), result
 
 
 def _fp64_case(rank: int, world_size: int) -> str:

@@ -153,13 +153,12 @@ def test_a_stopped_rank_is_detected_by_the_timeout_and_blamed(tmp_path) -> None:
         ranks = _children(proc.pid)
         assert len(ranks) == 2, ranks
         os.kill(ranks[1], signal.SIGSTOP)
-        start = time.monotonic()
-        _, err = proc.communicate(timeout=120)
-        elapsed = time.monotonic() - start
+        # timeout, then GRACE_S, SIGTERM and 5 s, SIGKILL: about 14 s. The cause is asserted, not the seconds (a
+        # loaded machine takes longer): the stopped rank is named as hung, and a run that never noticed it would
+        # run past communicate()'s deadline, which raises.
+        _, err = proc.communicate(timeout=120 + timeout + GRACE_S)
         assert proc.returncode == 1, err
         assert "rank(s) 1 stopped responding (hung)" in err
-        # timeout, then GRACE_S, SIGTERM and 5 s, SIGKILL; 15 s for a loaded machine.
-        assert elapsed < timeout + GRACE_S + 5 + 15
         assert _wait_group_gone(proc.pid, 10)
     finally:
         if _group_alive(proc.pid):
