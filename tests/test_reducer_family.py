@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import mixprec  # noqa: F401  (registers the compressed reducers)
-from mixprec.comm import make_reducer, registered_reducers
+from mixprec.comm import make_reducer, rank_generator, registered_reducers
 from mixprec.comm.reducer import bucket_multiple
 from mixprec.comm.topology import Topology
 from mixprec.testing import run_distributed
@@ -144,3 +144,67 @@ def test_a_model_fixes_its_group_size_and_checks_its_rows() -> None:
         hierarchical.model(rows.bfloat16(), average=True)
     with pytest.raises(ValueError, match="topology 2 x 1"):
         make_reducer("uint8_hierarchical", topology=Topology(2, 1)).model(torch.zeros(4, 128), average=True)
+
+
+# ---------------------------------------------------------------------------- the torch DDP hooks
+def _hooked(rank: int, world: int, dtype: torch.dtype) -> dict:
+    """Three SGD steps of one small model under torch DDP with each mixprec hook, and under mixprec's wrapper
+    with the matching reducer; every step's gradients of both."""
+    from mixprec.hooks import Uint8HookState, fp32_accumulate_hook, uint8_compress_hook
+    from mixprec.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    uint8 = {"chunk_size": 64, "error_feedback": True, "rounding": "stochastic", "seed": 7}
+    fp8 = {"chunk_size": 64, "error_feedback": True, "wire": "e4m3"}
+    setups = {
+        "native": (None, None),  # torch DDP's own hook: pre-divide, then the backend's all-reduce
+        "fp32_accumulate": (fp32_accumulate_hook, lambda: None),
+        "uint8": (uint8_compress_hook, lambda: Uint8HookState(**uint8)),
+        "fp8": (uint8_compress_hook, lambda: Uint8HookState(**fp8)),
+    }
+    options = {"native": {}, "fp32_accumulate": {}, "uint8": uint8, "fp8": fp8}
+    out: dict = {}
+    for name, (hook, state) in setups.items():
+        grads: dict[str, list] = {"torch": [], "mixprec": []}
+        for consumer in grads:
+            opts = options[name]
+            if "seed" in opts:  # a process shares one stream per seed: start it afresh for each consumer
+                rank_generator(opts["seed"]).manual_seed(opts["seed"] + rank)
+            torch.manual_seed(0)
+            # One parameter of 768 elements, a multiple of lcm(P, 128) at P = 2: one bucket, no padding, the same
+            # layout in both wrappers (torch DDP keeps a bucket's parameters in model order, mixprec reversed), so
+            # the same chunks.
+            net = torch.nn.Sequential(torch.nn.Linear(6, 128, bias=False), torch.nn.Tanh()).to(dtype)
+            if consumer == "torch":
+                wrapped = torch.nn.parallel.DistributedDataParallel(net)
+                if hook is not None:
+                    wrapped.register_comm_hook(state(), hook)
+            else:
+                wrapped = DistributedDataParallel(net, reduce=name, reduce_options=opts)
+            opt = torch.optim.SGD(net.parameters(), lr=0.5)
+            for step in range(3):
+                g = torch.Generator().manual_seed(100 * step + rank)
+                x = torch.randn(8, 6, generator=g).to(dtype)
+                y = torch.randn(8, 128, generator=g).to(dtype)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(wrapped(x).float(), y.float()).backward()
+                grads[consumer].append([p.grad.clone() for p in net.parameters()])
+                opt.step()
+        out[name] = grads
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_ddp_hooks_give_the_wrappers_bits(dtype: torch.dtype) -> None:
+    world = 2
+    results = run_distributed(_hooked, world, dtype, timeout=300)
+    for name, grads in results[0].items():
+        for step, (hooked, wrapped) in enumerate(zip(grads["torch"], grads["mixprec"], strict=True)):
+            for a, b in zip(hooked, wrapped, strict=True):
+                assert _same_bits(a, b), (name, dtype, step)
+        for r in range(1, world):  # and every rank holds them
+            assert all(
+                _same_bits(a, b)
+                for s in range(3)
+                for a, b in zip(results[r][name]["torch"][s], grads["torch"][s], strict=True)
+            ), (name, r)

@@ -121,6 +121,41 @@ class Uint8Reducer:
         """``wire="auto"``: the agreed link rate and quantizing costs (None before the first reduction)."""
         return self._costs
 
+    # ------------------------------------------------------------------ for adapters (the torch DDP hook)
+    def compressor_for(self, device: torch.device, wire: str | None = None) -> Any:
+        """The compressor for buckets on ``device``: the options' (or ``wire``'s), with stochastic rounding's
+        rank-seeded generator on that device (created on first use)."""
+        return self._compressors.for_device(device, wire)
+
+    def wire_for(self, key: int, bucket: torch.Tensor, group: ProcessGroup | None) -> str:
+        """Bucket ``key``'s wire: the options', or with ``"auto"`` the cost model's (chosen once, logged)."""
+        return self._wire_for(key, bucket, group)
+
+    def feedback_for(self, key: int) -> ErrorFeedback | None:
+        """Bucket ``key``'s residuals (None without error feedback), created on first use."""
+        return self._feedback_for(key)
+
+    def forget(self, key: int) -> None:
+        """Drop bucket ``key``'s residuals and ``"auto"`` choice: the bucket behind the key has changed (torch DDP
+        rebuilds its buckets after the first iteration); the next reduction starts it afresh."""
+        self._feedback.pop(key, None)
+        self.choices.pop(key, None)
+
+    def all_reduce_any_length(
+        self, tensor: torch.Tensor, group: ProcessGroup | None, *, average: bool, key: int
+    ) -> None:
+        """Blocking :meth:`all_reduce` of a 1-D contiguous tensor of any length (an adapter's bucket, e.g. torch
+        DDP's): the collective zero-pads it to a multiple of the group size itself, as
+        :func:`mixprec.compress.compressed_all_reduce` does. Same wire choice, residuals, streams and stats."""
+        if tensor.dim() != 1 or not tensor.is_contiguous():
+            raise ValueError(f"tensor must be 1-D and contiguous; got shape {tuple(tensor.shape)}")
+        if self._wire_for(key, tensor, group) == "full":
+            self._start_full(
+                key, lambda: all_reduce_fp32_accumulate(tensor, group, average=average, async_op=True)
+            ).wait()
+            return
+        self._start(key, tensor, group, average, lambda **kw: start_compressed_all_reduce(tensor, group, **kw)).wait()
+
     # ------------------------------------------------------------------ helpers
     def _take_workspace(self) -> CompressionWorkspace:
         while len(self._pending) >= self.max_in_flight:
@@ -302,8 +337,9 @@ class Uint8Reducer:
             **self._compressors.saved(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict` of this rank. Everything is checked before anything changes.
+    def load_state_dict(self, state: dict[str, Any], *, owner: str = "reducer") -> None:
+        """Load a :meth:`state_dict` of this rank. Everything is checked before anything changes (``owner``: what
+        the messages call this object, e.g. an adapter's "hook state").
 
         Raises:
             TypeError: ``state`` or one of its entries has the wrong type.
@@ -313,17 +349,17 @@ class Uint8Reducer:
         """
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict; got {type(state).__name__}")
-        self.options.check_saved(state, "reducer")
+        self.options.check_saved(state, owner)
         feedback = state.get("error_feedback", {})
         if not isinstance(feedback, dict):
             raise TypeError(f"state['error_feedback'] must be a dict; got {type(feedback).__name__}")
         if feedback and not self.options.error_feedback:
-            raise ValueError("state holds error-feedback residuals but this reducer has error_feedback=False")
+            raise ValueError(f"state holds error-feedback residuals but this {owner} has error_feedback=False")
         loaded = {
             key: load_feedback(check_feedback_entry("state['error_feedback']", key, entry))
             for key, entry in feedback.items()
         }
-        generator = self._compressors.check_saved(state, "reducer")
+        generator = self._compressors.check_saved(state, owner)
         self._compressors.load(generator)
         self._feedback = loaded
 

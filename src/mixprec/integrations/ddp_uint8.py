@@ -20,13 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec.comm.fp32_accumulate import all_reduce_fp32_accumulate
 from mixprec.comm.topology import check_topology
 from mixprec.compress import auto
-from mixprec.compress.collectives import compressed_all_reduce
 from mixprec.compress.fp8 import Compressor
-from mixprec.compress.options import RankCompressors, Uint8Options, check_feedback_entry, load_feedback
-from mixprec.compress.state import CompressionStats, CompressionWorkspace, ErrorFeedback
+from mixprec.compress.options import DEFAULT_CHUNK_SIZE, Uint8Options, check_feedback_entry
+from mixprec.compress.reducers import Uint8Reducer
+from mixprec.compress.state import CompressionStats, ErrorFeedback
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED
 from mixprec.core.validate import check_group, check_positive_int
 
@@ -34,7 +33,8 @@ __all__ = ["Uint8HookState", "uint8_compress_hook"]
 
 
 class Uint8HookState:
-    """State of :func:`uint8_compress_hook`: its options, per-bucket error feedback, buffers, stats.
+    """State of :func:`uint8_compress_hook`: a :class:`mixprec.compress.Uint8Reducer` (options, per-bucket error
+    feedback, streams, buffers, stats) and the size of each torch DDP bucket it has seen.
 
     Create it after ``torch.distributed.init_process_group`` (RuntimeError otherwise), like the DDP model.
 
@@ -60,7 +60,7 @@ class Uint8HookState:
         self,
         *,
         process_group: dist.ProcessGroup | None = None,
-        chunk_size: int = 2048,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
         rounding: str = "nearest",
         error_feedback: bool = False,
         check_finite: str = "flag",
@@ -75,7 +75,7 @@ class Uint8HookState:
                 "first (as for torch's DistributedDataParallel)"
             )
         self.process_group = check_group("process_group", process_group)
-        self.options = Uint8Options(
+        self.reducer = Uint8Reducer(
             chunk_size=chunk_size,
             rounding=rounding,
             error_feedback=error_feedback,
@@ -84,62 +84,58 @@ class Uint8HookState:
             seed=seed,
             wire=wire,
             link_gbps=link_gbps,
+            max_in_flight=1,  # the hook finishes each bucket before it returns
         )
+        """The reducer the hook runs: every bucket is its ``all_reduce_any_length`` with key = bucket index."""
         if topology is not None:
             check_topology(topology, process_group)  # the hierarchical scheme needs the default group
-        self.workspace = CompressionWorkspace()
-        self._compressors = RankCompressors(self.options)
-        self._feedback: dict[int, tuple[int, ErrorFeedback]] = {}  # bucket index -> (bucket numel, residuals)
-        self.last_stats: dict[int, CompressionStats] = {}
+        self._numels: dict[int, int] = {}  # bucket index -> its size when last reduced
+
+    @property
+    def options(self) -> Uint8Options:
+        return self.reducer.options
+
+    @property
+    def last_stats(self) -> dict[int, CompressionStats]:
         """Stats of the last reduction of each bucket index."""
-        self.bytes_sent_total = 0
-        self.choices: dict[int, auto.AutoChoice] = {}
-        self._costs: auto.LinkCosts | None = None
+        return self.reducer.last_stats
+
+    @property
+    def bytes_sent_total(self) -> int:
+        return self.reducer.bytes_sent_total
+
+    @property
+    def choices(self) -> dict[int, auto.AutoChoice]:
+        return self.reducer.choices
 
     def compressor_for(self, device: torch.device, wire: str | None = None) -> Compressor:
         """The compressor for buckets on ``device``: the options' (or ``wire``'s) compressor, with stochastic
         rounding's rank-seeded generator on that device (created on first use)."""
-        return self._compressors.for_device(device, wire)
+        return self.reducer.compressor_for(device, wire)
+
+    def _seen(self, index: int, numel: int) -> None:
+        """DDP rebuilds its buckets after one iteration: an index whose size changed starts afresh."""
+        if self._numels.get(index, numel) != numel:
+            self.reducer.forget(index)
+        self._numels[index] = numel
 
     def wire_for(self, index: int, buffer: torch.Tensor) -> str:
         """Bucket ``index``'s wire: the options', or with ``"auto"`` the cost model's (chosen once, logged)."""
-        if self.options.wire != "auto":
-            return self.options.wire
-        choice = self.choices.get(index)
-        if choice is None or choice.numel != buffer.numel():  # DDP rebuilds its buckets after one iteration
-            if self._costs is None:
-                self._costs = auto.agree_costs(self.process_group, buffer.device, self.options.link_gbps)
-            world = dist.get_world_size(self.process_group)
-            choice = auto.choose(self._costs, buffer.numel(), buffer.element_size(), world, self.options.chunk_size)
-            self.choices[index] = choice
-            auto.logger.info(
-                "bucket %d (%d x %s): %s; %s",
-                index,
-                buffer.numel(),
-                buffer.dtype,
-                choice.wire,
-                choice.reason(self._costs.link_bytes_per_s),
-            )
-        return choice.wire
+        self._seen(index, buffer.numel())
+        return self.reducer.wire_for(index, buffer, self.process_group)
 
     def feedback_for(self, index: int, numel: int) -> ErrorFeedback | None:
         """The residuals of bucket ``index`` (None without error feedback); fresh ones when its size changed."""
-        if not self.options.error_feedback:
-            return None
-        known = self._feedback.get(index)
-        if known is None or known[0] != numel:
-            known = self._feedback[index] = (numel, ErrorFeedback())
-        return known[1]
+        self._seen(index, numel)
+        return self.reducer.feedback_for(index)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: options that change results (rounding, chunk_size, check_finite, topology),
         per-bucket residuals (``{index: {"numel": n, "worker": ..., "server": ...}}``), the stochastic
         stream's state and device."""
-        return {
-            **self.options.saved(),
-            "error_feedback": {i: {"numel": n, **fb.state_dict()} for i, (n, fb) in self._feedback.items()},
-            **self._compressors.saved(),
-        }
+        state = self.reducer.state_dict()
+        state["error_feedback"] = {i: {"numel": self._numels[i], **fb} for i, fb in state["error_feedback"].items()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a :meth:`state_dict` of this rank; everything is checked before anything changes.
@@ -157,44 +153,34 @@ class Uint8HookState:
             raise TypeError(f"state['error_feedback'] must be a dict; got {type(feedback).__name__}")
         if feedback and not self.options.error_feedback:
             raise ValueError("state holds error-feedback residuals but this hook state has error_feedback=False")
-        loaded: dict[int, tuple[int, ErrorFeedback]] = {}
+        numels: dict[int, int] = {}
+        residuals: dict[int, dict[str, Any]] = {}
         for index, entry in feedback.items():
             entry = dict(check_feedback_entry("state['error_feedback']", index, entry))
             if "numel" not in entry:
                 raise ValueError(f"state['error_feedback'][{index}] lacks 'numel' (the bucket's size)")
-            numel = check_positive_int(f"state['error_feedback'][{index}]['numel']", entry.pop("numel"), minimum=0)
-            loaded[index] = (numel, load_feedback(entry))
-        generator = self._compressors.check_saved(state, "hook state")
-        self._compressors.load(generator)
-        self._feedback = loaded
+            numels[index] = check_positive_int(
+                f"state['error_feedback'][{index}]['numel']", entry.pop("numel"), minimum=0
+            )
+            residuals[index] = entry
+        self.reducer.load_state_dict({**state, "error_feedback": residuals}, owner="hook state")
+        self._numels = numels
 
 
 def uint8_compress_hook(state: Uint8HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average ``bucket`` over ``state.process_group`` with uint8 min-max compression.
 
+    A thin adapter: ``state.reducer.all_reduce_any_length(buffer, group, average=True, key=bucket.index())``
+    (:class:`mixprec.compress.Uint8Reducer`, so the same bits as mixprec's wrapper on the same bucket).
     Wire: uint8 codes + fp32 per-chunk headers (~1/4 of fp32's bytes); accumulation: fp32 in rank order;
-    extra memory: the buffers in ``state.workspace`` (~3 bytes per bucket element) and, with error
-    feedback, fp32 residuals per bucket. Returns a completed future holding the reduced bucket buffer.
+    extra memory: the reducer's buffers (~3 bytes per bucket element) and, with error feedback, fp32
+    residuals per bucket. Returns a completed future holding the reduced bucket buffer.
     """
     if not isinstance(state, Uint8HookState):
         raise TypeError(f"state must be a Uint8HookState; got {type(state).__name__}")
     buffer = bucket.buffer()
-    wire = state.wire_for(bucket.index(), buffer)
+    state._seen(bucket.index(), buffer.numel())
+    state.reducer.all_reduce_any_length(buffer, state.process_group, average=True, key=bucket.index())
     future: torch.futures.Future = torch.futures.Future()
-    if wire == "full":
-        all_reduce_fp32_accumulate(buffer, state.process_group, average=True)
-        future.set_result(buffer)
-        return future
-    stats = compressed_all_reduce(
-        buffer,
-        state.process_group,
-        compressor=state.compressor_for(buffer.device, wire),
-        average=True,
-        topology=state.options.topology,
-        error_feedback=state.feedback_for(bucket.index(), buffer.numel()),
-        workspace=state.workspace,
-    )
-    state.last_stats[bucket.index()] = stats
-    state.bytes_sent_total += stats.bytes_sent
     future.set_result(buffer)
     return future
