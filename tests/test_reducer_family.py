@@ -17,6 +17,7 @@ import torch
 
 import mixprec  # noqa: F401  (registers the compressed reducers)
 from mixprec.comm import make_reducer, rank_generator, registered_reducers
+from mixprec.comm.fp32_sum import sum_shards_into
 from mixprec.comm.reducer import bucket_multiple
 from mixprec.comm.topology import Topology
 from mixprec.testing import run_distributed
@@ -208,3 +209,19 @@ def test_torch_ddp_hooks_give_the_wrappers_bits(dtype: torch.dtype) -> None:
                 for s in range(3)
                 for a, b in zip(results[r][name]["torch"][s], grads["torch"][s], strict=True)
             ), (name, r)
+
+
+def test_stochastic_model_rounds_in_the_real_ranks_blocks() -> None:
+    """Shards longer than one block of sum_shards_into (2**16): the model's draws are still the real owner's,
+    whose call is sum_shards_into(its shard, the P pieces, generator=its stream)."""
+    world, numel = 2, 2 * 70_016
+    g = torch.Generator().manual_seed(3)
+    rows = (torch.randn(world, numel, generator=g) * 1e-2).bfloat16()
+    model = make_reducer("fp32_accumulate", rounding="stochastic", seed=21).model(rows, average=True)[0]
+    shard = numel // world
+    for p in range(world):
+        own = torch.empty(shard, dtype=torch.bfloat16)
+        stream = torch.Generator().manual_seed(21 + p)
+        part = slice(p * shard, (p + 1) * shard)
+        sum_shards_into(own, rows[:, part].contiguous(), average=True, rounding="stochastic", generator=stream)
+        assert torch.equal(model[part], own), p

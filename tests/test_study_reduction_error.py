@@ -33,14 +33,19 @@ def _add_round_fp16(a: np.float16, b: np.float16) -> np.float16:
     return np.float16(np.float32(a) + np.float32(b))
 
 
-def test_ring_matches_a_scalar_ring() -> None:
-    dp, n = 5, 13
+def test_ring_matches_a_scalar_gloo_ring() -> None:
+    dp, n = 5, 1300
     g = _fp16_values(dp, n)
     g16 = g.numpy().astype(np.float16)
+    # gloo's segmentation of the padded fp16 tensor (1920 elements: a multiple of lcm(5, 128)): S = roundUp(max(
+    # ceil(bytes / 1 MiB), 2P), P) segments of ceil(len / S) elements, S / P consecutive ones per chunk.
+    padded = 1920
+    segments = -(-max(-(-2 * padded // (1 << 20)), 2 * dp) // dp) * dp
+    chunk_len = segments // dp * -(-padded // segments)
     expected = np.empty(n, dtype=np.float16)
     for i in range(n):
-        chunk = i * dp // n
-        order = [(chunk + 1 + k) % dp for k in range(dp)]  # starts after the chunk's owner, ends at it
+        chunk = i // chunk_len
+        order = [(chunk - 1 - k) % dp for k in range(dp)]  # starts at rank c-1, down the ring, ends at c
         partial = g16[order[0], i]
         for r in order[1:]:
             partial = _add_round_fp16(partial, g16[r, i])

@@ -18,7 +18,7 @@ from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rank_generator
 from mixprec.core.stochastic import round_into_
 from mixprec.native import can_run, library, num_threads
 
-__all__ = ["sum_shards_into"]
+__all__ = ["round_blocks_into", "sum_shards_into"]
 
 # Elements per block of the fp32 sum (256 KiB of fp32: the accumulator and the widened addend fit in L2).
 _SUM_BLOCK = 1 << 16
@@ -120,3 +120,15 @@ def sum_shards_into(
             acc.mul_(factor)
         if acc_buf is not None:
             round_into_(out_flat[start:stop], acc, rounding=rounding, generator=generator)
+
+
+def round_blocks_into(
+    output: torch.Tensor, sums: torch.Tensor, *, rounding: Rounding, generator: torch.Generator | None
+) -> None:
+    """Round ``sums`` (fp32, what :func:`sum_shards_into` computes for ``output``'s elements before its rounding)
+    into ``output`` block by block as :func:`sum_shards_into` rounds them: the same blocks, so a stochastic
+    rounding takes the same draws from ``generator`` (the models of :mod:`mixprec.comm.models` rely on it)."""
+    out_flat = output.view(-1)
+    for start in range(0, out_flat.numel(), _SUM_BLOCK):
+        stop = min(start + _SUM_BLOCK, out_flat.numel())
+        round_into_(out_flat[start:stop], sums[start:stop], rounding=rounding, generator=generator)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mixprec.comm.fp32_sum import sum_shards_into
+from mixprec.comm.fp32_sum import round_blocks_into, sum_shards_into
 from mixprec.comm.topology import Topology
 from mixprec.core.dtypes import WIRE_DTYPES, Rounding
 from mixprec.core.validate import check_tensor
@@ -135,9 +135,9 @@ def fp32_accumulate_rows(
     """:func:`mixprec.comm.all_reduce_fp32_accumulate` of ``rows`` [P, n] (n a multiple of P): [n] in
     ``out_dtype`` (default the rows'), fp32 sum in rank order (/ P), one rounding.
 
-    Round to nearest treats the tensor as one shard (each element's arithmetic is independent of who owns
-    it). Stochastic rounding rounds owner p's shard ``[p S, (p+1) S)`` with ``generators[p]`` (rank p's
-    stream), in the same call the real rank makes, so the draws are the real ones.
+    The fp32 sums are one pass over the whole tensor (each element's arithmetic is independent of who owns
+    it). Stochastic rounding then rounds owner p's shard ``[p S, (p+1) S)`` with ``generators[p]`` (rank p's
+    stream) in the blocks the real rank rounds, so the draws are the real ones.
     """
     world, n = rows.shape
     out = torch.empty(n, dtype=out_dtype or rows.dtype, device=rows.device)
@@ -146,10 +146,12 @@ def fp32_accumulate_rows(
         return out
     if generators is None or len(generators) != world:
         raise RuntimeError("internal error: stochastic rounding needs one generator per rank")
+    sums = torch.empty(n, dtype=torch.float32, device=rows.device)
+    sum_shards_into(sums, rows, average=average, rounding="nearest", generator=None)
     shard = n // world
     for p in range(world):
         part = slice(p * shard, (p + 1) * shard)
-        sum_shards_into(out[part], rows[:, part], average=average, rounding=rounding, generator=generators[p])
+        round_blocks_into(out[part], sums[part], rounding=rounding, generator=generators[p])
     return out
 
 

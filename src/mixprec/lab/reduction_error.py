@@ -3,8 +3,10 @@
 Simulated ranks in one process. Every rank holds N gradient elements already in the wire dtype, and each
 method's sum is compared with the exact (float64) sum of those same values:
 
-* ring: a ring reduce-scatter (NCCL's, gloo's), the partial sum rounded to the wire dtype at each of P-1 hops.
-* tree: pairwise reduction, rounded to the wire dtype at each of log2(P) levels.
+* ring: gloo's ring all-reduce as measured (``make_reducer("native")``'s model), the partial sum rounded to the
+  wire dtype at each of P-1 hops.
+* tree: pairwise reduction in rank order (``NativeReducer(algorithm="tree")``: the shape of NCCL's tree), rounded
+  to the wire dtype at each of log2(P) levels.
 * fp32_accumulate: wire-dtype values summed in fp32, rounded once (mixprec; Megatron-LM's
   reduce_scatter_with_fp32_accumulation).
 * fp32_accumulate_sr: the same with one stochastic rounding.
@@ -13,6 +15,8 @@ method's sum is compared with the exact (float64) sum of those same values:
   mixprec.comm.hierarchical_fp32, node partials rounded to the wire (``hierarchical``) or kept in fp32
   (``hierarchical_fp32_inter``).
 
+Every method is the ``model`` of the reducer it names (:mod:`mixprec.comm.models`), summing (no average);
+buckets are zero-padded to the reducers' multiple of ``lcm(P, 128)`` and the errors taken on the N elements.
 Errors: rel_error = ||r - s|| / ||s|| and max_error = max|r - s| / max|s| (s the float64 sum), beside the
 error table of a public write-up of Megatron-LM's fp32-accumulating reduce-scatter. Gradients: normal or
 Student-t (3 degrees of freedom). The model of a hop, the gradients and the measured results: docs/studies.md.
@@ -30,6 +34,10 @@ from pathlib import Path
 
 import torch
 
+from mixprec.comm import GradReducer, make_reducer
+from mixprec.comm.models import fp32_accumulate_rows
+from mixprec.comm.reducer import bucket_multiple
+from mixprec.comm.topology import Topology
 from mixprec.core.validate import check_choice, check_positive_float, check_positive_int
 
 __all__ = [
@@ -148,35 +156,30 @@ def exact_sum(g: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _round(x: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
-    return x.to(wire).float()
+def _as_buckets(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``g`` (P, N) in ``dtype`` (exact: the values are wire values), zero-padded to the reducers' bucket multiple."""
+    dp, n = g.shape
+    rows = torch.zeros(dp, -(-n // bucket_multiple(dp)) * bucket_multiple(dp), dtype=dtype)
+    rows[:, :n] = g
+    return rows
+
+
+def _model(reducer: GradReducer, g: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    """``reducer``'s model of the sum over ranks of ``g`` (P, N) sent in ``wire``; (N,) fp32."""
+    return reducer.model(_as_buckets(g, wire), average=False)[0, : g.shape[1]].float()
 
 
 def ring_reduce(g: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
-    """Ring reduce-scatter of ``g`` (P, N), rounding each chunk's partial sum at every hop; returns (N,) fp32.
-
-    Element i belongs to chunk ``c = floor(i * P / N)``; its partial sum starts at rank (c+1) mod P and
-    visits ranks c+2, ..., c (mod P). One gather of N values per hop: O(P * N) work, no per-element loop.
-    """
-    dp, n = g.shape
-    cols = torch.arange(n)
-    rows = (cols * dp // n + 1) % dp
-    partial = g[rows, cols].clone()
-    for _ in range(1, dp):
-        rows = rows + 1
-        rows[rows == dp] = 0
-        partial = _round(partial + g[rows, cols], wire)
-    return partial
+    """gloo's ring all-reduce of ``g`` (P, N) in ``wire`` (:func:`mixprec.comm.models.gloo_ring_sum`, through
+    ``make_reducer("native")``), the partial sum rounded at every hop; returns (N,) fp32. Chunk c of the padded
+    tensor starts at rank c-1 and travels down the ring: ``((x[c-1] + x[c-2]) + ...) + x[c]``."""
+    return _model(make_reducer("native"), g, wire)
 
 
 def tree_reduce(g: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
-    """Binary-tree reduction over ranks, rounding at each level (P padded with zeros to a power of two)."""
-    dp = g.shape[0]
-    size = 1 << (dp - 1).bit_length()
-    x = g if size == dp else torch.cat([g, torch.zeros(size - dp, g.shape[1])])
-    while x.shape[0] > 1:
-        x = _round(x[0::2] + x[1::2], wire)
-    return x[0]
+    """Binary-tree reduction over ranks in rank order, rounding at each level (an odd last row waits a level):
+    ``make_reducer("native", algorithm="tree")``, the shape of NCCL's tree."""
+    return _model(make_reducer("native", algorithm="tree"), g, wire)
 
 
 def fp32_accumulate_reduce(
@@ -186,34 +189,30 @@ def fp32_accumulate_reduce(
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """fp32 sum over ranks in rank order (as mixprec's reduce-scatter), then one rounding to ``wire``
-    (nearest or stochastic); ``wire=None`` keeps the fp32 sum."""
-    acc = g[0].clone()
-    for r in range(1, g.shape[0]):
-        acc += g[r]
+    """fp32 sum over ranks in rank order (``make_reducer("fp32_accumulate")``'s model), then one rounding to
+    ``wire`` (nearest, or stochastic: each owner rounds its shard with its rank's stream, the streams seeded
+    from one draw of ``generator``); ``wire=None`` keeps the fp32 sum (what the sharded optimizer receives)."""
     if wire is None:
-        return acc
+        return fp32_accumulate_rows(_as_buckets(g, torch.float32), average=False)[: g.shape[1]]
     if rounding == "stochastic":
-        from mixprec.core.stochastic import stochastic_round
-
-        return stochastic_round(acc, wire, generator=generator).float()
-    return _round(acc, wire)
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        return _model(make_reducer("fp32_accumulate", rounding="stochastic", seed=seed), g, wire)
+    return _model(make_reducer("fp32_accumulate"), g, wire)
 
 
 def hierarchical_reduce(
     g: torch.Tensor, wire: torch.dtype, ranks_per_node: int, *, fp32_inter: bool = False
 ) -> torch.Tensor:
-    """Two-stage sum (mixprec.comm.hierarchical_fp32's order): each node's ``ranks_per_node`` rows summed in
-    fp32 in rank order and rounded to ``wire`` (kept in fp32 with ``fp32_inter``), then the node partials
-    summed in fp32 in node order and rounded to ``wire``. Ranks are numbered node-major."""
-    dp, n = g.shape
-    nodes_view = g.view(dp // ranks_per_node, ranks_per_node, n)
-    partial = nodes_view[:, 0].clone()
-    for local in range(1, ranks_per_node):
-        partial += nodes_view[:, local]
-    if not fp32_inter:
-        partial = _round(partial, wire)
-    return fp32_accumulate_reduce(partial, wire)
+    """Two-stage sum (``make_reducer("fp32_accumulate_hierarchical")``'s model): each node's ``ranks_per_node``
+    rows summed in fp32 in rank order and rounded to ``wire`` (kept in fp32 with ``fp32_inter``), then the node
+    partials summed in fp32 in node order and rounded to ``wire``. Ranks are numbered node-major."""
+    dp = g.shape[0]
+    reducer = make_reducer(
+        "fp32_accumulate_hierarchical",
+        topology=Topology(dp // ranks_per_node, ranks_per_node),
+        inter_node_dtype=torch.float32 if fp32_inter else None,
+    )
+    return _model(reducer, g, wire)
 
 
 def _errors(result: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
