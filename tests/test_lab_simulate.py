@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from mixprec.cli.main import main
+from mixprec.comm.models import binary_tree_sum, gloo_ring_sum
 from mixprec.lab.metrics import METRICS_NAME, read_rows
-from mixprec.lab.simulate import gloo_ring_sum, tree_sum
 from mixprec.testing import run_distributed
 
 # 1 layer, width 16, 16 characters of context: ~7k parameters; GBS 24 divides over 2, 3 and 4 ranks.
@@ -74,7 +74,7 @@ def test_ring_model_is_gloos_all_reduce_bit_for_bit(world: int) -> None:
 def test_tree_rounds_pairwise() -> None:
     rows = torch.tensor([[1.0], [2.0**-8], [2.0**-8], [2.0**-8]], dtype=torch.bfloat16)
     # (1 + 2**-8) -> 1 (tie to even), (2**-8 + 2**-8) = 2**-7, 1 + 2**-7 exact
-    assert float(tree_sum(rows)[0]) == 1.0 + 2.0**-7
+    assert float(binary_tree_sum(rows)[0]) == 1.0 + 2.0**-7
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from mixprec.compress import MinMaxUInt8, ScaledFP8
+from mixprec.compress.options import DEFAULT_CHUNK_SIZE
 from mixprec.core.validate import check_positive_int
 from mixprec.emulate import round_to
 from mixprec.lab.model import GPT, GPTConfig
@@ -57,7 +58,7 @@ class CompressionErrorConfig:
 
     world: int = 8
     elements: int = 1 << 18
-    chunk_size: int = 2048
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     wires: tuple[str, ...] = WIRES
     distributions: tuple[str, ...] = DISTRIBUTIONS
     model_width: int = 64
@@ -309,7 +310,7 @@ def _name_list(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, default=8, help="simulated data-parallel ranks")
     parser.add_argument("--elements", type=int, default=1 << 18, help="gradient elements per rank (synthetic)")
-    parser.add_argument("--chunk-size", type=int, default=2048, help="elements per chunk (header entry)")
+    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="elements per chunk (header entry)")
     parser.add_argument("--wires", type=_name_list(WIRES), default=WIRES, help="wires, comma-separated")
     parser.add_argument(
         "--distributions", type=_name_list(DISTRIBUTIONS), default=DISTRIBUTIONS, help="gradients, comma-separated"
