@@ -1,7 +1,16 @@
-"""Precision emulation: bit-exact rounding to low-precision formats, matmuls with modelled accumulators, and
-:func:`fingerprint`, which infers the accumulator model of a real matmul from crafted inputs."""
+"""Precision emulation: bit-exact rounding to low-precision formats, block-scaled formats (MX, NVFP4) with
+:func:`mx_quantize`, matmuls with modelled accumulators, and :func:`fingerprint`, which infers the accumulator
+model of a real matmul from crafted inputs."""
 
 from mixprec.core.formats import FORMAT_PRESETS, FloatFormat, get_format
+from mixprec.core.mx import (
+    MX_FORMATS,
+    SCALE_MODES,
+    BlockScaled,
+    hadamard_transform,
+    mx_quantize,
+    random_signs,
+)
 from mixprec.core.rounding import ROUNDING_MODES, round_to, round_to_
 from mixprec.emulate.fingerprints import Fingerprint, fingerprint
 from mixprec.emulate.linear import EmulatedLinear, LinearSwap, emulate_linear_layers
@@ -17,7 +26,10 @@ from mixprec.emulate.matmul import (
 __all__ = [
     "FORMAT_PRESETS",
     "MATMUL_PRESETS",
+    "MX_FORMATS",
     "ROUNDING_MODES",
+    "SCALE_MODES",
+    "BlockScaled",
     "EmulatedLinear",
     "ErrorBounds",
     "Fingerprint",
@@ -29,7 +41,10 @@ __all__ = [
     "fingerprint",
     "get_format",
     "get_matmul_model",
+    "hadamard_transform",
     "matmul",
+    "mx_quantize",
+    "random_signs",
     "round_to",
     "round_to_",
 ]

@@ -1,0 +1,428 @@
+"""Block-scaled formats (OCP MX, NVFP4): bit-exact quantization with every scale convention in use.
+
+:func:`mx_quantize` cuts a tensor into blocks (``block_size`` elements along ``axis``, or 2-D tiles such as
+16x16), gives each block one scale and rounds ``x / scale`` to the element grid: MXFP8 (e4m3, e5m2), MXFP6
+(e2m3, e3m2) and MXFP4 (e2m1) with a power-of-two E8M0 scale per 32 elements, and NVFP4 (e2m1, an E4M3 scale per
+16 elements, optionally under an fp32 tensor scale). Elements are held as fp32 values on the element grid and
+saturate at the element's largest value, as every reference does. Scale conventions (``SCALE_MODES``):
+``floor`` (OCP MX v1.0), ``ceil``, ``even`` and ``rceil`` (torchao's ``ScaleCalculationMode``; ``rceil`` is
+cuBLAS's and Transformer Engine's), ``neuron`` (AWS Neuron's doubled scale) and ``e4m3`` (NVFP4). Rounding is to
+nearest (ties to even), toward zero, or stochastic on mixprec's Philox stream (:mod:`mixprec.core.philox`).
+:func:`hadamard_transform` is the random Hadamard transform of the NVFP4 training recipe.
+
+All work is vectorised torch code on one fp32 copy of ``x``. Formulas, sources, special values and where the
+references disagree: ``docs/mx.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from mixprec.core.formats import FloatFormat
+from mixprec.core.philox import draw_key, round_up, stream_bytes
+from mixprec.core.rounding import ROUNDING_MODES, round_nearest_grid_, round_to_
+from mixprec.core.validate import check_choice, check_positive_int, check_tensor
+
+__all__ = [
+    "MX_FORMATS",
+    "SCALE_MODES",
+    "BlockFormat",
+    "BlockScaled",
+    "fake_quantize",
+    "get_block_format",
+    "hadamard_matrix",
+    "hadamard_transform",
+    "mx_quantize",
+    "random_signs",
+    "round_elements",
+]
+
+ScaleMode = Literal["floor", "ceil", "even", "rceil", "neuron", "e4m3"]
+E8M0_MODES: tuple[str, ...] = ("floor", "ceil", "even", "rceil", "neuron")
+SCALE_MODES: tuple[str, ...] = (*E8M0_MODES, "e4m3")
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """A block-scaled format: element grid, its largest value, the scale type and the default block size."""
+
+    name: str
+    element: FloatFormat  # the element grid; its own overflow rule is unused (elements saturate at max_element)
+    max_element: float
+    scale: Literal["e8m0", "e4m3"]
+    block_size: int
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest element (``floor(log2(max_element))``), the ``emax_elem`` of OCP MX."""
+        return math.frexp(self.max_element)[1] - 1
+
+
+# Element grids: 1 sign, e exponent and m fraction bits, bias 2**(e-1) - 1, subnormals. fp6/fp4 have no inf and
+# no NaN (every pattern is finite); has_inf=True below only fixes emin and leaves the top binade open, and
+# round_elements clamps to max_element first, so the FloatFormat's own max_finite never applies.
+MX_FORMATS: dict[str, BlockFormat] = {
+    "mxfp8_e4m3": BlockFormat("mxfp8_e4m3", FloatFormat(4, 3, has_inf=False, saturate=True), 448.0, "e8m0", 32),
+    "mxfp8_e5m2": BlockFormat("mxfp8_e5m2", FloatFormat(5, 2, saturate=True), 57344.0, "e8m0", 32),
+    "mxfp6_e2m3": BlockFormat("mxfp6_e2m3", FloatFormat(2, 3), 7.5, "e8m0", 32),
+    "mxfp6_e3m2": BlockFormat("mxfp6_e3m2", FloatFormat(3, 2), 28.0, "e8m0", 32),
+    "mxfp4_e2m1": BlockFormat("mxfp4_e2m1", FloatFormat(2, 1), 6.0, "e8m0", 32),
+    "nvfp4": BlockFormat("nvfp4", FloatFormat(2, 1), 6.0, "e4m3", 16),
+}
+
+_E4M3 = FloatFormat(4, 3, has_inf=False, saturate=True)
+_E4M3_MIN_NORMAL = 2.0**-6  # NVFP4 block scales are clamped to [2**-6, 448] before the E4M3 cast
+_E4M3_MAX = 448.0
+
+
+def get_block_format(fmt: object, *, arg: str = "fmt") -> BlockFormat:
+    if isinstance(fmt, BlockFormat):
+        return fmt
+    if isinstance(fmt, str) and fmt in MX_FORMATS:
+        return MX_FORMATS[fmt]
+    raise ValueError(f"{arg} must be one of {', '.join(map(repr, MX_FORMATS))}; got {fmt!r}")
+
+
+# ------------------------------------------------------------------------------------------------ layout
+class _Layout:
+    """Maps a tensor to ``[..., n_blocks, block]`` (blocks on the last dim) and back."""
+
+    def __init__(self, shape: torch.Size, block: tuple[int, ...], dims: tuple[int, ...]) -> None:
+        self.shape, self.block, self.dims = shape, block, dims
+        nd = len(shape)
+        self.dst = tuple(range(nd - len(dims), nd))
+
+    def to_blocks(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.movedim(self.dims, self.dst)
+        lead = t.shape[: t.dim() - len(self.dims)]
+        if len(self.block) == 1:
+            return t.reshape(*lead, t.shape[-1] // self.block[0], self.block[0])
+        (b0, b1), (m, n) = self.block, t.shape[-2:]
+        t = t.reshape(*lead, m // b0, b0, n // b1, b1).transpose(-3, -2)
+        return t.reshape(*lead, m // b0, n // b1, b0 * b1)
+
+    def from_blocks(self, t: torch.Tensor) -> torch.Tensor:
+        """Inverse of to_blocks for element tensors (a view where possible)."""
+        lead = t.shape[: t.dim() - 1 - len(self.block)]
+        if len(self.block) == 1:
+            t = t.reshape(*lead, t.shape[-2] * t.shape[-1])
+        else:
+            (b0, b1), (mb, nb) = self.block, t.shape[-3:-1]
+            t = t.reshape(*lead, mb, nb, b0, b1).transpose(-3, -2).reshape(*lead, mb * b0, nb * b1)
+        return t.movedim(self.dst, self.dims)
+
+    def scales_from_blocks(self, s: torch.Tensor) -> torch.Tensor:
+        return s.movedim(self.dst, self.dims)
+
+
+def _layout(x: torch.Tensor, block_size: object, axis: object, default: int) -> _Layout:
+    if block_size is None:
+        block: tuple[int, ...] = (default,)
+    elif isinstance(block_size, int) and not isinstance(block_size, bool):
+        block = (check_positive_int("block_size", block_size),)
+    elif isinstance(block_size, tuple | list) and len(block_size) == 2:
+        block = tuple(check_positive_int("block_size", b) for b in block_size)
+    else:
+        raise TypeError(f"block_size must be None, an int or a pair of ints (2-D blocks); got {block_size!r}")
+    if len(block) == 2 and axis == -1:
+        axis = (-2, -1)
+    raw = (axis,) if isinstance(axis, int) and not isinstance(axis, bool) else axis
+    if not isinstance(raw, tuple | list) or not all(isinstance(a, int) and not isinstance(a, bool) for a in raw):
+        raise TypeError(f"axis must be an int (or a pair of ints for 2-D blocks); got {axis!r}")
+    if len(raw) != len(block):
+        raise ValueError(f"axis must name {len(block)} dimension(s) for block_size {block_size!r}; got {axis!r}")
+    nd = x.dim()
+    dims = []
+    for a in raw:
+        if not -nd <= a < nd:
+            raise ValueError(f"axis {axis!r} is out of range for x with {nd} dimensions")
+        dims.append(a % nd)
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"axis must name distinct dimensions; got {axis!r}")
+    for d, b in zip(dims, block, strict=True):
+        if x.shape[d] % b:
+            raise ValueError(
+                f"block_size {b} does not divide dimension {d} of x (size {x.shape[d]}, shape {tuple(x.shape)})"
+            )
+    return _Layout(x.shape, block, tuple(dims))
+
+
+# ------------------------------------------------------------------------------------------------ scales
+def _exponent(bits: torch.Tensor) -> torch.Tensor:
+    """Unbiased exponent field of non-negative fp32 bit patterns (-127 for zeros and subnormals, 128 for inf)."""
+    return torch.bitwise_right_shift(bits, 23).bitwise_and_(0xFF).sub_(127)
+
+
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """fp32 ``2**k`` for int32 ``k`` in [-127, 127] (2**-127 is the fp32 subnormal 0x00400000)."""
+    bits = torch.where(k >= -126, (k + 127) << 23, torch.full_like(k, 0x00400000))
+    return bits.view(torch.float32)
+
+
+def _e8m0_exponent(amax: torch.Tensor, fmt: BlockFormat, mode: str) -> torch.Tensor:
+    """Unbiased E8M0 scale exponent per block (int32, in [-127, 127]) from the block's fp32 absolute maximum.
+    NaN blocks are handled by the caller."""
+    if mode == "rceil":
+        d = amax / fmt.max_element  # the fp32 division of cuBLAS's recipe: its rounding is part of the result
+        bits = d.view(torch.int32)
+        e = _exponent(bits)
+        e += (bits & 0x7FFFFF) != 0  # ceil(log2(d)) for normal d
+        # subnormal d: ceil(log2(d)) is -126 above 2**-127 and <= -127 below (then clamped)
+        e = torch.where(bits < 0x00800000, torch.where(bits > 0x00400000, -126, -127), e)
+        return e.clamp_(-127, 127).to(torch.int32)
+    bits = amax.view(torch.int32)
+    if mode == "even":
+        # round amax to the element's precision (half-ulp up, as an integer add into the exponent) first
+        bits = bits + (1 << (22 - fmt.element.man_bits))
+    e = _exponent(bits)
+    if mode == "ceil":
+        e += (bits & 0x7FFFFF) != 0
+    e -= fmt.emax
+    if mode == "neuron":
+        e += 1
+    return e.clamp_(-127, 127).to(torch.int32)
+
+
+def _block_amax(w: torch.Tensor) -> torch.Tensor:
+    """Absolute maximum over the last dim (NaN if the block holds a NaN), without a full-size |w| temporary."""
+    lo, hi = torch.aminmax(w, dim=-1)
+    return torch.maximum(hi, lo.neg_()).abs_()
+
+
+def _scale_blocks(
+    w: torch.Tensor, fmt: BlockFormat, mode: str, tensor_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, multipliers) per block of ``w`` ([..., block]): the decoded scale (fp32) and what the elements are
+    multiplied by before rounding, both shaped ``w.shape[:-1]``."""
+    amax = _block_amax(w)
+    if fmt.scale == "e4m3":
+        block_scale = amax / fmt.max_element
+        if tensor_scale is not None:
+            block_scale = block_scale / tensor_scale
+        # E4M3 cast of the clamped fp32 scale (round to nearest even; NaN stays NaN)
+        s = round_to_(block_scale.clamp_(_E4M3_MIN_NORMAL, _E4M3_MAX), _E4M3)
+        # reciprocal, then a product: the fp32 roundings of the NVFP4 reference kernels (docs/mx.md)
+        rcp = torch.reciprocal(s) if tensor_scale is None else torch.reciprocal(tensor_scale) / s
+        return s, rcp
+    nan = torch.isnan(amax)
+    e = _e8m0_exponent(amax.masked_fill(nan, 0.0), fmt, mode)
+    scale = _pow2(e)
+    mult = _pow2(-e)
+    if mode == "rceil":
+        mult.masked_fill_(e == -127, 1.0)  # Transformer Engine's exp2f_rcp: the reciprocal of 2**-127 is 1
+    scale.masked_fill_(nan, float("nan"))
+    mult.masked_fill_(nan, float("nan"))
+    return scale, mult
+
+
+# ------------------------------------------------------------------------------------------------ elements
+def round_elements(
+    v: torch.Tensor,
+    fmt: BlockFormat | str,
+    rounding: str = "nearest",
+    *,
+    key: int = 0,
+    primary: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Round fp32 ``v`` in place to ``fmt``'s element grid, saturating at +-``max_element``; returns ``v``.
+
+    ``"stochastic"`` needs the Philox ``key``, the elements' ``primary`` bytes and stream ``positions``
+    (:func:`mixprec.core.philox.round_up`). NaN stays NaN (also for fp6/fp4, which have no NaN: see docs/mx.md).
+    """
+    fmt = get_block_format(fmt)
+    v.clamp_(-fmt.max_element, fmt.max_element)  # NaN stays NaN
+    grid = fmt.element
+    if rounding == "nearest":
+        if grid.exp_bits >= 4:  # fp8: round_to's compiled kernel; the clamp left nothing to overflow
+            return round_to_(v, grid)
+        round_nearest_grid_(v, grid, torch.empty_like(v, dtype=torch.int32))
+        return v
+    # the grid spacing at |v|: 2**(max(exponent, emin) - man_bits), and |v| in spacings (exact: power-of-two divisor)
+    mag = v.abs()
+    e = _exponent(mag.view(torch.int32)).clamp_(min=grid.emin).sub_(grid.man_bits)
+    spacing = _pow2(e)
+    steps = mag.div_(spacing)
+    low = torch.floor(steps)
+    if rounding == "stochastic":
+        if primary is None or positions is None:
+            raise RuntimeError("round_elements: stochastic rounding needs primary bytes and positions")
+        low += round_up(key, primary, steps.sub_(low), positions)
+    elif rounding != "toward_zero":
+        raise ValueError(f"rounding must be one of {', '.join(map(repr, ROUNDING_MODES))}; got {rounding!r}")
+    return v.copy_(low.mul_(spacing).copysign_(v))
+
+
+# ------------------------------------------------------------------------------------------------ the result
+@dataclass(frozen=True, eq=False)
+class BlockScaled:
+    """A block-scaled tensor: ``elements`` (fp32 values on the element grid, ``x``'s shape), ``scales`` (fp32,
+    one per block, shaped like ``x`` with each blocked dimension divided by its block size) and, for NVFP4 with
+    two-level scaling, ``tensor_scale`` (fp32, 0-d; else None). ``dequantize()`` returns ``elements * scale``."""
+
+    elements: torch.Tensor
+    scales: torch.Tensor
+    tensor_scale: torch.Tensor | None
+    fmt: BlockFormat
+    block_size: tuple[int, ...]
+    axis: tuple[int, ...]
+    scale_mode: str
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``elements * scale`` in fp32 (for NVFP4 with a tensor scale: ``elements * (tensor_scale * scale)``,
+        the product rounded to fp32 first, as torchao's ``NVFP4Tensor.dequantize``), cast to ``dtype``."""
+        layout = _Layout(self.elements.shape, self.block_size, self.axis)
+        s = self.scales if self.tensor_scale is None else self.tensor_scale * self.scales
+        s = s.movedim(self.axis, layout.dst).unsqueeze(-1)
+        out = layout.to_blocks(self.elements) * s
+        return layout.from_blocks(out).to(dtype, memory_format=torch.contiguous_format)
+
+
+def _tensor_scale(value: object, fmt: BlockFormat, device: torch.device) -> torch.Tensor | None:
+    if value is None:
+        return None
+    if fmt.scale != "e4m3":
+        raise ValueError(f"tensor_scale: format {fmt.name!r} has no tensor scale (only 'nvfp4' has one); got {value!r}")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or not value.is_floating_point():
+            raise ValueError(
+                f"tensor_scale must be a positive finite float or a one-element float tensor; got {value!r}"
+            )
+        t = value.detach().reshape(()).to(device=device, dtype=torch.float32)
+    elif isinstance(value, float | int) and not isinstance(value, bool):
+        t = torch.tensor(float(value), dtype=torch.float32, device=device)
+    else:
+        raise TypeError(f"tensor_scale must be None, a float or a one-element tensor; got {type(value).__name__}")
+    if not (bool(torch.isfinite(t)) and float(t) > 0.0):
+        raise ValueError(f"tensor_scale must be positive and finite; got {float(t)!r}")
+    return t
+
+
+def mx_quantize(
+    x: torch.Tensor,
+    fmt: BlockFormat | str,
+    *,
+    block_size: int | tuple[int, int] | None = None,
+    scale_mode: ScaleMode | None = None,
+    axis: int | tuple[int, int] = -1,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    tensor_scale: float | torch.Tensor | None = None,
+) -> BlockScaled:
+    """Quantize ``x`` to a block-scaled format (MXFP8, MXFP6, MXFP4, NVFP4); returns a :class:`BlockScaled`.
+
+    Args:
+        x: fp32, bf16 or fp16 tensor (read exactly as fp32).
+        fmt: ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"``, ``"mxfp6_e2m3"``, ``"mxfp6_e3m2"``, ``"mxfp4_e2m1"`` (E8M0 scale,
+            block 32) or ``"nvfp4"`` (E4M3 scale, block 16).
+        block_size: elements per block along ``axis`` (must divide it; default: the format's), or a pair for 2-D
+            tiles (e.g. ``(16, 16)``) over the two dims of ``axis`` (default the last two).
+        scale_mode: E8M0 formats: ``"floor"`` (the default, OCP MX v1.0), ``"ceil"``, ``"even"``, ``"rceil"``,
+            ``"neuron"``; NVFP4: ``"e4m3"`` (its only rule, the default). Formulas in docs/mx.md.
+        axis: the dimension the blocks run along (a pair for 2-D blocks).
+        rounding: ``"nearest"`` (ties to even), ``"toward_zero"`` or ``"stochastic"`` (unbiased, Philox stream
+            keyed by one draw from ``generator``; element ``i`` of ``x`` in row-major order is stream position ``i``).
+        generator: the ``torch.Generator`` for ``"stochastic"`` (None: torch's default generator).
+        tensor_scale: NVFP4 only: fp32 tensor scale for two-level scaling (block scales are E4M3 values of
+            ``amax / 6 / tensor_scale``); e.g. ``amax(x) / (448 * 6)``.
+    """
+    check_tensor("x", x, _INPUT_DTYPES)
+    bf = get_block_format(fmt)
+    if scale_mode is None:
+        scale_mode = "e4m3" if bf.scale == "e4m3" else "floor"
+    check_choice("scale_mode", scale_mode, SCALE_MODES)
+    if (scale_mode == "e4m3") != (bf.scale == "e4m3"):
+        allowed = "'e4m3'" if bf.scale == "e4m3" else ", ".join(map(repr, E8M0_MODES))
+        raise ValueError(f"scale_mode {scale_mode!r} does not apply to {bf.name!r} (its modes: {allowed})")
+    check_choice("rounding", rounding, ROUNDING_MODES)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
+    ts = _tensor_scale(tensor_scale, bf, x.device)
+    layout = _layout(x, block_size, axis, bf.block_size)
+
+    blocks = layout.to_blocks(x.detach())
+    w = blocks.to(torch.float32, memory_format=torch.contiguous_format)
+    if w.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        w = w.clone()  # a view of x: never round the caller's tensor
+    scales, mult = _scale_blocks(w, bf, scale_mode, ts)
+    w.mul_(mult.unsqueeze(-1))
+    if rounding == "stochastic":
+        key = draw_key(generator)
+        n = x.numel()
+        primary = layout.to_blocks(stream_bytes(key, 0, n, x.device).view(x.shape))
+        positions = layout.to_blocks(torch.arange(n, device=x.device).view(x.shape))
+        round_elements(w, bf, rounding, key=key, primary=primary, positions=positions)
+    else:
+        round_elements(w, bf, rounding)
+    return BlockScaled(
+        elements=layout.from_blocks(w).contiguous(),
+        scales=layout.scales_from_blocks(scales).contiguous(),
+        tensor_scale=ts,
+        fmt=bf,
+        block_size=layout.block,
+        axis=layout.dims,
+        scale_mode=scale_mode,
+    )
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    fmt: BlockFormat | str,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    **kwargs: object,
+) -> torch.Tensor:
+    """``mx_quantize(x, fmt, ...).dequantize()``: ``x`` rounded to the block-scaled format, in fp32."""
+    return mx_quantize(x, fmt, rounding=rounding, generator=generator, **kwargs).dequantize()  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------------ Hadamard
+def hadamard_matrix(n: int = 16, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The Sylvester Hadamard matrix of order ``n`` (a power of two), entries +-1, unnormalised."""
+    check_positive_int("n", n)
+    if n & (n - 1):
+        raise ValueError(f"n must be a power of two; got {n}")
+    h = torch.ones(1, 1, dtype=dtype)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def random_signs(n: int = 16, *, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``n`` independent random signs (fp32 +-1) from ``generator``: the diagonal of the random Hadamard
+    transform. Seed the generator to rebuild the same transform for its inverse."""
+    check_positive_int("n", n)
+    return torch.randint(0, 2, (n,), generator=generator).mul_(2).sub_(1).to(torch.float32)
+
+
+def hadamard_transform(
+    x: torch.Tensor, signs: torch.Tensor | None = None, *, axis: int = -1, inverse: bool = False
+) -> torch.Tensor:
+    """Random Hadamard transform of ``x`` in blocks of ``n = len(signs)`` (default 16, no signs) along ``axis``.
+
+    Each block ``v`` becomes ``Q v`` with ``Q = H diag(signs) / sqrt(n)`` (orthogonal); ``inverse=True`` applies
+    ``Q^T``, undoing it. Computed in ``x``'s dtype (fp32 or fp64): exact up to one matmul's rounding.
+    """
+    check_tensor("x", x, (torch.float32, torch.float64))
+    if signs is None:
+        signs = torch.ones(16, dtype=x.dtype, device=x.device)
+    check_tensor("signs", signs)
+    if signs.dim() != 1 or not bool(((signs == 1) | (signs == -1)).all()):
+        raise ValueError("signs must be a 1-D tensor of +-1 (see random_signs)")
+    n = signs.numel()
+    if not isinstance(axis, int) or isinstance(axis, bool) or not -x.dim() <= axis < x.dim():
+        raise ValueError(f"axis {axis!r} is out of range for x with {x.dim()} dimensions")
+    if x.shape[axis] % n:
+        raise ValueError(f"the Hadamard size {n} does not divide dimension {axis} of x (shape {tuple(x.shape)})")
+    q = hadamard_matrix(n, dtype=torch.float64) * signs.to(torch.float64) / math.sqrt(n)  # Q = H D / sqrt(n)
+    q = q.to(x.dtype).to(x.device)
+    t = x.movedim(axis, -1)
+    blocks = t.reshape(*t.shape[:-1], -1, n)
+    # row vectors: Q v is v @ Q^T, Q^T y is y @ Q
+    out = blocks @ (q if inverse else q.T)
+    return out.reshape(t.shape).movedim(-1, axis)
