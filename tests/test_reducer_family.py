@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import mixprec  # noqa: F401  (registers the compressed reducers)
 from mixprec.comm import make_reducer, rank_generator, registered_reducers
@@ -92,6 +93,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world", "local"), GROUPS)
 def test_every_registered_reducer_models_its_gloo_all_reduce(monkeypatch, world: int, local: int) -> None:
     cases = _cases()
@@ -225,3 +227,33 @@ def test_stochastic_model_rounds_in_the_real_ranks_blocks() -> None:
         part = slice(p * shard, (p + 1) * shard)
         sum_shards_into(own, rows[:, part].contiguous(), average=True, rounding="stochastic", generator=stream)
         assert torch.equal(model[part], own), p
+
+
+def _fsdp_reduce_scatter(rank: int, world: int, rounding: str) -> list[torch.Tensor]:
+    from mixprec.fsdp import FP32AccumulateReduceScatter
+
+    torch.set_num_threads(1)
+    comm = FP32AccumulateReduceScatter(rounding=rounding)
+    shards = []
+    for step, key in CALLS[:2]:
+        bucket = _bucket(rank, step, key, _numel(world), torch.bfloat16)
+        shard = torch.empty(bucket.numel() // world, dtype=torch.bfloat16)
+        comm(shard, bucket, dist.group.WORLD, dist.ReduceOp.AVG)
+        shards.append(shard)
+    return shards
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_fsdp2_reduce_scatter_gives_each_rank_its_part_of_the_model(rounding: str) -> None:
+    """FSDP2's reduce-scatter adapter runs an FP32AccumulateReducer: rank r's shard is part r of what the
+    reducer's model says every rank holds after all_reduce (the same sums, the same owner's rounding and stream)."""
+    world = 3
+    per_rank = run_distributed(_fsdp_reduce_scatter, world, rounding, timeout=300)
+    reducer = make_reducer("fp32_accumulate", rounding=rounding)
+    numel = _numel(world)
+    shard = numel // world
+    for c, (step, key) in enumerate(CALLS[:2]):
+        rows = torch.stack([_bucket(r, step, key, numel, torch.bfloat16) for r in range(world)])
+        model = reducer.model(rows, average=True, key=key)
+        for r in range(world):
+            assert _same_bits(per_rank[r][c], model[r, r * shard : (r + 1) * shard]), (rounding, step, r)

@@ -1,8 +1,9 @@
 """fp32 accumulation for users who keep torch FSDP2 (``fully_shard``): a custom reduce-scatter.
 
-:class:`FP32AccumulateReduceScatter` implements FSDP2's ``ReduceScatter`` comm interface with
-:func:`mixprec.comm.reduce_scatter_fp32_accumulate`; :func:`use_fp32_accumulation` installs it on every
-``fully_shard``-ed submodule (``FSDPModule.set_custom_reduce_scatter``, torch 2.13). Importing this module
+:class:`FP32AccumulateReduceScatter` implements FSDP2's ``ReduceScatter`` comm interface as a thin adapter
+over a :class:`mixprec.parallel.FP32AccumulateReducer` (its ``reduce_scatter_scaled``);
+:func:`use_fp32_accumulation` installs it on every ``fully_shard``-ed submodule
+(``FSDPModule.set_custom_reduce_scatter``, torch 2.13). Importing this module
 imports ``torch.distributed.fsdp`` (about 0.7 s), so only ``mixprec.fsdp`` imports it, not ``import mixprec``.
 """
 
@@ -15,10 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec.comm.fp32_accumulate import reduce_scatter_scaled
-from mixprec.comm.topology import check_topology
-from mixprec.core.dtypes import ROUNDINGS, Rounding
-from mixprec.core.validate import check_choice
+from mixprec.core.dtypes import Rounding
+from mixprec.parallel.reducers import FP32AccumulateReducer
 
 __all__ = ["FP32AccumulateReduceScatter", "use_fp32_accumulation"]
 
@@ -78,15 +77,27 @@ class FP32AccumulateReduceScatter(_fsdp_base()):  # type: ignore[misc]
         topology: Any = None,
         inter_node_dtype: torch.dtype | None = None,
     ) -> None:
-        self.rounding = check_choice("rounding", rounding, ROUNDINGS)
-        self.generator = generator
-        self.topology = None if topology is None else check_topology(topology)
-        if inter_node_dtype is not None and topology is None:
-            raise ValueError("inter_node_dtype applies only to the hierarchical scheme: pass a topology as well")
-        if inter_node_dtype is not None and inter_node_dtype != torch.float32:
-            raise ValueError(f"inter_node_dtype must be None or torch.float32; got {inter_node_dtype!r}")
-        self.inter_node_dtype = inter_node_dtype
+        self.reducer = FP32AccumulateReducer(
+            rounding=rounding, generator=generator, topology=topology, inter_node_dtype=inter_node_dtype
+        )
+        """What every call runs: ``reducer.reduce_scatter_scaled`` (options, stream and checks are the reducer's)."""
         self._scratch: torch.Tensor | None = None
+
+    @property
+    def rounding(self) -> Rounding:
+        return self.reducer.rounding
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.reducer.generator
+
+    @property
+    def topology(self) -> Any:
+        return self.reducer.topology
+
+    @property
+    def inter_node_dtype(self) -> torch.dtype | None:
+        return self.reducer.inter_node_dtype
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """FSDP2's hook for allocating the reduce-scatter's input and output buffers: an uninitialised tensor
@@ -116,18 +127,8 @@ class FP32AccumulateReduceScatter(_fsdp_base()):  # type: ignore[misc]
         average, factor = _decode_op(op)
         # The receive buffer is reused across calls, so only one reduction may be in flight: finish it here
         # (FSDP2 calls this synchronously anyway).
-        reduce_scatter_scaled(
-            output_tensor,
-            input_tensor,
-            group,
-            average=average,
-            factor=factor,
-            async_op=False,
-            rounding=self.rounding,
-            scratch=self._scratch_for(input_tensor),
-            generator=self.generator,
-            topology=self.topology,
-            inter_node_dtype=self.inter_node_dtype,
+        self.reducer.reduce_scatter_scaled(
+            output_tensor, input_tensor, group, average=average, factor=factor, scratch=self._scratch_for(input_tensor)
         )
         return _CompletedWork() if async_op else None
 

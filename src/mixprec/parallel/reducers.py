@@ -27,7 +27,11 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from mixprec.comm.compat import reduce_scatter_flat
-from mixprec.comm.fp32_accumulate import all_reduce_fp32_accumulate, reduce_scatter_fp32_accumulate
+from mixprec.comm.fp32_accumulate import (
+    all_reduce_fp32_accumulate,
+    reduce_scatter_fp32_accumulate,
+    reduce_scatter_scaled,
+)
 from mixprec.comm.handles import PendingReduction, wait_all
 from mixprec.comm.hierarchical_fp32 import per_segment
 from mixprec.comm.models import (
@@ -128,6 +132,8 @@ class FP32AccumulateReducer:
         rounding: ``"nearest"`` or ``"stochastic"`` (unbiased) for the single rounding to the bucket
             dtype. Nothing is rounded when the output is fp32 (a reduce-scatter into fp32 master gradients).
         seed: stochastic rounding's stream is seeded with ``seed + global rank``.
+        generator: a ``torch.Generator`` to draw stochastic rounding from instead (this rank's own stream, as an
+            adapter may be handed one); None = the seeded stream above. A model of P ranks needs the seed.
         max_in_flight: receive buffers kept for reuse, int >= 1. Each started reduction holds one (a
             bucket's length in the bucket dtype) until it finishes; starting one more than this first
             finishes the oldest still pending (blocking on it), so the extra memory stays at
@@ -156,8 +162,12 @@ class FP32AccumulateReducer:
         topology: Any = None,
         inter_node_dtype: torch.dtype | None = None,
         budget: int | None = None,
+        generator: torch.Generator | None = None,
     ) -> None:
         self.rounding = check_choice("rounding", rounding, ROUNDINGS)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
+        self.generator = generator
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int; got {type(seed).__name__}")
         self.seed = seed
@@ -257,7 +267,7 @@ class FP32AccumulateReducer:
     def _rng(self, device: torch.device) -> torch.Generator | None:
         if self.rounding != "stochastic":
             return None
-        self._generator = rank_generator(self.seed, device)
+        self._generator = self.generator if self.generator is not None else rank_generator(self.seed, device)
         if self._generator_state is not None:  # a state loaded before the first reduction
             self._generator.set_state(self._generator_state)
             self._generator_state = None
@@ -327,12 +337,45 @@ class FP32AccumulateReducer:
                 hierarchical_fp32_rows(rows, per_node, average=average, inter_dtype=self.inter_node_dtype), world
             )
         stochastic = self.rounding == "stochastic"
+        if stochastic and self.generator is not None:
+            raise ValueError(
+                "this reducer rounds stochastically from a given generator (one rank's stream); a model of P ranks "
+                "draws from P streams seeded seed + rank: build it with seed= instead"
+            )
         if stochastic and rows.dtype == torch.float32:
             raise ValueError(f"rounding='stochastic' needs a float16/bfloat16 tensor; rows are {rows.dtype}")
         self.model_state.check_world(world)
         generators = self.model_state.streams(self.seed, rows.device) if stochastic else None
         out = fp32_accumulate_rows(rows, average=average, rounding=self.rounding, generators=generators)
         return same_on_every_rank(out, world)
+
+    def reduce_scatter_scaled(
+        self,
+        shard_out: torch.Tensor,
+        tensor: torch.Tensor,
+        group: ProcessGroup | None,
+        *,
+        average: bool,
+        factor: float | None,
+        scratch: torch.Tensor | None = None,
+    ) -> None:
+        """Blocking reduce-scatter of a contiguous tensor whose length is any multiple of the group size (an
+        adapter's, e.g. torch FSDP2's), with this reducer's rounding, stream and topology, the fp32 sum multiplied
+        by ``factor`` before the one rounding (``ReduceOp.PREMUL_SUM``): :func:`mixprec.comm.reduce_scatter_scaled`.
+        ``scratch``: the receive buffer (the hierarchical area), reused by the caller across calls."""
+        reduce_scatter_scaled(
+            shard_out,
+            tensor,
+            group,
+            average=average,
+            factor=factor,
+            async_op=False,
+            rounding=self.rounding,
+            scratch=scratch,
+            generator=self._rng(tensor.device),
+            topology=self.topology,
+            inter_node_dtype=self.inter_node_dtype,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The rounding mode and, for stochastic rounding, the generator state (a uint8 tensor)."""
