@@ -257,3 +257,10 @@ def test_fsdp2_reduce_scatter_gives_each_rank_its_part_of_the_model(rounding: st
         model = reducer.model(rows, average=True, key=key)
         for r in range(world):
             assert _same_bits(per_rank[r][c], model[r, r * shard : (r + 1) * shard]), (rounding, step, r)
+
+
+def test_a_stateless_reducer_models_any_group_size() -> None:
+    reducer = make_reducer("fp32_accumulate")
+    for world in (2, 3, 8):
+        rows = torch.ones(world, bucket_multiple(world), dtype=torch.bfloat16)
+        assert torch.equal(reducer.model(rows, average=True)[0], rows[0])

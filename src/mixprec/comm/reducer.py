@@ -113,8 +113,9 @@ class GradReducer(BucketReducer, Protocol):
     simulated ranks, apart from its own rank's state for real calls (:class:`mixprec.comm.models.GroupState`):
     rank r's random stream seeded as ``mixprec.comm.rank_generator`` seeds rank r's (``seed + r``), and per
     bucket key one residual per rank, each advancing exactly as the real ranks' do at each call. The first call
-    fixes P for that object. Hierarchical reducers take their topology as they do for real calls (options, or
-    ``LOCAL_WORLD_SIZE``), and ``P`` must be its size. A configuration whose result cannot be modelled
+    of a reducer that keeps such state fixes P for that object (a stateless one models any P). Hierarchical
+    reducers take their topology as they do for real calls (options, or ``LOCAL_WORLD_SIZE``), and ``P`` must
+    be its size. A configuration whose result cannot be modelled
     exactly raises ValueError saying why, before any state changes.
     """
 

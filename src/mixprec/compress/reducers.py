@@ -283,7 +283,8 @@ class Uint8Reducer:
                     f"rows hold {world} ranks but the topology {nodes} x {per_node} has {nodes * per_node}"
                 )
         wire = self._model_wire(key, rows)
-        self.model_state.check_world(world)
+        if self.options.rounding == "stochastic" or self.options.error_feedback:
+            self.model_state.check_world(world)  # per-rank streams and residuals: sized for one group
         if wire == "full":  # what _start_full runs: the flat fp32-accumulating all-reduce, round to nearest
             return same_on_every_rank(fp32_accumulate_rows(rows, average=average), world)
         if world == 1:  # nothing is quantized or sent on one rank

@@ -332,7 +332,6 @@ class FP32AccumulateReducer:
                     "the hierarchical scheme's stochastic rounding is not modelled (its draws follow the segment "
                     "pipeline); model rounding='nearest'"
                 )
-            self.model_state.check_world(world)
             return same_on_every_rank(
                 hierarchical_fp32_rows(rows, per_node, average=average, inter_dtype=self.inter_node_dtype), world
             )
@@ -344,8 +343,10 @@ class FP32AccumulateReducer:
             )
         if stochastic and rows.dtype == torch.float32:
             raise ValueError(f"rounding='stochastic' needs a float16/bfloat16 tensor; rows are {rows.dtype}")
-        self.model_state.check_world(world)
-        generators = self.model_state.streams(self.seed, rows.device) if stochastic else None
+        generators = None
+        if stochastic:  # per-rank streams: the state that ties this object to one group size
+            self.model_state.check_world(world)
+            generators = self.model_state.streams(self.seed, rows.device)
         out = fp32_accumulate_rows(rows, average=average, rounding=self.rounding, generators=generators)
         return same_on_every_rank(out, world)
 
