@@ -7,9 +7,12 @@ hash of the sources, the flags, the compiler's version and the CPU's feature fla
 pointers from ``tensor.data_ptr()`` and the thread count ``torch.get_num_threads()``; the library links
 the same ``libgomp.so.1`` that torch already loaded, so one OpenMP runtime serves both.
 
-Callers keep their torch implementation and use a kernel only when :func:`library` returns one: with no
-compiler (or ``MIXPREC_NATIVE=0``), everything runs as before and one :class:`NativeKernelWarning` says
-so, once per process. :func:`describe` names the path that runs, for benchmark output. Results are the
+A cached library is mapped only from a directory of this user's that nobody else may write (created 0700),
+from a file of this user's, after the checksum the build appended to it matches (a damaged file is rebuilt);
+then its ABI version and functions are checked. A compiler past ``MIXPREC_BUILD_TIMEOUT`` (120 s) is killed
+with its children. Callers keep their torch implementation and use a kernel only when :func:`library` returns
+one: with no compiler (or ``MIXPREC_NATIVE=0``), everything runs as before and one :class:`NativeKernelWarning`
+says so, once per process. :func:`describe` names the path that runs, for benchmark output. Results are the
 same on both paths bit for bit (the tests run both); ``docs/native.md`` says how each kernel keeps that.
 """
 
@@ -20,10 +23,13 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
+import secrets
 import shlex
 import shutil
+import signal
+import stat
 import subprocess
-import tempfile
 import threading
 import warnings
 from collections.abc import Iterator
@@ -54,6 +60,17 @@ _CSRC = Path(__file__).with_name("csrc")
 # keeps the compiler from fusing a*b+c where the torch path rounds the product first.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno"]
 _ENV_SWITCH = "MIXPREC_NATIVE"
+_CACHE_ENV = "MIXPREC_CACHE_DIR"
+_TIMEOUT_ENV = "MIXPREC_BUILD_TIMEOUT"
+# A build takes 1-10 s (a sanitizer build, or several ranks building at once on few cores, longer); a compiler
+# that hangs must not hold up the first kernel call much longer than that.
+_BUILD_TIMEOUT_S = 120.0
+_ABI_VERSION = 1  # csrc/abi.c's mixprec_abi_version()
+# What the build appends to the library (the ELF loader ignores bytes past its sections): this tag, then the
+# sha256 of the cache key and the library's bytes. A truncated, damaged or foreign file fails it.
+_MAGIC = b"\0mixprec-sha256\0"
+# Function definitions with external linkage, at the start of a line in csrc/*.c.
+_EXPORTED = re.compile(r"^(?!static\b)[A-Za-z_][\w \t*]*?\b(mixprec_\w+)\s*\(", re.MULTILINE)
 
 
 class NativeKernelWarning(RuntimeWarning):
@@ -66,7 +83,7 @@ _disabled_depth = 0
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("MIXPREC_CACHE_DIR")
+    root = os.environ.get(_CACHE_ENV)
     if root:
         return Path(root)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -99,6 +116,161 @@ def env_switched_off() -> bool:
     return os.environ.get(_ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
 
 
+def _build_timeout() -> float | None:
+    """Seconds a compiler command may run (``MIXPREC_BUILD_TIMEOUT``, default 120); None for a bad value."""
+    raw = os.environ.get(_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return _BUILD_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if 0 < value < float("inf") else None
+
+
+def _run_bounded(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in a session of its own; past ``timeout`` seconds kill the whole process group (the compiler
+    driver's cc1, as and ld children too, which ``subprocess.run`` would leave running) and raise
+    ``subprocess.TimeoutExpired``."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:  # the timeout, or KeyboardInterrupt: nothing of the build may outlive this call
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for pipe in (proc.stdout, proc.stderr):  # not read: a child that left the group could hold them open
+            if pipe is not None:
+                pipe.close()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _exported(sources: list[Path]) -> list[str]:
+    """The ``mixprec_*`` functions the sources define with external linkage: what a loaded library must hold."""
+    names: set[str] = set()
+    for path in sources:
+        names.update(_EXPORTED.findall(path.read_text()))
+    return sorted(names)
+
+
+def _open_private_dir(cache: Path) -> tuple[int | None, str]:
+    """An open descriptor of the cache directory, created 0700 if missing, when this user owns it and nobody
+    else may write it (else None and the reason). Everything after this goes through the descriptor, so a
+    directory swapped in under the same path later is never read from."""
+    try:
+        cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+        dfd = os.open(cache, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        return None, f"cannot use the cache directory {cache}: {exc}"
+    st = os.fstat(dfd)
+    euid = os.geteuid()
+    why = ""
+    if st.st_uid != euid:
+        why = f"the cache directory {cache} belongs to uid {st.st_uid}, not to this user (uid {euid})"
+    elif st.st_mode & 0o022:
+        why = f"the cache directory {cache} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    if why:
+        os.close(dfd)
+        return None, f"{why}: a library there could run another user's code; set {_CACHE_ENV} to a private directory"
+    return dfd, ""
+
+
+def _trailer(body: bytes, key: bytes) -> bytes:
+    """What the build appends to a library: a tag and the sha256 of the cache key and the library's bytes."""
+    return _MAGIC + hashlib.sha256(key + body).digest()
+
+
+def _open_verified(dfd: int, name: str, key: bytes) -> tuple[int | None, str]:
+    """Open the cached library ``name`` and check it before anything maps it: a regular file of this user's that
+    nobody else may write, ending in the trailer of its bytes under this ``key``. Returns (descriptor, "") or
+    (None, "absent" | "corrupt: ..." | "refused: ...")."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    except FileNotFoundError:
+        return None, "absent"
+    except OSError as exc:  # a symbolic link (ELOOP) or unreadable: replaced by a fresh build
+        return None, f"corrupt: cannot open it ({exc.strerror})"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, "corrupt: not a regular file"
+        if st.st_uid != os.geteuid():
+            return None, f"refused: it belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+        if st.st_mode & 0o022:
+            return None, f"refused: it is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read()
+        n = len(_MAGIC) + 32
+        if len(data) <= n or data[-n:] != _trailer(data[:-n], key):
+            return None, f"corrupt: its checksum does not match its {len(data)} bytes"
+        fd, kept = -1, fd
+        return kept, ""
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _compile(
+    cc: list[str], sources: list[Path], cache: Path, dfd: int, name: str, key: bytes, timeout: float
+) -> tuple[int | None, str]:
+    """Build the library beside ``name``, append its trailer and rename it into place; the built file stays open
+    (its descriptor is returned), so this process loads the bytes it checked whatever the name holds by then."""
+    tmp = f".{name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    fd = -1
+    try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=dfd))
+        cmd = [*cc, *_FLAGS, "-I", str(_CSRC), *map(str, sources), "-o", str(cache / tmp), "-lm"]
+        try:
+            done = _run_bounded(cmd, timeout)
+        except subprocess.TimeoutExpired:
+            return None, f"{cc[0]} did not finish within {timeout:g} s (set {_TIMEOUT_ENV} to wait longer)"
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["(no output)"])[0]
+            return None, f"{' '.join([os.path.basename(cc[0]), *cc[1:]])} failed: {first}"
+        fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        with open(fd, "rb", closefd=False) as f:
+            body = f.read()
+        os.lseek(fd, 0, os.SEEK_END)
+        os.write(fd, _trailer(body, key))
+        os.fchmod(fd, 0o755)
+        os.fsync(fd)  # a crash after the rename leaves the whole file or the old one, never a short one
+        # Built beside the target and renamed: ranks that build at once never load a half-written file.
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        fd, kept = -1, fd
+        return kept, ""
+    except OSError as exc:
+        return None, f"building the kernels in {cache} failed: {exc}"
+    finally:  # also on KeyboardInterrupt: no half-built file left in the cache
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dfd)
+
+
+def _load(fd: int, target: Path, exported: list[str]) -> tuple[ctypes.CDLL | None, str]:
+    """Load the checked library open at ``fd`` (through /proc, so that the file mapped is the file checked) and
+    check its ABI version and that it defines every function the sources export."""
+    proc_path = f"/proc/self/fd/{fd}"
+    try:
+        lib = ctypes.CDLL(proc_path if os.path.exists(proc_path) else str(target))
+    except OSError as exc:
+        return None, f"loading {target} failed: {exc}"
+    try:
+        abi = lib.mixprec_abi_version
+    except AttributeError:
+        return None, f"{target} has no mixprec_abi_version: not a mixprec kernel library"
+    abi.restype, abi.argtypes = ctypes.c_int, []
+    if abi() != _ABI_VERSION:
+        return None, f"{target} has ABI version {abi()}, this mixprec needs {_ABI_VERSION}"
+    missing = [s for s in exported if not hasattr(lib, s)]
+    if missing:
+        return None, f"{target} lacks {', '.join(missing)}"
+    return lib, ""
+
+
 def _build() -> tuple[ctypes.CDLL | None, str]:
     if env_switched_off():
         return None, f"{_ENV_SWITCH}=0"
@@ -107,10 +279,15 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     cc = _compiler()
     if cc is None:
         return None, "no C compiler found (gcc or $CC)"
+    timeout = _build_timeout()
+    if timeout is None:
+        return None, f"{_TIMEOUT_ENV} must be a number of seconds > 0; got {os.environ.get(_TIMEOUT_ENV)!r}"
     sources = sorted(_CSRC.glob("*.c"))
     headers = sorted(_CSRC.glob("*.h"))
     try:
-        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = _run_bounded([*cc, "--version"], min(timeout, 30.0)).stdout
+    except subprocess.TimeoutExpired:
+        return None, f"{shlex.join(cc)} --version did not finish within {min(timeout, 30.0):g} s"
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"{shlex.join(cc)} --version failed: {exc}"
     name = " ".join([os.path.basename(cc[0]), *cc[1:]])
@@ -123,28 +300,25 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     digest.update(_cpu_flags().encode())
     cache = _cache_dir()
     target = cache / f"mixprec_native-{digest.hexdigest()[:20]}.so"
-    if not target.exists():
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            # Build beside the target and rename: ranks that build at once never load a half-written file.
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-            os.close(fd)
-            try:
-                cmd = [*cc, *_FLAGS, "-I", str(_CSRC), *map(str, sources), "-o", tmp, "-lm"]
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-                if done.returncode != 0:
-                    first = (done.stderr.strip().splitlines() or ["(no output)"])[0]
-                    return None, f"{name} failed: {first}"
-                os.replace(tmp, target)
-            finally:  # also on a timeout or KeyboardInterrupt: no half-built file left in the cache
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        except (OSError, subprocess.SubprocessError) as exc:
-            return None, f"building the kernels in {cache} failed: {exc}"
+    dfd, why = _open_private_dir(cache)
+    if dfd is None:
+        return None, why
     try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as exc:
-        return None, f"loading {target} failed: {exc}"
+        fd, state = _open_verified(dfd, target.name, digest.digest())
+        if state.startswith("refused"):
+            return None, f"{target} {state.removeprefix('refused: ')}: not loaded"
+        if fd is None:  # absent, or corrupt (truncated, damaged, another library): build it afresh
+            fd, why = _compile(cc, sources, cache, dfd, target.name, digest.digest(), timeout)
+            if fd is None:
+                return None, why if state == "absent" else f"{target} is {state}, and rebuilding it failed: {why}"
+        try:
+            lib, why = _load(fd, target, _exported(sources))
+        finally:
+            os.close(fd)
+    finally:
+        os.close(dfd)
+    if lib is None:
+        return None, why
     return lib, f"compiled ({name} {version.splitlines()[0].split()[-1] if version else ''}, {target})"
 
 
