@@ -217,6 +217,10 @@ def ref_fp8_encode(
         k = ref_fp8_exponent(float(np.abs(xc).max()), fmt)
         scales.append(2.0**-k)
         y = ref_fp8_round(xc * 2.0**k, fmt, rounding, None if randoms is None else randoms[a : a + chunk])
+        # Within one spacing of fp32's max, y may round up to 2**(128 + k), which would decode to inf: such a
+        # value steps down to the grid's next value below (half the spacing above a power of two).
+        over = np.abs(y) * 2.0**-k > np.finfo(np.float32).max
+        y[over] -= np.copysign(np.ldexp(np.abs(y[over]), -1 - FP8[fmt]["man"]), y[over])
         codes[a : a + chunk] = torch.from_numpy(y.astype(np.float32)).to(FP8[fmt]["dtype"]).view(torch.uint8).numpy()
     return np.array(scales, dtype="<f4").tobytes() + codes.tobytes()
 

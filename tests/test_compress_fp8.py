@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -22,6 +23,7 @@ from compress_reference import (
     ref_hierarchical_all_reduce,
     ref_hierarchical_reduce_scatter,
 )
+from mixprec import native
 from mixprec.comm import make_reducer
 from mixprec.compress import (
     ErrorFeedback,
@@ -35,6 +37,23 @@ from mixprec.compress import (
 CHUNK = 256
 N = 12 * 1024  # divisible by 2, 3 and 4
 FMTS = ["e4m3", "e5m2"]
+
+
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+def _near_fp32_max(n: int, g: torch.Generator) -> torch.Tensor:
+    """Finite values whose fp8 code may round up to 2**128 (= inf in fp32) once scaled back: the last spacings
+    below fp32's max, the round-half-even ties there (1.9375 and 1.875 times 2**127: e4m3's and e5m2's, which
+    round up to 2**128), and small values beside them in the same chunks."""
+    top = torch.tensor([2.0**127 * 1.9375, 2.0**127 * 1.875, FP32_MAX])
+    edges = torch.cat([top, torch.nextafter(top, torch.zeros(3)), torch.nextafter(top[:2], torch.full((2,), math.inf))])
+    x = torch.randn(n, generator=g)
+    big = torch.rand(n, generator=g) < 0.3
+    x[big] = torch.copysign(FP32_MAX * (0.8 + 0.2 * torch.rand(int(big.sum()), generator=g)), x[big])
+    x[: 2 * edges.numel()] = torch.cat([edges, -edges])
+    x[CHUNK : CHUNK + 4] = torch.tensor([3.3e38, 1.0, -2.0, 0.5])
+    return x
 
 
 def _cases() -> dict[str, torch.Tensor]:
@@ -51,6 +70,7 @@ def _cases() -> dict[str, torch.Tensor]:
         "tiny": torch.randn(n, generator=g) * 1e-40,  # subnormal fp32: the scale exponent is clamped
         "outlier": torch.cat([torch.randn(n - 1, generator=g) * 1e-3, torch.tensor([50.0])]),
         "student_t": torch.distributions.StudentT(2.0).sample((n,)),
+        "near_fp32_max": _near_fp32_max(n, g),
     }
 
 
@@ -72,6 +92,51 @@ def test_fp8_bit_exact_against_reference_and_within_bound(fmt: str, rounding: st
     err = np.abs(y.double().numpy() - as_f32(x).astype(np.float64))
     assert (err <= ref_fp8_bound(as_f32(x), CHUNK, fmt, rounding)).all()
     assert (y[x == 0] == 0).all()  # zeros stay exactly zero
+
+
+@pytest.mark.parametrize("path", ["compiled", "torch"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("fmt", FMTS)
+def test_fp8_finite_values_near_fp32_max_decode_finite(fmt: str, rounding: str, path: str) -> None:
+    """A code that rounds up to 2**(128 + k) would decode to inf: finite input, found_nonfinite False, an inf out
+    (and in training a skipped step). It saturates to the grid's largest value below, within the bound."""
+    if path == "compiled" and native.library() is None:
+        pytest.skip("no compiled kernels here")
+    q = ScaledFP8(fmt, chunk_size=4, rounding=rounding, check_finite="flag")
+    with native.disabled() if path == "torch" else contextlib.nullcontext():
+        for x in (torch.tensor([3.3e38, 1.0, -2.0, 0.5]), CASES["near_fp32_max"]):
+            buf = q.encode(x)
+            y = q.decode(buf, x.numel())
+            assert not q.found_nonfinite(buf, x.numel())
+            assert torch.isfinite(y).all()
+            err = np.abs(y.double().numpy() - as_f32(x).astype(np.float64))
+            assert (err <= ref_fp8_bound(as_f32(x), 4, fmt, rounding)).all()
+            if rounding == "nearest":
+                assert buf.numpy().tobytes() == ref_fp8_encode(as_f32(x), 4, fmt)
+    if rounding == "nearest":  # the issue's example: 3.3e38 came back as inf
+        assert y[CHUNK].item() == (1.875 if fmt == "e4m3" else 1.75) * 2.0**127
+
+
+def _worker_near_max(rank: int, world: int) -> dict:
+    out = {}
+    for fmt in FMTS:
+        x = _input(rank, n=4 * CHUNK)
+        if rank == 0:
+            x[3] = 3.35e38  # finite: the step must not be skipped
+        stats = compressed_all_reduce(x, compressor=ScaledFP8(fmt, chunk_size=CHUNK, check_finite="flag"))
+        out[fmt] = (stats.found_nonfinite, x)
+    return out
+
+
+def test_fp8_all_reduce_of_a_huge_finite_gradient_is_finite(dist_run) -> None:
+    """One rank's gradient of 3.35e38: the fp8 all-reduce reported it non-finite (the reducers skip such a step)."""
+    for rank_result in dist_run(_worker_near_max, 2, timeout=120):
+        for fmt in FMTS:
+            flagged, y = rank_result[fmt]
+            assert not flagged
+            assert torch.isfinite(y).all()
+            # two quantizations of 3.35e38 (one per rank's part, one of the half-sum) and a small addend
+            assert abs(y[3].item() - 3.35e38 / 2) <= 2 * (2.0**-4 if fmt == "e4m3" else 2.0**-3) * 3.35e38
 
 
 @pytest.mark.parametrize("fmt", FMTS)

@@ -225,8 +225,25 @@ class ScaledFP8(ChunkedCompressor):
             self._round_stochastic_(y, key, offset, row_stride)
         else:
             round_to(y, self.format, "nearest", out=y)
+        self._saturate_(y, k0, finite)
         codes.copy_(y.to(self.dtype).view(torch.uint8))  # exact: y is on the format's grid
         return int((~finite).sum())
+
+    def _saturate_(self, y: torch.Tensor, k: torch.Tensor, finite: torch.Tensor) -> None:
+        """Keep every decoded value finite: in a chunk whose ``A`` is within one spacing of fp32's max, ``y`` may
+        round up to ``2**(128 + k)``, which decodes to ``2**128 = inf``. Such codes become the largest value of
+        the format's grid below it, ``(2 - 2**-m) 2**(127 + k)`` (``m`` fraction bits): ``|x|`` is below
+        ``2**128``, so the error stays within ``u_f |x|`` (docs/compress.md). Only chunks with ``k`` at
+        most ``-120`` (e4m3) or ``-113`` (e5m2) have such a ceiling below the format's max."""
+        ceiling = (2.0 - 2.0**-self.format.man_bits) * torch.exp2(127.0 + k)
+        low = finite & (ceiling < self.format.max_finite)
+        if not bool(low.any()):
+            return
+        length = y.shape[1]
+        for r, chunk in low.nonzero().tolist():
+            a = chunk * self.chunk_size
+            lim = float(ceiling[r, chunk])
+            y[r, a : min(length, a + self.chunk_size)].clamp_(-lim, lim)
 
     def _round_stochastic_(self, y: torch.Tensor, key: int, offset: int, row_stride: int) -> None:
         """Round ``y`` [R, L] (fp32, within the format's range) in place: up in magnitude with probability equal

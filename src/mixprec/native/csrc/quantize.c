@@ -1255,7 +1255,8 @@ void mixprec_quant_philox_tie_words(uint64_t key, const int64_t *pos, int64_t n,
 /* ------------------------------------------------------------------ ScaledFP8 (mixprec.compress.fp8)
  * Per chunk: amax (NaN/Inf flag the chunk), k = the largest integer with amax 2**k <= the format's max
  * (clamped to [-126, 126], 0 for an all-zero chunk), header 2**-k, codes = the fp8 bytes of x 2**k rounded
- * to the format's grid (nearest even, or stochastic as ScaledFP8._round_stochastic_). Formats: 0 = e4m3fn
+ * to the format's grid (nearest even, or stochastic as ScaledFP8._round_stochastic_), at most fp8_ceiling(k)
+ * in magnitude so that every decoded value is finite. Formats: 0 = e4m3fn
  * (bias 7, 3 fraction bits, max 448), 1 = e5m2 (bias 15, 2 fraction bits, max 57344). */
 typedef struct {
     int man, emin, bias;
@@ -1475,14 +1476,32 @@ static void fp8_codes(const float *restrict p, uint8_t *restrict cd, int64_t m, 
     }
 }
 
-/* The ties of fp8_codes (codes cd, first stream position e0): remainder and rounded-up code, for tie_flush. */
-static void fp8_ties(const float *p, uint8_t *cd, uint64_t e0, float up, fp8fmt_t f, float inv_smin,
+/* The largest code magnitude whose value times 2**-k is a finite fp32 number: (2 - 2**-man) 2**(127 + k) on
+ * the format's grid (ScaledFP8._saturate_), or 0x7F (no limit) where that lies above the format's max. Only a
+ * chunk whose amax is within one spacing of FLT_MAX may round up to 2**(128 + k), which decodes to inf. */
+static inline uint8_t fp8_ceiling(int k, fp8fmt_t f) {
+    int e = 127 + k; /* >= 1: a normal exponent of the format */
+    if ((2.0 - 1.0 / (double)(1 << f.man)) * pow2_f64(e) >= f.top) return 0x7F;
+    return (uint8_t)(((e + f.bias) << f.man) | ((1 << f.man) - 1));
+}
+
+/* Codes above `lim` in magnitude (see fp8_ceiling) lowered to it, signs kept. */
+static void fp8_saturate(uint8_t *cd, int64_t m, uint8_t lim) {
+    for (int64_t k = 0; k < m; k++)
+        if ((cd[k] & 0x7F) > lim) cd[k] = (uint8_t)((cd[k] & 0x80) | lim);
+}
+
+/* The ties of fp8_codes (codes cd, first stream position e0): remainder and rounded-up code (at most `lim` in
+ * magnitude), for tie_flush. */
+static void fp8_ties(const float *p, uint8_t *cd, uint64_t e0, float up, fp8fmt_t f, float inv_smin, uint8_t lim,
                      const uint16_t *tie, uint64_t nz, ties_t *ties) {
     FOR_EACH_TIE(k, tie, nz) {
         uint32_t b;
         float sp, q = fp8_units(p[k] * up, f, &b, &sp);
         float lo = (float)(int32_t)q, sc = (q - lo) * 256.0f;
-        tie_push(ties, cd + k, e0 + k, sc - (float)(int32_t)sc, fp8_code((lo + 1.0f) * sp, b >> 31, f, inv_smin));
+        uint8_t c = fp8_code((lo + 1.0f) * sp, b >> 31, f, inv_smin);
+        if ((c & 0x7F) > lim) c = (uint8_t)((c & 0x80) | lim);
+        tie_push(ties, cd + k, e0 + k, sc - (float)(int32_t)sc, c);
     }
 }
 
@@ -1522,14 +1541,16 @@ int64_t mixprec_quant_encode_fp8(const void *x, int dt, int64_t rows, int64_t le
             float scale = bits_f32((uint32_t)(127 - k) << 23), up = bits_f32((uint32_t)(127 + k) << 23);
             memcpy(o + 4 * c, &scale, 4);
             uint64_t pos = (uint64_t)(offset + r * pos_stride + a);
+            const uint8_t lim = fp8_ceiling(k, f);
             for (int64_t s = 0; s < n; s += SB) {
                 int64_t m = n - s < SB ? n - s : SB;
                 const float *p = as_f32(xr, dt, a + s, m, buf);
                 const uint8_t *u = stochastic ? stream_bytes(key, pos + (uint64_t)s, m, ubuf) : 0;
                 uint64_t nz;
                 fp8_codes(p, codes + s, m, up, f, inv_smin, u, tie, &nz);
+                if (lim != 0x7F) fp8_saturate(codes + s, m, lim);
                 if (!stochastic) continue;
-                fp8_ties(p, codes + s, pos + (uint64_t)s, up, f, inv_smin, tie, nz, &ties);
+                fp8_ties(p, codes + s, pos + (uint64_t)s, up, f, inv_smin, lim, tie, nz, &ties);
                 if (ties.n >= TIE_FLUSH) tie_flush(&ties, 0);
             }
         }
