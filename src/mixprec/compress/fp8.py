@@ -31,6 +31,8 @@ from mixprec.compress.quantize import (
     MinMaxUInt8,
     NonFiniteError,
     _kernels,
+    check_disjoint,
+    check_not_meta,
 )
 from mixprec.core import philox
 from mixprec.core.dtypes import Rounding
@@ -99,8 +101,10 @@ class ScaledFP8(ChunkedCompressor):
             )
         x = check_tensor("tensor", tensor, FLOAT_DTYPES).contiguous().view(1, -1)  # the kernel reads it flat
         self.check_generator_device(x.device)
+        check_not_meta("tensor", x)
         numel = x.shape[1]
         out = self._check_buffer("out", out, numel, x.device, allocate=True)
+        check_disjoint("out", out, "tensor", x)
         bad = self._encode_rows(x, out.view(1, -1), self._fresh_key(), 0, numel)
         if bad and self.check_finite == "raise":
             raise NonFiniteError(
@@ -122,6 +126,7 @@ class ScaledFP8(ChunkedCompressor):
             check_tensor("out", out, (dtype,), contiguous=True, device=buffer.device)
             if out.numel() != numel:
                 raise ValueError(f"out must hold {numel} elements; got {out.numel()}")
+        check_disjoint("out", out, "buffer", buffer)
         self._decode_rows(buffer.view(1, -1), numel, out.view(1, numel), False)
         return out.view(-1)
 
@@ -146,6 +151,7 @@ class ScaledFP8(ChunkedCompressor):
         if buffer is None and allocate:
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
         check_tensor(name, buffer, (torch.uint8,), contiguous=True)
+        check_not_meta(name, buffer)
         if buffer.dim() != 1 or buffer.numel() != nbytes:
             raise ValueError(
                 f"{name} must be a 1-D uint8 tensor of encoded_nbytes({numel}) = {nbytes} bytes; "

@@ -103,6 +103,60 @@ def _kernels() -> _Kernels | None:
     return kernels
 
 
+def check_rows_distinct(name: str, t: torch.Tensor) -> None:
+    """ValueError when rows of the 2-D ``t`` (rows contiguous) share memory: an ``expand``-ed or ``as_strided``
+    output, which a kernel would write twice (torch's own ops refuse some of them: "more than one element of the
+    written-to tensor refers to a single memory location")."""
+    rows, cols = t.shape
+    if rows > 1 and cols > 0 and t.stride(0) < cols:
+        raise ValueError(
+            f"the rows of {name} overlap each other in memory (row stride {t.stride(0)} < row length {cols}, e.g. "
+            f"an expanded or as_strided tensor): every element written needs memory of its own"
+        )
+
+
+def check_disjoint(out_name: str, out: torch.Tensor, in_name: str, inp: torch.Tensor) -> None:
+    """ValueError when ``out`` shares memory with ``inp`` (each 2-D with contiguous rows and a row stride >= 0,
+    or contiguous of another rank): the kernels read ``inp`` while they write ``out``, so the result would depend
+    on the order of the writes. The byte spans decide the common case; rows interleaved in one buffer are
+    compared row by row. About 1 us: it runs on every call, compiled or not."""
+    if (type(out) is not torch.Tensor or type(inp) is not torch.Tensor) and not native.can_run(
+        out, inp, device_type=out.device.type
+    ):  # fake tensors, tracing modes: no addresses to compare
+        return
+    if out.numel() == 0 or inp.numel() == 0:
+        return
+    spans = []
+    for t in (out, inp):
+        e = t.element_size()
+        if t.dim() != 2:
+            spans.append((t.data_ptr(), 0, t.numel() * e, 1))
+        else:
+            spans.append((t.data_ptr(), t.stride(0) * e, t.shape[1] * e, t.shape[0]))
+    (a0, a_stride, a_len, a_rows), (b0, b_stride, b_len, b_rows) = spans
+    if a0 >= b0 + (b_rows - 1) * b_stride + b_len or b0 >= a0 + (a_rows - 1) * a_stride + a_len:
+        return
+    rows = sorted(
+        [(a0 + r * a_stride, a0 + r * a_stride + a_len, 0) for r in range(a_rows)]
+        + [(b0 + r * b_stride, b0 + r * b_stride + b_len, 1) for r in range(b_rows)]
+    )
+    reach = [0, 0]  # the furthest end of the rows of out, of inp, seen so far
+    for start, end, which in rows:
+        if start < reach[1 - which]:
+            raise ValueError(
+                f"{out_name} overlaps {in_name} in memory: the kernels read {in_name} while they write "
+                f"{out_name}; pass an {out_name} that shares no memory with {in_name}"
+            )
+        reach[which] = max(reach[which], end)
+
+
+def check_not_meta(name: str, t: torch.Tensor) -> None:
+    """ValueError for a meta tensor: it has a shape but no values, and encoding or decoding needs the values
+    (the count of non-finite chunks, the scales)."""
+    if t.is_meta:
+        raise ValueError(f"{name} is a meta tensor (no data): the quantizers need real values; got device meta")
+
+
 class NonFiniteError(ValueError):
     """The tensor to encode holds NaN or +-Inf (``check_finite="raise"``)."""
 
@@ -189,6 +243,9 @@ class ChunkedCompressor(abc.ABC):
         rows, length = x.shape
         self._check_rows("out", out, (torch.uint8,), (rows, self.encoded_nbytes(length)), x.device)
         self.check_generator_device(x.device)
+        check_not_meta("x", x)
+        check_rows_distinct("out", out)
+        check_disjoint("out", out, "x", x)
         offset = check_positive_int("offset", offset, minimum=0)
         row_stride = length if row_stride is None else check_positive_int("row_stride", row_stride, minimum=0)
         if offset + max(rows - 1, 0) * row_stride + length > philox.MAX_POSITION:
@@ -257,6 +314,10 @@ class ChunkedCompressor(abc.ABC):
                 raise ValueError(f"out must be 1-D with {length} elements when reduce=True; got {tuple(out.shape)}")
         else:
             self._check_rows("out", out, FLOAT_DTYPES, (buffers.shape[0], length), buffers.device)
+        check_not_meta("buffers", buffers)
+        if not reduce:
+            check_rows_distinct("out", out)
+        check_disjoint("out", out, "buffers", buffers)
         if buffers.shape[0] == 0:
             if check_bool("reduce", reduce):
                 raise ValueError("buffers must hold at least one row to sum (reduce=True); got 0 rows")
@@ -354,8 +415,10 @@ class MinMaxUInt8(ChunkedCompressor):
         """
         x = check_tensor("tensor", tensor, FLOAT_DTYPES).contiguous().view(1, -1)  # the kernel reads it flat
         self.check_generator_device(x.device)
+        check_not_meta("tensor", x)
         numel = x.shape[1]
         out = self._check_buffer("out", out, numel, x.device, allocate=True)
+        check_disjoint("out", out, "tensor", x)
         bad = self._encode_rows(x, out.view(1, -1), self._fresh_key(), 0, numel)
         if bad and self.check_finite == "raise":
             raise NonFiniteError(
@@ -390,6 +453,7 @@ class MinMaxUInt8(ChunkedCompressor):
                     f"out must be a contiguous {dtype} tensor of {numel} elements on {buffer.device}; "
                     f"got {out.dtype} with {out.numel()} elements on {out.device}"
                 )
+        check_disjoint("out", out, "buffer", buffer)
         self._decode_rows(buffer.view(1, -1), numel, out.view(1, numel), False)
         return out.view(-1)
 
@@ -415,6 +479,7 @@ class MinMaxUInt8(ChunkedCompressor):
         if buffer is None and allocate:
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
         check_tensor(name, buffer, (torch.uint8,), contiguous=True)
+        check_not_meta(name, buffer)
         if buffer.dim() != 1:
             raise ValueError(f"{name} must be a 1-D uint8 tensor; got shape {tuple(buffer.shape)}")
         if buffer.numel() != nbytes:
