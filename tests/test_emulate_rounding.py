@@ -289,3 +289,31 @@ def test_format_properties():
 def test_bad_arguments_raise_clear_errors(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8_e4m3"])  # integer trick, magic constant, narrow format
+@pytest.mark.parametrize("mode", ["nearest", "toward_zero", "stochastic"])
+def test_round_to__refuses_a_leaf_that_requires_grad(path, fmt, mode):
+    """torch refuses an in-place op on a leaf that requires grad (its value would silently leave the graph); so
+    does round_to_, on both paths and every mode (bf16 to nearest rounded it in place without a word)."""
+    x = torch.tensor([1.1, 2.3, -0.7], requires_grad=True)
+    before = x.detach().clone()
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad is being used in an in-place"):
+        round_to_(x, fmt, mode)
+    assert torch.equal(x.detach(), before)
+    with torch.no_grad():  # as torch allows it there (initialising parameters)
+        round_to_(x, fmt, mode, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(x.detach(), round_to(before, fmt, mode, generator=torch.Generator().manual_seed(0)))
+
+
+def test_meta_tensors_give_shapes_not_an_item_error(path):
+    """A meta tensor has a shape and no values: round_to gives an fp32 meta tensor of its shape, round_to_ returns
+    it (the torch path called .item() on it: "Tensor.item() cannot be called on meta tensors")."""
+    x = torch.empty(3, 5, device="meta", dtype=torch.float16)
+    for mode in ("nearest", "toward_zero", "stochastic"):
+        y = round_to(x, "fp8_e4m3", mode)
+        assert y.device.type == "meta" and y.shape == (3, 5) and y.dtype == torch.float32
+        out = torch.empty(3, 5, device="meta", dtype=torch.float64)
+        assert round_to(x, "bf16", mode, out=out) is out
+        w = torch.empty(4, device="meta")
+        assert round_to_(w, "fp16", mode) is w

@@ -341,6 +341,8 @@ def round_to(
         check_tensor("out", out, (torch.float32, torch.float64))
         if out.shape != x.shape or out.device != x.device:
             raise ValueError(f"out must have x's shape {tuple(x.shape)} and device {x.device}; got {tuple(out.shape)}")
+    if x.device.type == "meta":  # shape and dtype only, as torch's ops give on meta tensors
+        return torch.empty_like(x, dtype=torch.float32) if out is None else out
     done = (
         _round_to_native(x, fmt, out)
         if rounding == "nearest"
@@ -386,6 +388,10 @@ def round_to_(
     fmt = get_format(fmt)
     check_choice("rounding", rounding, ROUNDING_MODES)
     _check_generator(generator)
+    if x.is_leaf and x.requires_grad and torch.is_grad_enabled():  # torch's own rule (and words) for in-place ops
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    if x.device.type == "meta":  # no values to round: the result is x, as an in-place torch op gives
+        return x
     if rounding == "nearest" and (lib := _kernel_lib(x)) is not None:
         if fmt.is_fp32 and x.dtype == torch.float32:
             return x
