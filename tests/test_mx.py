@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from mixprec.core.mx import hadamard_matrix, round_elements
+from mixprec.core.mx import fake_quantize, hadamard_matrix, round_elements
 from mixprec.emulate import MX_FORMATS, SCALE_MODES, hadamard_transform, mx_quantize, random_signs
 
 E8M0_FORMATS = [name for name, f in MX_FORMATS.items() if f.scale == "e8m0"]
@@ -384,3 +384,18 @@ def test_empty_tensors_and_autograd_inputs() -> None:
     x = torch.randn(4, 32, requires_grad=True)
     q = mx_quantize(x, "mxfp8_e4m3")  # values only: no graph through the quantizer
     assert not q.elements.requires_grad and torch.equal(q.elements, mx_quantize(x.detach(), "mxfp8_e4m3").elements)
+
+
+def test_fake_quantize_is_dequantize_of_quantize() -> None:
+    """The allocation-light fake-quant path (round_to's shorthand) gives the bits of mx_quantize().dequantize()."""
+    flat = blocks_of_every_kind("mxfp8_e4m3", 16).view(-1)
+    x = torch.cat([flat, torch.randn(-flat.numel() % 1024)]).view(-1, 32)  # whole 32 x 32 tiles
+    for fmt in MX_FORMATS:
+        for kwargs in ({}, {"axis": 0}, {"block_size": (16, 16), "axis": (0, 1)}):
+            if fmt == "nvfp4":
+                kwargs = {**kwargs, "tensor_scale": 0.01}
+            ref = mx_quantize(x, fmt, **kwargs).dequantize()
+            assert torch.equal(fake_quantize(x, fmt, **kwargs).view(torch.int32), ref.view(torch.int32))
+    for fmt in ("mxfp8_e4m3", "mxfp8_e5m2"):  # their rounding relies on it to saturate
+        assert MX_FORMATS[fmt].element.max_finite == MX_FORMATS[fmt].max_element
+        assert MX_FORMATS[fmt].element.saturate

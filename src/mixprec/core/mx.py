@@ -236,11 +236,13 @@ def round_elements(
     (:func:`mixprec.core.philox.round_up`). NaN stays NaN (also for fp6/fp4, which have no NaN: see docs/mx.md).
     """
     fmt = get_block_format(fmt)
-    v.clamp_(-fmt.max_element, fmt.max_element)  # NaN stays NaN
     grid = fmt.element
+    if rounding == "nearest" and grid.exp_bits >= 4:
+        # fp8: round_to's compiled kernel with a saturating format (max_finite is max_element): rounding, then
+        # sending overflow to +-max, equals clamping first, and saves a pass
+        return round_to_(v, grid)
+    v.clamp_(-fmt.max_element, fmt.max_element)  # NaN stays NaN
     if rounding == "nearest":
-        if grid.exp_bits >= 4:  # fp8: round_to's compiled kernel; the clamp left nothing to overflow
-            return round_to_(v, grid)
         round_nearest_grid_(v, grid, torch.empty_like(v, dtype=torch.int32))
         return v
     # the grid spacing at |v|: 2**(max(exponent, emin) - man_bits), and |v| in spacings (exact: power-of-two divisor)
@@ -331,6 +333,29 @@ def mx_quantize(
         tensor_scale: NVFP4 only: fp32 tensor scale for two-level scaling (block scales are E4M3 values of
             ``amax / 6 / tensor_scale``); e.g. ``amax(x) / (448 * 6)``.
     """
+    bf, mode, ts, layout, w, scales = _quantize(x, fmt, block_size, scale_mode, axis, rounding, generator, tensor_scale)
+    return BlockScaled(
+        elements=layout.from_blocks(w).contiguous(),
+        scales=layout.scales_from_blocks(scales).contiguous(),
+        tensor_scale=ts,
+        fmt=bf,
+        block_size=layout.block,
+        axis=layout.dims,
+        scale_mode=mode,
+    )
+
+
+def _quantize(
+    x: torch.Tensor,
+    fmt: object,
+    block_size: object,
+    scale_mode: object,
+    axis: object,
+    rounding: str,
+    generator: torch.Generator | None,
+    tensor_scale: object,
+) -> tuple[BlockFormat, str, torch.Tensor | None, _Layout, torch.Tensor, torch.Tensor]:
+    """Checks, then (format, scale mode, tensor scale, layout, elements [..., blocks, block], scales [..., blocks])."""
     check_tensor("x", x, _INPUT_DTYPES)
     bf = get_block_format(fmt)
     if scale_mode is None:
@@ -349,7 +374,7 @@ def mx_quantize(
     w = blocks.to(torch.float32, memory_format=torch.contiguous_format)
     if w.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         w = w.clone()  # a view of x: never round the caller's tensor
-    scales, mult = _scale_blocks(w, bf, scale_mode, ts)
+    scales, mult = _scale_blocks(w, bf, str(scale_mode), ts)
     w.mul_(mult.unsqueeze(-1))
     if rounding == "stochastic":
         key = draw_key(generator)
@@ -359,15 +384,7 @@ def mx_quantize(
         round_elements(w, bf, rounding, key=key, primary=primary, positions=positions)
     else:
         round_elements(w, bf, rounding)
-    return BlockScaled(
-        elements=layout.from_blocks(w).contiguous(),
-        scales=layout.scales_from_blocks(scales).contiguous(),
-        tensor_scale=ts,
-        fmt=bf,
-        block_size=layout.block,
-        axis=layout.dims,
-        scale_mode=scale_mode,
-    )
+    return bf, str(scale_mode), ts, layout, w, scales
 
 
 def fake_quantize(
@@ -375,10 +392,18 @@ def fake_quantize(
     fmt: BlockFormat | str,
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
-    **kwargs: object,
+    *,
+    block_size: int | tuple[int, int] | None = None,
+    scale_mode: ScaleMode | None = None,
+    axis: int | tuple[int, int] = -1,
+    tensor_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``mx_quantize(x, fmt, ...).dequantize()``: ``x`` rounded to the block-scaled format, in fp32."""
-    return mx_quantize(x, fmt, rounding=rounding, generator=generator, **kwargs).dequantize()  # type: ignore[arg-type]
+    """``mx_quantize(x, fmt, ...).dequantize()`` (the same bits) without the intermediate tensors: ``x`` rounded
+    to the block-scaled format, in fp32 (the fake quantization of ``round_to(x, "mxfp8_e4m3")``)."""
+    _, _, ts, layout, w, scales = _quantize(x, fmt, block_size, scale_mode, axis, rounding, generator, tensor_scale)
+    s = scales if ts is None else ts * scales
+    w.mul_(s.unsqueeze(-1))
+    return layout.from_blocks(w).contiguous()
 
 
 # ------------------------------------------------------------------------------------------------ Hadamard
