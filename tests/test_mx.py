@@ -274,6 +274,20 @@ def test_stochastic_rounding_is_deterministic_given_a_generator() -> None:
     assert torch.equal(draws[0].scales, mx_quantize(x, "mxfp4_e2m1").scales)  # the scale does not depend on the draw
 
 
+def test_stochastic_draws_follow_the_element_not_the_blocking() -> None:
+    """Element i of x (row-major) takes stream position i whatever the axis: with every block's scale equal
+    (a unit diagonal, |x| < 1 elsewhere), blocks along rows or along columns give the same bits."""
+    x = torch.rand(32, 32, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    x.diagonal().fill_(1.0)
+    rows, cols = (
+        mx_quantize(x, "mxfp4_e2m1", axis=a, rounding="stochastic", generator=torch.Generator().manual_seed(9))
+        for a in (-1, 0)
+    )
+    assert torch.equal(rows.scales.view(-1), cols.scales.view(-1))
+    assert torch.equal(rows.elements, cols.elements)
+    assert not torch.equal(rows.elements, mx_quantize(x, "mxfp4_e2m1").elements)
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4_e2m1", "mxfp8_e4m3", "nvfp4"])
 def test_stochastic_rounding_is_unbiased(fmt: str) -> None:
     """The same block repeated N times: each element is one of its two grid neighbours, and the count of
