@@ -3,9 +3,12 @@
 The test walks ``registered_reducers()``: a new reducer is covered as soon as it registers (with its default
 options; ``OPTIONS`` below adds the variants whose state a model must carry: error-feedback residuals and
 stochastic streams). Each real run reduces three steps of two bucket keys on P = 2, 3, 4 ranks and on two
-nodes of two, bf16 and fp32 buckets, the middle step with a NaN on one rank (the residuals' reset); the
-model of a fresh reducer of the same name and options, fed the same buckets in the same order, must give
-the same bits at every call, or refuse the same configurations.
+nodes of two, bf16 and fp32 buckets, the middle step with a NaN on one rank (the residuals' reset), the last
+one summing instead of averaging; the model of a fresh reducer of the same name and options, fed the same
+buckets in the same order, must give the same bits at every call, or refuse the same configurations.
+
+The consumers that adapt reducers to torch are checked against them too: torch DDP with each mixprec comm hook
+gives mixprec's wrapper's bits, and FSDP2's reduce-scatter gives each rank its part of the model.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from mixprec.comm.topology import Topology
 from mixprec.testing import run_distributed
 
 DTYPES = (torch.bfloat16, torch.float32)
-# (step, key) in call order: two buckets per step; step 1 holds a NaN on rank 0.
+# (step, key) in call order: two buckets per step; step 1 holds a NaN on rank 0; the last step sums (average=False).
 CALLS = ((0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1))
 NAN_STEP = 1
+SUM_STEP = 2
 # Options beyond the defaults for the reducers whose model carries state; any other name gets [{}].
 OPTIONS: dict[str, list[dict]] = {
     "native": [{}, {"algorithm": "ring"}],
@@ -79,7 +83,7 @@ def _real(rank: int, world: int, local: int, cases: list[tuple[str, int, dict]])
                 results = []
                 for step, key in CALLS:
                     bucket = _bucket(rank, step, key, numel, dtype)
-                    reducer.all_reduce(bucket, None, average=True, key=key).wait()
+                    reducer.all_reduce(bucket, None, average=step != SUM_STEP, key=key).wait()
                     results.append(bucket)
                 out[name, i, dtype] = results
             except ValueError as exc:  # refused before anything was sent, on every rank alike
@@ -119,7 +123,7 @@ def test_every_registered_reducer_models_its_gloo_all_reduce(monkeypatch, world:
             for c, (step, key) in enumerate(CALLS):
                 rows = torch.stack([_bucket(r, step, key, numel, dtype) for r in range(world)])
                 before = rows.clone()
-                model = reducer.model(rows, average=True, key=key)
+                model = reducer.model(rows, average=step != SUM_STEP, key=key)
                 assert model.shape == (world, numel) and model.dtype == dtype, where
                 assert torch.equal(rows.view(torch.uint8), before.view(torch.uint8)), where  # rows not modified
                 for r in range(world):
