@@ -413,3 +413,25 @@ def test_fake_quantize_is_dequantize_of_quantize() -> None:
     for fmt in ("mxfp8_e4m3", "mxfp8_e5m2"):  # their rounding relies on it to saturate
         assert MX_FORMATS[fmt].element.max_finite == MX_FORMATS[fmt].max_element
         assert MX_FORMATS[fmt].element.saturate
+
+
+@pytest.mark.parametrize("fmt", sorted(MX_FORMATS))
+@pytest.mark.parametrize("rounding", ["nearest", "toward_zero", "stochastic"])
+def test_round_to_is_the_fake_quant_shorthand(fmt: str, rounding: str) -> None:
+    from mixprec.core.rounding import round_to
+
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)) * 100
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    expect = mx_quantize(x, fmt, rounding=rounding, generator=g1).dequantize()
+    got = round_to(x, fmt, rounding, g2)
+    assert torch.equal(got, expect)
+    out = torch.empty(4, 64)
+    assert round_to(x, fmt, out=out) is out
+    assert torch.equal(out, mx_quantize(x, fmt).dequantize())
+
+
+def test_round_to_names_an_unknown_block_format() -> None:
+    from mixprec.core.rounding import round_to
+
+    with pytest.raises(ValueError, match="fmt"):
+        round_to(torch.ones(32), "mxfp9")

@@ -324,7 +324,10 @@ def round_to(
     Args:
         x: fp32, fp16, bf16, float8 (widened to fp32 exactly) or fp64 (rounded once, directly from fp64).
         fmt: a :class:`FloatFormat`, a preset name (``"fp16"``, ``"bf16"``, ``"tf32"``, ``"fp8_e4m3"``,
-            ``"fp8_e5m2"``, ``"fp32"``) or a torch dtype that has a preset.
+            ``"fp8_e5m2"``, ``"fp32"``), a torch dtype that has a preset, or a block-scaled format name
+            (``"mxfp8_e4m3"``, ``"mxfp8_e5m2"``, ``"mxfp6_e2m3"``, ``"mxfp6_e3m2"``, ``"mxfp4_e2m1"``, ``"nvfp4"``:
+            the fake-quant shorthand for ``mx_quantize(x, fmt, rounding=...).dequantize()``, blocks along the
+            last axis with the format's default scale mode; see docs/mx.md).
         rounding: ``"nearest"`` (ties to even), ``"toward_zero"`` or ``"stochastic"`` (unbiased; one of the two
             neighbours, drawn from ``generator`` or torch's global generator).
         generator: a ``torch.Generator`` on ``x``'s device, used by ``"stochastic"`` only.
@@ -334,13 +337,20 @@ def round_to(
     absolute below it), toward_zero within ``fmt.eps``; stochastic within ``fmt.eps`` with zero mean.
     """
     _check_input(x, "x")
-    fmt = get_format(fmt)
+    block_scaled = isinstance(fmt, str) and fmt.startswith(("mxfp", "nvfp"))
+    if not block_scaled:
+        fmt = get_format(fmt)
     check_choice("rounding", rounding, ROUNDING_MODES)
     _check_generator(generator)
     if out is not None:
         check_tensor("out", out, (torch.float32, torch.float64))
         if out.shape != x.shape or out.device != x.device:
             raise ValueError(f"out must have x's shape {tuple(x.shape)} and device {x.device}; got {tuple(out.shape)}")
+    if block_scaled:
+        from mixprec.core import mx  # function-level: core.mx builds on this module
+
+        result = mx.fake_quantize(x, fmt, rounding, generator)
+        return result if out is None else out.copy_(result)
     if x.device.type == "meta":  # shape and dtype only, as torch's ops give on meta tensors
         return torch.empty_like(x, dtype=torch.float32) if out is None else out
     done = (
