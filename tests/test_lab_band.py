@@ -82,3 +82,17 @@ def test_dp_band_section_states_a_verdict_per_size_and_band(tmp_path) -> None:
     assert verdicts.headline.startswith("at simulated DP 4, bf16 gradients summed by the backend's native ring")
     assert ("stay inside" in verdicts.headline) == ("stays inside" in native)
     assert "2 replicas" in verdicts.headline and "`mixprec demo --full`" in verdicts.headline
+
+
+def test_dp_band_headline_says_verdict_or_hint_by_the_calibration() -> None:
+    from mixprec.lab.band import BandVerdict
+    from mixprec.lab.dp_band import _headline
+
+    leaves = BandVerdict("bf16-native", 7, "above", 0.33, 2.75, 2.0)
+    inside = BandVerdict("bf16-native", None, None, 0.0, 2.72, 0.2)
+    assert "use `--reduce fp32_accumulate` at this scale" in _headline(1024, leaves, 8, 0, 40)
+    hint = _headline(1024, leaves, 4, 1, 12)
+    assert "1 of the 4 replicas also leaves the band" in hint and "a hint, not a verdict" in hint
+    assert "2 replicas cannot calibrate the band" in _headline(16, leaves, 2, 0, 6)
+    assert "does as well as the fp32 sum" in _headline(1024, inside, 8, 0, 40)
+    assert "(1023 roundings to bf16)" in _headline(1024, inside, 8, 0, 40)

@@ -111,7 +111,8 @@ def _headline(size: int, native: BandVerdict, replicas: int, alarms: int, steps:
     if replicas >= 3 and alarms == 0:
         return where + ", and no replica leaves the band of the others: use `--reduce fp32_accumulate` at this scale"
     calibration = (
-        f"{alarms} of the {replicas} replicas also leave the band of the others (false alarms)"
+        f"{alarms} of the {replicas} replicas also {'leaves' if alarms == 1 else 'leave'} the band of the others "
+        "(false alarms)"
         if replicas >= 3
         else f"{replicas} replicas cannot calibrate the band"
     )
