@@ -1,5 +1,5 @@
-"""``mixprec train`` against a hostile environment: the launcher killed or terminated, an out_dir that cannot be
-written, a file-size limit while writing a checkpoint. Each runs the real command in a subprocess."""
+"""``mixprec train`` against a hostile environment: the launcher killed or terminated, a rank stopped, an out_dir
+that cannot be written, a file-size limit while writing a checkpoint. Each runs the real command in a subprocess."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -23,8 +24,8 @@ def _command(run_dir, *args: str) -> list[str]:
     return [sys.executable, "-m", "mixprec", "train", "--out-dir", str(run_dir), *TINY, *args]
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": _SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": _SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}
 
 
 def _group_alive(pgid: int) -> bool:
@@ -35,11 +36,11 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _start_long_run(run_dir) -> subprocess.Popen:
+def _start_long_run(run_dir, **env: str) -> subprocess.Popen:
     """A 2-rank run that would take minutes, in its own process group; returns once a checkpoint exists."""
     proc = subprocess.Popen(
         _command(run_dir, "--nproc", "2", "--steps", "100000", "--checkpoint-interval", "2"),
-        env=_env(),
+        env=_env(**env),
         start_new_session=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -76,8 +77,12 @@ def test_sigterm_to_the_launcher_stops_the_run_like_sigint(tmp_path) -> None:
     assert load_checkpoint(str(run / "checkpoint.pt"))["step"] >= 2
 
 
-def test_ranks_die_with_a_killed_launcher(tmp_path) -> None:
-    proc = _start_long_run(tmp_path / "r")
+def test_ranks_die_with_a_killed_launcher_and_the_next_run_removes_its_rendezvous(tmp_path, monkeypatch) -> None:
+    """kill -9 of the launcher: its ranks die with it, its rendezvous directory stays behind, and the next run
+    (here, in this process) removes it when it starts."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = _start_long_run(tmp_path / "r", TMPDIR=str(tmp))
     try:
         proc.kill()
         proc.wait(10)
@@ -85,6 +90,13 @@ def test_ranks_die_with_a_killed_launcher(tmp_path) -> None:
     finally:
         if _group_alive(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
+    left = [name for name in os.listdir(tmp) if name.startswith("mixprec-")]  # torch may leave its own caches
+    assert len(left) == 1 and left[0].startswith("mixprec-train-"), left
+    from mixprec.cli.main import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    assert main(["train", "--out-dir", str(tmp_path / "next"), *TINY, "--nproc", "2", "--steps", "1"]) == 0
+    assert not [name for name in os.listdir(tmp) if name.startswith("mixprec-")]
 
 
 @pytest.mark.parametrize(
@@ -130,16 +142,23 @@ def _children(pid: int) -> list[int]:
         return [int(c) for c in fh.read().split()]
 
 
-@pytest.mark.slow  # the peers' timeout, the launcher's grace period and SIGTERM wait: about 20 s
-def test_a_stopped_rank_is_detected_by_the_timeout_and_blamed(tmp_path) -> None:
-    """SIGSTOP on rank 1 (a frozen machine, a debugger): rank 0's next collective times out after --timeout, the
-    launcher terminates the stopped rank (SIGKILL, as SIGTERM waits for a stopped process) and names it."""
+@pytest.mark.slow  # the peers' timeout, the launcher's grace period: about 20 s each
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--nproc", "2"],
+    ],
+    ids=["flat"],
+)
+def test_a_stopped_rank_is_detected_by_the_timeout_and_blamed(tmp_path, layout) -> None:
+    """SIGSTOP on rank 1 (a frozen machine, a debugger): its peers' next collective times out after --timeout, the
+    launcher terminates the stopped rank and names it."""
     from mixprec.lab.launch import GRACE_S
 
     timeout = 4.0
     run = tmp_path / "r"
     proc = subprocess.Popen(
-        _command(run, "--nproc", "2", "--steps", "100000", "--checkpoint-interval", "2", "--timeout", str(timeout)),
+        _command(run, *layout, "--steps", "100000", "--checkpoint-interval", "2", "--timeout", str(timeout)),
         env=_env(),
         start_new_session=True,
         stdout=subprocess.PIPE,
@@ -151,14 +170,15 @@ def test_a_stopped_rank_is_detected_by_the_timeout_and_blamed(tmp_path) -> None:
         while not os.path.exists(run / "checkpoint.pt") and time.monotonic() < deadline:
             time.sleep(0.2)
         ranks = _children(proc.pid)
-        assert len(ranks) == 2, ranks
+        assert len(ranks) == int(layout[1]), ranks
         os.kill(ranks[1], signal.SIGSTOP)
-        # timeout, then GRACE_S, SIGTERM and 5 s, SIGKILL: about 14 s. The cause is asserted, not the seconds (a
-        # loaded machine takes longer): the stopped rank is named as hung, and a run that never noticed it would
-        # run past communicate()'s deadline, which raises.
-        _, err = proc.communicate(timeout=120 + timeout + GRACE_S)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        elapsed = time.monotonic() - start
         assert proc.returncode == 1, err
-        assert "rank(s) 1 stopped responding (hung)" in err
+        assert "rank(s) 1 stopped responding (hung)" in err and "Traceback" not in err
+        # timeout, then GRACE_S, SIGTERM and at most 5 s to SIGKILL; 15 s for a loaded machine.
+        assert elapsed < timeout + GRACE_S + 5 + 15
         assert _wait_group_gone(proc.pid, 10)
     finally:
         if _group_alive(proc.pid):
@@ -179,6 +199,10 @@ def test_an_interrupt_while_the_ranks_start_stops_the_started_ones(tmp_path, mon
     started: list = []
 
     class Ctx:
+        @staticmethod
+        def get_start_method() -> str:
+            return "fork"
+
         class Process(real.Process):  # type: ignore[name-defined, misc]
             def start(self) -> None:
                 if started:

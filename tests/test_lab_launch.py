@@ -1,62 +1,16 @@
-"""The launcher's blame, atomic checkpoints and their stale temporaries, and the strict-JSON metrics log."""
+"""Atomic checkpoints and their stale temporaries, the strict-JSON metrics log, and the torchrun path."""
 
 from __future__ import annotations
 
 import json
 import math
-import multiprocessing as mp
 import os
-import time
 
 import pytest
 import torch
 
 from mixprec.lab.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint
-from mixprec.lab.launch import PEER_FAILURE_EXIT, TrainingFailed, _watch
 from mixprec.lab.metrics import NONFINITE_KEY, encode_row, read_rows
-
-
-def _exit_after(delay: float, code: int) -> None:
-    time.sleep(delay)
-    os._exit(code)
-
-
-def _procs(plan: list[tuple[float, int]]) -> list:
-    ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_exit_after, args=p, daemon=True) for p in plan]
-    for p in procs:
-        p.start()
-    return procs
-
-
-def test_watch_blames_the_rank_that_failed_on_its_own_not_the_first_to_exit() -> None:
-    """Rank 0 exits first, as a victim (PEER_FAILURE_EXIT); rank 1 crashes with 13 a moment later: rank 1 is
-    the one named."""
-    procs = _procs([(0.0, PEER_FAILURE_EXIT), (0.5, 13)])
-    with pytest.raises(TrainingFailed) as info:
-        _watch(procs, timeout=5.0)
-    message = str(info.value)
-    assert message.startswith("rank 1 exited with code 13;")
-    assert "rank 0: stopped, a peer failed" in message
-
-
-@pytest.mark.slow  # GRACE_S (5 s) before the launcher terminates the "hung" rank
-def test_watch_blames_the_hung_rank_when_every_exit_was_a_peer_failure() -> None:
-    procs = _procs([(0.0, PEER_FAILURE_EXIT), (3600.0, 0)])  # rank 1 "hangs"; the launcher terminates it
-    start = time.monotonic()
-    with pytest.raises(TrainingFailed) as info:
-        _watch(procs, timeout=5.0)
-    assert time.monotonic() - start < 60  # GRACE_S + SIGTERM; generous for a loaded machine
-    assert str(info.value).startswith("rank(s) 1 stopped responding (hung)")
-    assert procs[1].exitcode is not None
-
-
-def test_watch_reports_a_signal() -> None:
-    procs = _procs([(3600.0, 0), (0.0, 0)])
-    procs[1].join()
-    procs[0].kill()
-    with pytest.raises(TrainingFailed, match=r"^rank 0 was killed by signal 9;"):
-        _watch(procs, timeout=5.0)
 
 
 def test_checkpoint_write_failing_midway_keeps_the_old_one_and_no_temporary(tmp_path, monkeypatch) -> None:
@@ -207,29 +161,3 @@ def test_the_timeout_reaches_every_group_mixprec_creates(tmp_path, monkeypatch) 
         init_method=f"file://{tmp_path / 'store'}",
     )  # fmt: skip
     assert seen == {"default": timedelta(seconds=7), "new_group": timedelta(seconds=7)}
-
-
-class _ExitsBetweenReads:
-    """A rank that is still running at the first read of its exit code and has failed at every later read."""
-
-    def __init__(self, code: int) -> None:
-        self.code, self.reads = code, 0
-        read_end, write_end = mp.Pipe(duplex=False)
-        write_end.close()
-        self._conn = read_end  # at EOF: always ready
-        self.sentinel = read_end.fileno()
-
-    @property
-    def exitcode(self) -> int | None:
-        self.reads += 1
-        return None if self.reads == 1 else self.code
-
-    def join(self, timeout: float | None = None) -> None:
-        pass
-
-
-def test_watch_sees_ranks_that_fail_between_two_reads_of_their_exit_code() -> None:
-    """Both ranks exit with 1 just after the launcher looked at them: it must report the failure, not return as
-    if the run had finished."""
-    with pytest.raises(TrainingFailed, match=r"^rank 0 exited with code 1;"):
-        _watch([_ExitsBetweenReads(1), _ExitsBetweenReads(1)], timeout=5.0)

@@ -1,35 +1,38 @@
 """Start a ``mixprec train`` run: in this process, as ``--nproc N`` ranks started and watched here, or as one
 rank of a ``torchrun`` job.
 
-The ``--nproc`` launcher watches its children: when one exits non-zero it gives the others ``GRACE_S`` seconds,
-terminates them, and raises :class:`TrainingFailed` naming the rank that failed first on its own (a rank whose
-collective failed because a peer died or hung exits with :data:`PEER_FAILURE_EXIT`). A hung rank is detected
-after ``parallel.timeout`` seconds. The ranks die with the launcher (a parent-death signal), and SIGTERM stops a
-run as SIGINT does. docs/lab.md has the time bounds.
+The ``--nproc`` ranks are started by :mod:`mixprec.comm.launcher`, as every mixprec launcher's are: when one exits
+non-zero the others get ``GRACE_S`` seconds, are terminated, and :class:`TrainingFailed` names the rank that failed
+first on its own (a rank whose collective failed because a peer died or hung exits with
+:data:`PEER_FAILURE_EXIT`). A hung rank is detected after ``parallel.timeout`` seconds. The ranks die with the
+launcher (a parent-death signal), SIGTERM stops a run as SIGINT does, and the rendezvous directory of a launcher
+that was killed is removed when the next run starts. docs/lab.md has the time bounds.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import errno
 import multiprocessing as mp
-import multiprocessing.connection
 import os
-import shutil
-import signal
 import sys
-import tempfile
-import threading
-import time
 import traceback
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from mixprec.comm.launcher import (
+    GRACE_S,
+    PEER_FAILURE_EXIT,
+    RanksFailed,
+    Terminated,
+    rank_exit_code,
+    rank_process,
+    rendezvous_dir,
+    run_ranks,
+    sigterm_as_interrupt,
+)
 from mixprec.comm.objects import is_peer_failure
 from mixprec.lab.build import gpt_config
 from mixprec.lab.checkpoint import CHECKPOINT_NAME, CheckpointWriteError, check_resume, remove_stale_temporaries
@@ -53,50 +56,12 @@ __all__ = [
     "torchrun_env",
 ]
 
-GRACE_S = 5.0
-# Exit code of a --nproc child whose failure was caused by another rank (see the module docstring).
-PEER_FAILURE_EXIT = 3
 CONFIG_NAME = "config.toml"
 _RUN_FILES = (CONFIG_NAME, METRICS_NAME, CHECKPOINT_NAME, SUMMARY_NAME)
 
 
-class TrainingFailed(RuntimeError):
+class TrainingFailed(RanksFailed):
     """A rank failed; the message says which, how, and what happened to the others."""
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread so that a run stops as on Ctrl-C (children stopped, checkpoint kept)."""
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """Within the block, SIGTERM raises :class:`Terminated` in the main thread (elsewhere: nothing changes)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Have the kernel SIGKILL this process when the launcher dies (Linux; as torch elastic does), and exit now
-    if it died before that was set up (this process was then re-parented)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def torchrun_env() -> dict[str, int] | None:
@@ -227,23 +192,9 @@ def run_rank(
         dist.destroy_process_group()
 
 
-def _child(
-    cfg: TrainConfig,
-    rank: int,
-    world_size: int,
-    init_method: str,
-    device_type: str,
-    resume: bool,
-    fork: bool,
-    parent_pid: int,
-) -> None:
-    # The launcher's SIGTERM handler (inherited through fork) is the launcher's: a rank it terminates just stops.
-    # Reset it first, so that no SIGTERM can reach the inherited handler once the rank runs.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _die_with_parent(parent_pid)
-    if fork:
-        # Intra-op thread pools inherited through fork can deadlock; and N ranks share the cores anyway.
-        torch.set_num_threads(1)
+def _child(cfg: TrainConfig, rank: int, world_size: int, init_method: str, device_type: str, resume: bool) -> None:
+    """One ``--nproc`` rank (started by :func:`mixprec.comm.launcher.rank_process`): train, and exit with a code
+    that tells its launcher whether it failed on its own."""
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
     )
@@ -258,117 +209,43 @@ def _child(
             progress=None if rank == 0 else False,
             init_method=init_method,
         )
-    except KeyboardInterrupt:
-        sys.exit(130)
     except BaseException as exc:
-        if is_peer_failure(exc):
-            sys.exit(PEER_FAILURE_EXIT)  # run_rank said so in one line; the culprit's traceback is the useful one
+        code = rank_exit_code(exc)
+        if code == PEER_FAILURE_EXIT:
+            sys.exit(code)  # run_rank said so in one line; the culprit's traceback is the useful one
         if isinstance(exc, TrainingDiverged | LossScaleFloorError | CheckpointWriteError):
             sys.exit(1)  # the run's numerics or the disk failed, not the code: run_rank's one line says why
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS):
             sys.exit(1)  # the disk refused a write: run_rank's one line says which
         traceback.print_exc()
         sys.stderr.flush()
-        sys.exit(1)
+        sys.exit(code)
 
 
-def _watch(procs: list[Any], timeout: float) -> None:
-    """Wait for all ranks; on the first non-zero exit stop the others and blame the right rank (see the module
-    docstring)."""
-    observed: list[int] = []  # ranks in the order their non-zero exits were seen
-    while True:
-        # One read of each exit code per round: a rank exiting between two reads must not be seen as still
-        # running by one and as exited (and not failed) by the other.
-        codes = [p.exitcode for p in procs]
-        observed += [r for r, code in enumerate(codes) if code not in (None, 0) and r not in observed]
-        running = [p for p, code in zip(procs, codes, strict=True) if code is None]
-        if observed or not running:
-            break
-        multiprocessing.connection.wait([p.sentinel for p in running], timeout=1.0)
-    if not observed:
-        return
-    deadline = time.monotonic() + GRACE_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for rank, p in enumerate(procs):
-        if p.exitcode not in (None, 0) and rank not in observed:
-            observed.append(rank)
-    stopped = [r for r, p in enumerate(procs) if p.exitcode is None]
-    for r in stopped:
-        procs[r].terminate()
-    for r in stopped:
-        procs[r].join(5.0)
-        if procs[r].exitcode is None:
-            procs[r].kill()
-            procs[r].join(5.0)
-    raise TrainingFailed(_blame([p.exitcode for p in procs], observed, stopped, timeout))
-
-
-def _blame(codes: list[int | None], observed: list[int], stopped: list[int], timeout: float) -> str:
-    """The failure message: the first rank seen failing on its own (not as a peer's victim); else, when every
-    failure was a peer's, the ranks that had to be terminated (they hung); else the first seen."""
-    own = [r for r in observed if codes[r] != PEER_FAILURE_EXIT]
-    if own:
-        rank = own[0]
-        code = codes[rank]
-        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-        what = f"rank {rank} {how}"
-    elif stopped:
-        rank = stopped[0]
-        names = ", ".join(str(r) for r in stopped)
-        what = (
-            f"rank(s) {names} stopped responding (hung): their peers' collectives failed or timed out, and the "
-            "launcher terminated them"
-        )
-    else:
-        rank = observed[0]
-        what = f"rank {rank} exited with code {codes[rank]}"
-    others = []
-    for r, code in enumerate(codes):
-        if r == rank:
-            continue
-        if r in stopped:
-            others.append(f"rank {r}: terminated by the launcher")
-        elif code == PEER_FAILURE_EXIT:
-            others.append(f"rank {r}: stopped, a peer failed")
-        else:
-            others.append(f"rank {r}: exit code {code}")
-    return (
-        f"{what}; the other ranks were stopped ({'; '.join(others)}). The last checkpoint, if any, is intact; "
-        f"continue with --resume. (A rank that hangs is detected after timeout = {timeout:g} s.)"
+def _failure(exc: RanksFailed, timeout: float) -> TrainingFailed:
+    return TrainingFailed(
+        f"{exc.summary}. The last checkpoint, if any, is intact; continue with --resume. (A rank that hangs is "
+        f"detected after timeout = {timeout:g} s.)",
+        rank=exc.rank,
+        exit_codes=exc.exit_codes,
+        hung=exc.hung,
     )
 
 
 def _spawn(cfg: TrainConfig, device_type: str, resume: bool) -> None:
     # fork is ~40x faster to start than spawn on a small CPU machine; CUDA cannot survive a fork.
-    fork = device_type == "cpu"
-    ctx = mp.get_context("fork" if fork else "spawn")
+    ctx = mp.get_context("fork" if device_type == "cpu" else "spawn")
     # A file rendezvous: no free-port race (a port probed free can be taken before the ranks bind it).
-    rendezvous = tempfile.mkdtemp(prefix="mixprec-train-")
-    init_method = "file://" + os.path.join(rendezvous, "store")
-    procs = [
-        ctx.Process(
-            target=_child,
-            args=(cfg, r, cfg.parallel.nproc, init_method, device_type, resume, fork, os.getpid()),
-            daemon=True,
-        )
-        for r in range(cfg.parallel.nproc)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        _watch(procs, cfg.parallel.timeout)
-    except KeyboardInterrupt:
-        # The signal may come while the ranks are still being started: only started ones can be stopped.
-        started = [p for p in procs if p.pid is not None]
-        for p in started:
-            if p.exitcode is None:
-                p.terminate()
-        for p in started:
-            p.join(5.0)
-        raise
-    finally:
-        shutil.rmtree(rendezvous, ignore_errors=True)
+    with rendezvous_dir("mixprec-train-") as rendezvous:
+        init_method = "file://" + os.path.join(rendezvous, "store")
+        world_size = cfg.parallel.nproc
+        procs = [
+            rank_process(ctx, _child, (cfg, r, world_size, init_method, device_type, resume)) for r in range(world_size)
+        ]
+        try:
+            run_ranks(procs)
+        except RanksFailed as exc:
+            raise _failure(exc, cfg.parallel.timeout) from None
 
 
 def preflight(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> TrainConfig:
