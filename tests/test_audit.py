@@ -3,8 +3,14 @@ determinism / size-invariance / agreement flags (shown not vacuous by injected f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -176,3 +182,72 @@ def test_probe_positions_are_distinct_and_move_with_the_size(n):
         # the same probe value lands in a different quarter of the message than at the smallest size
         small = audit._probe_positions(1023, 1023, salt=999)
         assert bool(((positions * 4 // n) != (small * 4 // 1023)).any())
+
+
+# ---------------------------------------------------------------------------------------------- the launcher
+def _stat_state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+def _all_gone(pids: list[int], seconds: float) -> bool:
+    """Every pid exited within ``seconds`` (a zombie not yet reaped by its new parent counts as exited)."""
+    deadline = time.monotonic() + seconds
+    while any(_stat_state(p) not in (None, "Z") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return all(_stat_state(p) in (None, "Z") for p in pids)
+
+
+@pytest.mark.slow  # a subprocess that imports torch and forks 4 ranks, each case
+@pytest.mark.parametrize(
+    ("how", "code", "stderr"),
+    [
+        ("sigterm", 143, "mixprec audit: terminated (SIGTERM)"),
+        ("ctrl-c", 130, "mixprec audit: interrupted"),  # SIGINT to the whole process group, as a terminal sends
+        ("kill -9", -9, ""),
+        ("kill -9 rank 2", 1, "mixprec audit: error: rank 2 was killed by signal 9; the other ranks were stopped ("),
+    ],
+    ids=["sigterm", "ctrl-c", "kill-launcher", "kill-rank"],
+)
+def test_the_audit_launcher_stops_dies_and_blames_as_mixprec_train(tmp_path, how, code, stderr):
+    """SIGTERM and Ctrl-C stop the ranks and exit 143 / 130 in one line; kill -9 of the launcher takes its ranks
+    with it; a rank killed is named in one line, not in a traceback per rank. The audit (up to 256 MiB) would
+    run for minutes."""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "TMPDIR": str(tmp_path)}
+    argv = ["audit", "collectives", "--nproc", "4", "--full", "--dtypes", "fp32", "--ops", "all_reduce"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mixprec", *argv, "--no-plot", "--out-dir", str(tmp_path / "out")],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(ranks) < 4 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as fh:
+                ranks = [int(c) for c in fh.read().split()]
+        assert len(ranks) == 4, (ranks, proc.poll())
+        if how == "sigterm":
+            proc.terminate()
+        elif how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        elif how == "kill -9":
+            proc.kill()
+        else:
+            os.kill(ranks[2], signal.SIGKILL)
+        proc.wait(60)
+        assert _all_gone(ranks, 10), "ranks outlived their launcher"
+        _, err = proc.communicate(timeout=10)
+        assert proc.returncode == code, err
+        assert "Traceback" not in err and err.count("\n") == (1 if stderr else 0) and err.startswith(stderr), err
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)

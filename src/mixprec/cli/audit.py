@@ -3,11 +3,16 @@
 Runs under torchrun (``torchrun --nproc-per-node 8 -m mixprec audit collectives``: NCCL on GPUs) or forks
 ``--nproc N`` gloo ranks on the CPU. Prints a table and one verdict line per operation, writes JSON and a PNG.
 Methods: docs/audit.md.
+
+Exit codes: 0 done; 1 a rank failed (one line names it; the others were stopped); 2 invalid input (checked
+before any rank starts); 130 interrupted (SIGINT); 143 terminated (SIGTERM). The forked ranks die with the
+command, as those of mixprec train do.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -72,13 +77,26 @@ def prepare(args: argparse.Namespace) -> Callable[[], int]:
 
 
 def _run(args: argparse.Namespace, config: Any) -> int:
+    from mixprec.comm.launcher import RanksFailed, Terminated, sigterm_as_interrupt
     from mixprec.core.progress import is_terminal
     from mixprec.lab.audit import format_table, plot_rows, run_audit, verdicts, write_json
 
     start = time.monotonic()
     # the bar only where someone watches it: in a log it is a line of carriage returns per case
     progress = is_terminal()
-    rows = run_audit(config, nproc=args.nproc, backend=args.backend, timeout=args.timeout, progress=progress)
+    try:
+        with sigterm_as_interrupt():
+            rows = run_audit(config, nproc=args.nproc, backend=args.backend, timeout=args.timeout, progress=progress)
+    except RanksFailed as exc:
+        # Which rank failed first, in one line: the victims' tracebacks ("Connection closed by peer") say nothing.
+        print(f"mixprec audit: error: {exc.summary}", file=sys.stderr)
+        if exc.rank in exc.messages:  # the rank blamed raised (a bug, not a kill): its traceback is the useful one
+            print(getattr(exc, "failures", {}).get(exc.rank, ""), file=sys.stderr, end="")
+        return 1
+    except KeyboardInterrupt as exc:
+        terminated = isinstance(exc, Terminated)
+        print(f"mixprec audit: {'terminated (SIGTERM)' if terminated else 'interrupted'}", file=sys.stderr)
+        return 143 if terminated else 130
     if rows is None:  # a torchrun rank other than 0
         return 0
     print(format_table(rows))

@@ -9,7 +9,8 @@ invariance (probe values spread through every message size reduce to the same bi
 (all-reduce) or with the same family's all-reduce (reduce-scatter). One verdict line per operation sums it up.
 
 Runs as one rank of a ``torchrun`` job (NCCL when CUDA is available) or forks ``nproc`` gloo ranks on the CPU
-(:func:`mixprec.testing.run_distributed`). Methods and public sources: docs/audit.md.
+(:func:`mixprec.testing.run_distributed`, which starts and stops them as ``mixprec train`` does, and raises
+:class:`~mixprec.comm.launcher.RanksFailed` naming the rank that failed). Methods and public sources: docs/audit.md.
 """
 
 from __future__ import annotations

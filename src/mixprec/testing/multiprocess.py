@@ -18,29 +18,29 @@ object.
 from __future__ import annotations
 
 import multiprocessing as mp
-import multiprocessing.connection
 import os
 import pickle
-import shutil
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from mixprec.comm.launcher import GRACE_S, RanksFailed, rank_exit_code, rank_process, rendezvous_dir, run_ranks
 from mixprec.core.validate import check_positive_float, check_positive_int
 
 __all__ = ["RankFailedError", "run_distributed"]
 
 
-class RankFailedError(RuntimeError):
+class RankFailedError(RanksFailed):
     """One or more ranks raised, crashed or hung; the message holds each failing rank's traceback."""
 
-    def __init__(self, failures: dict[int, str]) -> None:
+    def __init__(self, failures: dict[int, str], *, summary: str | None = None, **blame: Any) -> None:
         self.failures = dict(sorted(failures.items()))
         parts = [f"--- rank {r} ---\n{msg}" for r, msg in self.failures.items()]
-        super().__init__(f"{len(failures)} rank(s) failed:\n" + "\n".join(parts))
+        summary = summary or f"{len(failures)} rank(s) failed"
+        super().__init__(summary, **blame)
+        self.args = (f"{summary}\n" + "\n".join(parts),)
 
 
 def _child(
@@ -54,14 +54,12 @@ def _child(
     kwargs: dict[str, Any],
     conn: Any,
 ) -> None:
-    import torch
-
-    torch.set_num_threads(1)
     import torch.distributed as dist
 
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ["LOCAL_RANK"] = str(rank)
+    code = 0
     try:
         dist.init_process_group(
             backend,
@@ -84,12 +82,13 @@ def _child(
         payload = pickle.dumps(("ok", result))
     except BaseException as exc:  # report everything, including SystemExit from user code
         payload = pickle.dumps(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        code = rank_exit_code(exc)  # tells the launcher whether this rank failed on its own or by a peer
     try:
         conn.send_bytes(payload)
     finally:
         conn.close()
         # Skip interpreter teardown (atexit handlers inherited from the parent, e.g. pytest's).
-        os._exit(0)
+        os._exit(code)
 
 
 def run_distributed(
@@ -101,6 +100,9 @@ def run_distributed(
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked ranks; return their results.
+
+    The ranks are started as those of ``mixprec train --nproc`` are (:mod:`mixprec.comm.launcher`): they die
+    with the calling process, and once one fails the others get a few seconds before they are stopped.
 
     Args:
         fn: a module-level or closure function; with fork it need not be picklable, only its return
@@ -115,58 +117,48 @@ def run_distributed(
 
     Raises:
         RankFailedError: a rank raised (its traceback is in the message), exited without a result,
-            or was still running at the deadline.
+            or was still running at the deadline. Its ``summary`` is one line naming the rank that failed on
+            its own (not as a peer's victim) or the ranks that hung.
     """
     check_positive_int("world_size", world_size)
     timeout = check_positive_float("timeout", timeout)
     ctx = mp.get_context("fork")
-    tmpdir = tempfile.mkdtemp(prefix="mixprec-dist-")
-    init_file = os.path.join(tmpdir, "rendezvous")
-    procs: list[Any] = []
-    conns: list[Any] = []
-    try:
-        for rank in range(world_size):
-            recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(
-                target=_child,
-                args=(fn, rank, world_size, init_file, backend, timeout, args, kwargs, send),
-                daemon=True,
+    with rendezvous_dir("mixprec-dist-") as tmpdir:
+        init_file = os.path.join(tmpdir, "rendezvous")
+        pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
+        procs = [
+            rank_process(ctx, _child, (fn, rank, world_size, init_file, backend, timeout, args, kwargs, pipes[rank][1]))
+            for rank in range(world_size)
+        ]
+        try:
+            messages = run_ranks(procs, deadline=time.monotonic() + timeout, pipes=pipes)
+            failure = None
+        except RanksFailed as exc:
+            messages, failure = exc.messages, exc
+        finally:
+            for read, _ in pipes:
+                read.close()
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    hung = failure.hung if failure is not None else []
+    # Ranks stopped at the deadline, or because another rank had failed GRACE_S seconds before?
+    others_failed = any(code not in (None, 0) for r, code in enumerate(p.exitcode for p in procs) if r not in hung)
+    for rank in range(world_size):
+        if rank in messages:
+            status, value = pickle.loads(messages[rank])
+            (results if status == "ok" else failures)[rank] = value
+        elif rank in hung:
+            failures[rank] = (
+                f"still running {GRACE_S:g} s after another rank failed; stopped"
+                if others_failed
+                else f"still running after the {timeout:.0f} s deadline (hung?)"
             )
-            p.start()
-            send.close()
-            procs.append(p)
-            conns.append(recv)
-
-        deadline = time.monotonic() + timeout
-        results: dict[int, Any] = {}
-        failures: dict[int, str] = {}
-        pending = set(range(world_size))
-        while pending and time.monotonic() < deadline:
-            ready = multiprocessing.connection.wait([conns[r] for r in pending], timeout=0.5)
-            for conn in ready:
-                rank = conns.index(conn)
-                pending.discard(rank)
-                try:
-                    status, value = pickle.loads(conn.recv_bytes())
-                except EOFError:
-                    procs[rank].join(5)
-                    failures[rank] = f"exited with code {procs[rank].exitcode} before returning a result"
-                    continue
-                if status == "ok":
-                    results[rank] = value
-                else:
-                    failures[rank] = value
-        for rank in pending:
-            failures[rank] = f"still running after the {timeout:.0f} s deadline (hung?)"
-        if failures:
-            raise RankFailedError(failures)
-        return [results[r] for r in range(world_size)]
-    finally:
-        for p in procs:
-            p.join(timeout=2)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=2)
-        for c in conns:
-            c.close()
-        shutil.rmtree(tmpdir, ignore_errors=True)
+        else:
+            failures[rank] = f"exited with code {procs[rank].exitcode} before returning a result"
+    if failure is not None:
+        raise RankFailedError(
+            failures, summary=failure.summary, rank=failure.rank, exit_codes=failure.exit_codes, hung=hung
+        )
+    if failures:  # every rank exited 0, yet one sent no result
+        raise RankFailedError(failures)
+    return [results[r] for r in range(world_size)]
