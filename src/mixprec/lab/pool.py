@@ -3,7 +3,8 @@
 A simulated run computes on one thread (mixprec.lab.simulate), so on a machine with C cores up to C of them run
 at once in spawned worker processes; the numbers are those of the run trained alone (one thread either way).
 A run that fails as runs do (divergence, a loss-scale floor) is reported by its message; anything else is a bug
-and propagates at once, as does Ctrl-C: the queued runs are cancelled and the running ones ended.
+and propagates at once, as does Ctrl-C: the queued runs are cancelled and the running ones ended. The workers
+die with the process that started them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import multiprocessing as mp
 import os
 from collections.abc import Sequence
 
+from mixprec.comm.launcher import die_with_launcher
 from mixprec.lab.config import TrainConfig
 from mixprec.lab.launch import launch
 from mixprec.lab.train import TrainingDiverged
@@ -54,7 +56,8 @@ def train_all(configs: Sequence[TrainConfig], *, workers: int | None = None, lab
         return [_train_one(cfg) for cfg in configs]
     # multiprocessing.Pool, not concurrent.futures: its terminate() ends the running workers at once, and imap
     # hands out one run at a time (chunksize 1), so no queued run has started when an error stops the pool.
-    pool = mp.get_context("spawn").Pool(workers)
+    # The workers die with this process, as the ranks of every mixprec launcher do (mixprec.comm.launcher).
+    pool = mp.get_context("spawn").Pool(workers, initializer=die_with_launcher, initargs=(os.getpid(),))
     try:
         results = list(pool.imap(_train_one, configs, chunksize=1))  # raises at the first failure, in order
     except BaseException:
