@@ -28,6 +28,7 @@ import torch
 
 import mixprec.native as native
 from mixprec.core.formats import FORMAT_PRESETS, FloatFormat, get_format
+from mixprec.core.mx import MX_FORMATS, BlockFormat
 from mixprec.core.rounding import (
     apply_overflow_,
     flush_subnormals_,
@@ -198,10 +199,34 @@ def matmul(
     Error: :func:`bounds` gives deterministic and probabilistic bounds on ``|y - a_r @ b_r|`` relative to
     ``|a_r| @ |b_r|`` (``a_r``, ``b_r`` the rounded operands).
 
+    Block-scaled inputs: ``inputs`` a block format (``"mxfp8_e4m3"``, ``"mxfp8_e5m2"``, ``"mxfp6_e2m3"``,
+    ``"mxfp6_e3m2"``, ``"mxfp4_e2m1"``, ``"nvfp4"``) quantizes ``a`` along K (its last dim) and ``b`` along K (dim
+    -2) with :func:`mixprec.emulate.mx_quantize` (default scale mode) and sums the block products with
+    ``accumulator``: ``"fp32"`` (the default), ``"fp8/promote128"`` (Hopper), ``"blackwell"`` or a MatmulModel
+    (:func:`mixprec.emulate.mx_matmul.block_scaled_matmul`); ``mode`` and the other fields must be left unset.
+
     Autograd: not recorded (the result has no ``grad_fn``). An operand that requires grad while grad mode is on
     raises ValueError rather than silently cutting the graph: use :class:`mixprec.emulate.EmulatedLinear` (or
     ``emulate_linear_layers``), whose backward products are emulated too, or pass ``.detach()``-ed operands.
     """
+    if isinstance(inputs, BlockFormat) or (isinstance(inputs, str) and inputs in MX_FORMATS):
+        others = {
+            "mode": mode is not None,
+            "k_group": k_group is not _UNSET,
+            "promote_every": promote_every is not _UNSET,
+            "output": output is not _UNSET,
+            "align_bits": align_bits is not _UNSET,
+            "align_rounding": align_rounding is not _UNSET,
+        }
+        given = [name for name, set_ in others.items() if set_]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: not used with block-scaled inputs={inputs!r}; pass the accumulator model as "
+                "accumulator= (a name or a MatmulModel)"
+            )
+        from mixprec.emulate.mx_matmul import block_scaled_matmul  # mx_matmul builds on this module
+
+        return block_scaled_matmul(a, b, inputs, "fp32" if accumulator is _UNSET else accumulator)
     for name, t in (("a", a), ("b", b)):
         if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
             raise ValueError(
