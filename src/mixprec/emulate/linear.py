@@ -17,6 +17,7 @@ shares the original layer's Parameter objects, so optimizers and tied weights ke
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 import warnings
 from typing import Any
@@ -27,9 +28,32 @@ from torch.autograd.function import once_differentiable
 from torch.nn.utils import parametrize
 
 from mixprec.core.rounding import round_to, round_to_
-from mixprec.emulate.matmul import MatmulModel, get_matmul_model, matmul_with_model
+from mixprec.emulate.matmul import MATMUL_PRESETS, MatmulModel, get_matmul_model, matmul_with_model
+from mixprec.emulate.recipes import (
+    RECIPES,
+    BlockScaledLinearFunction,
+    BlockScaledRecipe,
+    check_rows,
+    check_shapes,
+    get_recipe,
+)
 
-__all__ = ["EmulatedLinear", "LinearSwap", "emulate_linear_layers"]
+__all__ = ["EmulatedLinear", "LinearSwap", "emulate_linear_layers", "get_linear_mode"]
+
+LinearMode = MatmulModel | BlockScaledRecipe
+
+
+def get_linear_mode(mode: object, *, arg: str = "mode") -> LinearMode:
+    """A layer's mode: a :class:`MatmulModel` (or ``MATMUL_PRESETS`` name) or a :class:`BlockScaledRecipe` (or
+    ``RECIPES`` name: ``"mxfp8"``, ``"nvfp4"``)."""
+    if isinstance(mode, MatmulModel | BlockScaledRecipe):
+        return mode
+    if isinstance(mode, str) and mode in RECIPES:
+        return get_recipe(mode)
+    if isinstance(mode, str) and mode not in MATMUL_PRESETS:
+        names = ", ".join(map(repr, (*MATMUL_PRESETS, *RECIPES)))
+        raise ValueError(f"{arg} must be a MatmulModel, a BlockScaledRecipe or one of {names}; got {mode!r}")
+    return get_matmul_model(mode, arg=arg)
 
 
 class _EmulatedLinearFunction(torch.autograd.Function):
@@ -78,11 +102,17 @@ class _EmulatedLinearFunction(torch.autograd.Function):
 
 
 class EmulatedLinear(nn.Linear):
-    """``nn.Linear`` with forward and backward matmuls emulated by ``mode`` (a preset name or MatmulModel).
+    """``nn.Linear`` with forward and backward matmuls emulated by ``mode`` (a preset name or MatmulModel), or run
+    as a block-scaled training recipe (``"mxfp8"``, ``"nvfp4"`` or a BlockScaledRecipe: which tensor gets which
+    format in each GEMM is tabled in :mod:`mixprec.emulate.recipes`).
 
     Args:
         in_features, out_features, bias, device, dtype: as ``nn.Linear``.
-        mode: accumulation model, e.g. "fp16/16", "fp16/32", "bf16/32", "two_stage", "fp8/promote128".
+        mode: accumulation model, e.g. "fp16/16", "fp16/32", "bf16/32", "two_stage", "fp8/promote128", or a
+            recipe. Recipes need in_features and out_features (and, per call, the number of input rows) to be
+            multiples of the block size (32 for "mxfp8", 16 for "nvfp4"): ValueError naming the argument otherwise.
+        generator: recipes only: the ``torch.Generator`` of stochastic rounding and the random Hadamard signs
+            (None: torch's default generator). The same generator state gives the same bits.
     """
 
     def __init__(
@@ -93,17 +123,30 @@ class EmulatedLinear(nn.Linear):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         *,
-        mode: MatmulModel | str = "fp16/32",
+        mode: MatmulModel | BlockScaledRecipe | str = "fp16/32",
+        generator: torch.Generator | None = None,
     ) -> None:
+        resolved = get_linear_mode(mode)
+        if isinstance(resolved, BlockScaledRecipe):
+            check_shapes(resolved, in_features, out_features)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.mode = get_matmul_model(mode)
+        self.mode = resolved
+        self.generator = _check_generator(generator)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, mode: MatmulModel | str) -> EmulatedLinear:
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        mode: MatmulModel | BlockScaledRecipe | str,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> EmulatedLinear:
         """An EmulatedLinear sharing ``linear``'s Parameter objects (no copy)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear needs an nn.Linear; got {type(linear).__name__}")
-        model = get_matmul_model(mode)
+        model = get_linear_mode(mode)
+        if isinstance(model, BlockScaledRecipe):
+            check_shapes(model, linear.in_features, linear.out_features)
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features = linear.in_features
@@ -114,6 +157,7 @@ class EmulatedLinear(nn.Linear):
         else:
             new.bias = linear.bias
         new.mode = model
+        new.generator = _check_generator(generator)
         new.train(linear.training)
         return new
 
@@ -125,24 +169,40 @@ class EmulatedLinear(nn.Linear):
             raise RuntimeError("both arguments to linear need to be at least 1D, but they are 0D and 2D")
         if x.shape[-1] != self.in_features:
             raise ValueError(f"EmulatedLinear expects input (..., {self.in_features}); got {tuple(x.shape)}")
+        if isinstance(self.mode, BlockScaledRecipe):
+            if torch.is_grad_enabled() and self.weight.requires_grad:  # inference needs no whole token blocks
+                check_rows(self.mode, x)
+            return BlockScaledLinearFunction.apply(x, self.weight, self.bias, self.mode, self.generator)
         return _EmulatedLinearFunction.apply(x, self.weight, self.bias, self.mode)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, mode={self.mode.name!r}"
 
 
+def _check_generator(generator: object) -> torch.Generator | None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
+    return generator
+
+
 class LinearSwap:
     """What :func:`emulate_linear_layers` swapped: ``names`` (qualified module names) and what it left alone,
-    ``skipped`` (nn.Linear subclasses not in ``include``); ``restore()`` puts the original modules back. Usable as a
-    context manager (restores on exit)."""
+    ``skipped`` (nn.Linear subclasses not in ``include``) and ``kept`` (recipes: layers matching the recipe's
+    ``high_precision`` patterns or whose shapes are not whole blocks, left in the model's own precision);
+    ``restore()`` puts the original modules back. Usable as a context manager (restores on exit)."""
 
     def __init__(
-        self, model: nn.Module, swapped: list[tuple[nn.Module, str, nn.Module]], skipped: list[str] | None = None
+        self,
+        model: nn.Module,
+        swapped: list[tuple[nn.Module, str, nn.Module]],
+        skipped: list[str] | None = None,
+        kept: list[str] | None = None,
     ) -> None:
         self.model = model
         self._swapped = swapped
         self.names = [name for _, name, _ in swapped]
         self.skipped = list(skipped or [])
+        self.kept = list(kept or [])
         self.restored = False
 
     def restore(self) -> None:
@@ -172,7 +232,7 @@ def _declared_type(module: nn.Module) -> type:
 
 
 def emulate_linear_layers(
-    model: nn.Module, mode: MatmulModel | str, *, include: tuple[type[nn.Linear], ...] = ()
+    model: nn.Module, mode: MatmulModel | BlockScaledRecipe | str, *, include: tuple[type[nn.Linear], ...] = ()
 ) -> LinearSwap:
     """Replace the linear layers of ``model`` by :class:`EmulatedLinear` layers with ``mode`` that share their
     parameters; returns a :class:`LinearSwap` whose ``restore()`` puts the originals back.
@@ -182,7 +242,10 @@ def emulate_linear_layers(
     only casts its weights to the input's dtype; EmulatedLinear does that too). Other subclasses keep their own
     ``forward`` (a LoRA layer's, say) and are left alone: their names are in ``LinearSwap.skipped`` and a warning
     lists them (except ``nn.MultiheadAttention``'s ``out_proj``, whose ``forward`` attention never calls: it reads
-    ``.weight`` directly, so swapping it would change nothing). Already-emulated layers are left alone.
+    ``.weight`` directly, so swapping it would change nothing). Already-emulated layers are left alone. With a
+    recipe (``"mxfp8"``, ``"nvfp4"``, a BlockScaledRecipe), layers matching its ``high_precision`` patterns, and
+    layers whose in/out features are not multiples of its block (with a warning), keep their precision
+    (``LinearSwap.kept``).
 
     Raises:
         TypeError: ``model`` is not an nn.Module, or ``include`` is not a tuple of nn.Linear subclasses.
@@ -196,18 +259,31 @@ def emulate_linear_layers(
         isinstance(c, type) and issubclass(c, nn.Linear) and not issubclass(c, EmulatedLinear) for c in include
     ):
         raise TypeError(f"include must be a tuple of nn.Linear subclasses (not EmulatedLinear); got {include!r}")
-    matmul_model = get_matmul_model(mode)
+    matmul_model = get_linear_mode(mode)
     if isinstance(model, nn.Linear):
         raise ValueError("model is itself an nn.Linear: wrap it (e.g. nn.Sequential(layer)) so it can be swapped")
     swap_types = (nn.Linear, *include)
     targets: list[tuple[str, nn.Module]] = []
     skipped: list[str] = []
+    kept: list[str] = []
+    misfit: list[str] = []
+    recipe = matmul_model if isinstance(matmul_model, BlockScaledRecipe) else None
     for name, module in model.named_modules():
         if not name or not isinstance(module, nn.Linear) or isinstance(module, EmulatedLinear):
             continue
         if _declared_type(module) not in swap_types:
             skipped.append(name)  # keeps its own forward, parametrized or not
             continue
+        if recipe is not None:
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in recipe.high_precision):
+                kept.append(name)
+                continue
+            try:
+                check_shapes(recipe, module.in_features, module.out_features)
+            except ValueError:
+                kept.append(name)
+                misfit.append(f"{name} ({module.in_features}->{module.out_features})")
+                continue
         if parametrize.is_parametrized(module):
             raise ValueError(
                 f"module {name!r} ({type(module).__name__}) has parametrizations: an EmulatedLinear would hold a "
@@ -224,9 +300,16 @@ def emulate_linear_layers(
             "if its forward is x W^T + b",
             stacklevel=2,
         )
+    if misfit:
+        warnings.warn(
+            f"emulate_linear_layers kept {len(misfit)} layer(s) in their own precision: recipe {recipe.name!r} "
+            f"needs in/out features that are multiples of its block ({recipe.block}): {', '.join(misfit[:5])}"
+            f"{' ...' if len(misfit) > 5 else ''}",
+            stacklevel=2,
+        )
     swapped: list[tuple[nn.Module, str, nn.Module]] = []
     for name, module in targets:
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         setattr(parent, name.rsplit(".", 1)[-1], EmulatedLinear.from_linear(module, matmul_model))
         swapped.append((parent, name, module))
-    return LinearSwap(model, swapped, skipped)
+    return LinearSwap(model, swapped, skipped, kept)
