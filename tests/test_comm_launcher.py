@@ -1,5 +1,5 @@
 """The one launcher mechanism behind mixprec train --nproc, the collective audit and run_distributed: blame,
-stopping, and the rendezvous directories of killed launchers."""
+stopping, peer-failure markers, and the rendezvous directories of killed launchers."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from mixprec.comm.launcher import (
     stop_ranks,
     watch_ranks,
 )
+from mixprec.comm.objects import is_peer_failure
 
 
 def _exit_after(delay: float, code: int) -> None:
@@ -106,6 +107,14 @@ def test_a_stopped_rank_is_ended_by_the_first_sigterm() -> None:
     os.kill(proc.pid, signal.SIGSTOP)
     stop_ranks([proc])
     assert proc.exitcode == -signal.SIGTERM
+
+
+def test_a_closed_pair_after_a_timeout_is_a_peer_failure() -> None:
+    """What gloo raises on the healthy ranks of a two-stage reduction when one rank of the first stage is
+    stopped: those ranks are victims, not the culprit."""
+    assert is_peer_failure(RuntimeError("Application timeout caused pair closure"))
+    assert not is_peer_failure(RuntimeError("shape mismatch"))
+    assert not is_peer_failure(ValueError("Application timeout caused pair closure"))  # not from the transport
 
 
 # ---------------------------------------------------------------------------------------------- rendezvous

@@ -17,13 +17,16 @@ from mixprec.comm.agree import collective_device, is_distributed
 __all__ = ["all_reduce_sum_fp64", "gather_objects", "is_peer_failure"]
 
 # What gloo's transport says when the other end of a pair went away or stopped answering (torch 2.x raises
-# these as plain RuntimeError, not as torch.distributed.DistError).
+# these as plain RuntimeError, not as torch.distributed.DistError). "Application timeout caused pair closure"
+# comes without a source location: a pair that an earlier operation's timeout closed fails the next operation
+# on it, as in the second stage of a two-stage reduction when a peer of the first stage stopped.
 _PEER_FAILURE_MARKERS = (
     "gloo/transport",
     "Connection reset by peer",
     "Connection closed by peer",
     "Timed out waiting",
     "Socket Timeout",
+    "Application timeout caused pair closure",
 )
 
 
