@@ -353,3 +353,15 @@ def test_emulate_linear_layers_keeps_high_precision_and_misfit_layers():
     assert isinstance(model[2], EmulatedLinear) and model[2].mode is recipe
     swap.restore()
     assert type(model[2]) is nn.Linear
+
+
+def test_nvfp4_keeps_the_output_head_in_its_own_precision_by_default():
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(32, 32)
+            self.lm_head = nn.Linear(32, 64)
+
+    model = Tiny()
+    assert emulate_linear_layers(model, "nvfp4").kept == ["lm_head"]
+    assert emulate_linear_layers(Tiny(), "mxfp8").names == ["body", "lm_head"]

@@ -109,6 +109,9 @@ RECIPES: dict[str, BlockScaledRecipe] = {
         grad_rounding="stochastic",
         wgrad_hadamard=16,
         tensor_scale=True,
+        # the paper keeps the output head (and ~15% of the linear layers, mostly the last blocks) in BF16; which
+        # blocks is model-specific: add their patterns with with_options(high_precision=...)
+        high_precision=("lm_head", "*.lm_head"),
     ),
 }
 
