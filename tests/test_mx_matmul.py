@@ -365,3 +365,27 @@ def test_nvfp4_keeps_the_output_head_in_its_own_precision_by_default():
     model = Tiny()
     assert emulate_linear_layers(model, "nvfp4").kept == ["lm_head"]
     assert emulate_linear_layers(Tiny(), "mxfp8").names == ["body", "lm_head"]
+
+
+def test_recipe_options_are_checked_and_hybrid_uses_e5m2_gradients():
+    with pytest.raises(ValueError, match="accumulator"):
+        get_recipe("mxfp8").with_options(accumulator="fp16")
+    with pytest.raises(ValueError, match="grad_fmt"):
+        get_recipe("mxfp8").with_options(grad_fmt="fp8_e5m2")
+    with pytest.raises(ValueError, match="tensor_scale"):
+        get_recipe("mxfp8").with_options(tensor_scale=True)
+    with pytest.raises(TypeError, match="generator"):
+        emulate_linear_layers(nn.Sequential(nn.Linear(32, 32)), "nvfp4", generator=0)
+    gen = torch.Generator().manual_seed(10)
+    x, c = torch.randn(32, 32, generator=gen), torch.randn(32, 32, generator=gen)
+    torch.manual_seed(3)
+    e4m3 = EmulatedLinear(32, 32, mode="mxfp8")
+    hybrid = EmulatedLinear(32, 32, mode=get_recipe("mxfp8").with_options(grad_fmt="mxfp8_e5m2"))
+    hybrid.load_state_dict(e4m3.state_dict())
+    y1, gx1, _ = _run(e4m3, x, c)
+    y2, gx2, _ = _run(hybrid, x, c)
+    assert torch.equal(y1, y2) and not torch.equal(gx1, gx2)  # forward E4M3 in both; dY in E5M2 only in hybrid
+    w = e4m3.weight.detach()
+    qg = mx_quantize(c, "mxfp8_e5m2", scale_mode="rceil", axis=1)
+    qw = mx_quantize(w, "mxfp8_e4m3", scale_mode="rceil", axis=0)
+    assert torch.equal(gx2, matmul_block_scaled(qg, qw, "fp32"))

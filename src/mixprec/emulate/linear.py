@@ -232,7 +232,11 @@ def _declared_type(module: nn.Module) -> type:
 
 
 def emulate_linear_layers(
-    model: nn.Module, mode: MatmulModel | BlockScaledRecipe | str, *, include: tuple[type[nn.Linear], ...] = ()
+    model: nn.Module,
+    mode: MatmulModel | BlockScaledRecipe | str,
+    *,
+    include: tuple[type[nn.Linear], ...] = (),
+    generator: torch.Generator | None = None,
 ) -> LinearSwap:
     """Replace the linear layers of ``model`` by :class:`EmulatedLinear` layers with ``mode`` that share their
     parameters; returns a :class:`LinearSwap` whose ``restore()`` puts the originals back.
@@ -245,7 +249,8 @@ def emulate_linear_layers(
     ``.weight`` directly, so swapping it would change nothing). Already-emulated layers are left alone. With a
     recipe (``"mxfp8"``, ``"nvfp4"``, a BlockScaledRecipe), layers matching its ``high_precision`` patterns, and
     layers whose in/out features are not multiples of its block (with a warning), keep their precision
-    (``LinearSwap.kept``).
+    (``LinearSwap.kept``), and ``generator`` (one ``torch.Generator`` shared by the swapped layers; None: torch's
+    default generator) feeds their stochastic rounding and Hadamard signs.
 
     Raises:
         TypeError: ``model`` is not an nn.Module, or ``include`` is not a tuple of nn.Linear subclasses.
@@ -260,6 +265,7 @@ def emulate_linear_layers(
     ):
         raise TypeError(f"include must be a tuple of nn.Linear subclasses (not EmulatedLinear); got {include!r}")
     matmul_model = get_linear_mode(mode)
+    _check_generator(generator)
     if isinstance(model, nn.Linear):
         raise ValueError("model is itself an nn.Linear: wrap it (e.g. nn.Sequential(layer)) so it can be swapped")
     swap_types = (nn.Linear, *include)
@@ -310,6 +316,7 @@ def emulate_linear_layers(
     swapped: list[tuple[nn.Module, str, nn.Module]] = []
     for name, module in targets:
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        setattr(parent, name.rsplit(".", 1)[-1], EmulatedLinear.from_linear(module, matmul_model))
+        new = EmulatedLinear.from_linear(module, matmul_model, generator=generator)
+        setattr(parent, name.rsplit(".", 1)[-1], new)
         swapped.append((parent, name, module))
     return LinearSwap(model, swapped, skipped, kept)
