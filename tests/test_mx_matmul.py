@@ -176,15 +176,82 @@ def test_blackwell_truncates_where_fp32_rounds_to_nearest():
     shrink = (bw.abs() < fp32.abs()).sum().item()
     grow = (bw.abs() > fp32.abs()).sum().item()
     assert shrink > 3 * grow
-    # and one output against the independent alignment loop (per instruction: K = 32, 25 fraction bits, RZ)
-    model = block_accumulator_model("blackwell", "mxfp8_e4m3")
-    assert (model.k_group, model.align_bits, model.align_rounding) == (32, 25, "toward_zero")
-    ea = (qa.elements.double() * _expand(qa))[3].tolist()
-    eb = (qb.elements.double() * _expand(qb))[:, 5].tolist()
-    ref = ref_matmul_element(ea, eb, acc=FP32, k_group=32, promote_every=None, align_bits=25)
-    assert bw[3, 5].item() == ref
-    assert block_accumulator_model("blackwell", "nvfp4").k_group == 64
-    assert block_accumulator_model("blackwell", "nvfp4").align_bits == 35
+
+
+# An independent transcription (exact rationals, one output at a time) of MMA-Sim's tcgen05 block-scaled MMA
+# (microsoft/MMA-Sim, commit 16a01880, mmasim/simulator/functions.py: nv_fused_dot_add for kind::mxf8f6f4 and
+# nv_fused_dot_add_with_block_scale for kind::mxf4*; nv.py: TCGen05MMASim, 25 and 35 fraction bits), chained
+# over K through the fp32 accumulator.
+def _sig_exp(x: float, emin: int) -> tuple[Fraction, int]:
+    if x == 0:
+        return Fraction(0), -999
+    m, e = math.frexp(abs(x))
+    e -= 1
+    sig = Fraction(m) * 2
+    if e < emin:
+        sig, e = sig * Fraction(2) ** (e - emin), emin
+    return (sig if x > 0 else -sig), e
+
+
+def _fused(sigs, exps, bits: int) -> Fraction:
+    top = max(exps)
+    total = sum(Fraction(math.trunc(sg * Fraction(2) ** (bits + ex - top))) for sg, ex in zip(sigs, exps, strict=True))
+    return total * Fraction(2) ** (top - bits)
+
+
+def _rz32(v: Fraction) -> float:
+    if v == 0:
+        return 0.0
+    sig, e = _sig_exp(float(v), -126)  # v has at most ~50 significant bits here: float(v) is exact
+    return float(Fraction(math.trunc(sig * 2**23), 2**23) * Fraction(2) ** e)
+
+
+def _mmasim_element(ea, eb, sa, sb, fmt) -> float:
+    elem_emin = {"mxfp8_e4m3": -6, "mxfp8_e5m2": -14, "mxfp6_e2m3": 0, "mxfp6_e3m2": -2}.get(fmt)
+    scale_emin = -6 if fmt == "nvfp4" else -127
+    acc = 0.0
+    if elem_emin is not None:  # kind::mxf8f6f4: K = 32 (one block), element products at nominal exponents
+        for blk in range(len(ea) // 32):
+            sig_c, e_c = _sig_exp(acc, -126)
+            _, e_sa = _sig_exp(sa[blk * 32], scale_emin)
+            _, e_sb = _sig_exp(sb[blk * 32], scale_emin)
+            sigs, exps = [sig_c], [e_c]
+            for i in range(blk * 32, blk * 32 + 32):
+                s1, e1 = _sig_exp(ea[i], elem_emin)
+                s2, e2 = _sig_exp(eb[i], elem_emin)
+                sigs.append(s1 * s2)
+                exps.append(e1 + e2 + e_sa + e_sb)
+            acc = _rz32(_fused(sigs, exps, 25))
+        return acc
+    for inst in range(0, len(ea), 64):  # kind::mxf4 / mxf4nvf4: K = 64, 16-element sub-block sums
+        sig_c, e_c = _sig_exp(acc, -126)
+        sigs, exps = [sig_c], [e_c]
+        for k0 in range(inst, min(inst + 64, len(ea)), 16):
+            dot = sum(Fraction(ea[i]) * Fraction(eb[i]) for i in range(k0, k0 + 16))
+            s0, e0 = _sig_exp(sa[k0], scale_emin)
+            s1, e1 = _sig_exp(sb[k0], scale_emin)
+            sigs.append(dot * s0 * s1)
+            exps.append(e0 + e1)
+        acc = _rz32(_fused(sigs, exps, 35))
+    return acc
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp4_e2m1", "nvfp4"])
+@pytest.mark.parametrize("spread", [2, 30])
+def test_blackwell_is_bit_exact_with_a_transcription_of_mma_sim(fmt, spread):
+    gen = torch.Generator().manual_seed(12)
+    k = 208 if fmt == "nvfp4" else 192  # NVFP4: 13 sub-blocks, the last mxf4 instruction partial
+    a, b = _data((6, k), gen, spread), _data((k, 5), gen, spread)
+    qa, qb = mx_quantize(a, fmt), mx_quantize(b, fmt, axis=0)
+    bw = matmul_block_scaled(qa, qb, "blackwell")
+    sa, sb = _expand(qa), _expand(qb)
+    ea, eb = qa.elements.tolist(), qb.elements.t().tolist()
+    sa, sb = sa.tolist(), sb.t().tolist()
+    ref = [[_mmasim_element(ea[i], eb[j], sa[i], sb[j], fmt) for j in range(5)] for i in range(6)]
+    assert torch.equal(bw, torch.tensor(ref, dtype=torch.float32))
+    # the same model through the public entry point, with a batch
+    out = matmul(torch.stack([a, a]), b, inputs=fmt, accumulator="blackwell")
+    assert torch.equal(out, torch.stack([bw, bw]))
 
 
 # ------------------------------------------------------------------------------------------------ API errors

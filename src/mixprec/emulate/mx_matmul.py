@@ -8,10 +8,11 @@ matmuls"). How the block products are summed is the accumulator model (``BLOCK_A
 * ``"fp32"``: every block product is added to an fp32 accumulator in K order, one rounding (nearest even) each.
 * ``"fp8/promote128"``: Hopper's fp8 WGMMA model (``MATMUL_PRESETS["fp8/promote128"]``: 13 fraction bits kept
   after alignment, truncation, promotion into fp32 every 128).
-* ``"blackwell"``: the ``tcgen05.mma`` block-scaled MMA as measured by MMA-Sim (Xie et al. 2025, arXiv
-  2511.10909; ``TCGen05MMASim``): per instruction (K = 32 for MX fp8/fp6, 64 for fp4) the scaled products and
-  the accumulator are aligned to the largest exponent, truncated to 25 (fp8/fp6) or 35 (fp4) fraction bits,
-  summed, and the sum truncated to fp32.
+* ``"blackwell"``: the ``tcgen05.mma`` block-scaled MMA as MMA-Sim models it (Xie et al. 2025, arXiv
+  2511.10909; ``TCGen05MMASim``), chained over K: per instruction (K = 32 for MX fp8/fp6, 64 for fp4) the terms
+  (element products, or for fp4 the exact 16-element sub-block dots) and the accumulator are aligned to the
+  largest nominal exponent, truncated to 25 (fp8/fp6) or 35 (fp4) fraction bits, summed, and the sum truncated
+  to fp32. Bit-exact with a transcription of MMA-Sim's algorithm on finite data (tests/test_mx_matmul.py).
 
 NVFP4's fp32 tensor scales multiply the result once at the end (``fl32(ta * tb)``, a GEMM epilogue's alpha).
 """
@@ -19,10 +20,13 @@ NVFP4's fp32 tensor scales multiply the result once at the end (``fl32(ta * tb)`
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
+from mixprec.core.formats import FloatFormat
 from mixprec.core.mx import BlockFormat, BlockScaled, get_block_format, mx_quantize
+from mixprec.core.rounding import round_directed_
 from mixprec.core.validate import check_tensor
 from mixprec.emulate.matmul import TENSOR_CORE_ALIGN_BITS, MatmulModel, get_matmul_model, matmul_with_model
 
@@ -53,7 +57,9 @@ def _blackwell_kind(fmt: BlockFormat) -> str:
 def block_accumulator_model(accumulator: MatmulModel | str, fmt: BlockFormat | str) -> MatmulModel:
     """The :class:`MatmulModel` that sums the block products of ``fmt`` operands for ``accumulator`` (a name in
     ``BLOCK_ACCUMULATORS`` or a MatmulModel). Its ``inputs`` is fp32: the operands it sees are elements times block
-    scales, exact values that are never rounded again."""
+    scales, exact values that are never rounded again. For ``"blackwell"`` it is the alignment model with the
+    instruction's K and fraction bits, for :func:`bounds` (whose bound covers the nominal-exponent alignment);
+    the product itself runs MMA-Sim's algorithm (``_blackwell_accumulate``)."""
     bf = get_block_format(fmt, arg="inputs")
     if isinstance(accumulator, MatmulModel):
         model = accumulator
@@ -81,13 +87,84 @@ def block_accumulator_model(accumulator: MatmulModel | str, fmt: BlockFormat | s
     return dataclasses.replace(model, inputs="fp32", name=model.name)
 
 
-def scaled_elements(q: BlockScaled) -> torch.Tensor:
-    """``q.elements`` times the block scales (not the tensor scale), fp32: exact, since an element has at most 4
-    significant bits and a scale is a power of two (E8M0) or has 4 (E4M3), inside fp32's range for finite scales."""
+def _expanded_scales(q: BlockScaled) -> torch.Tensor:
+    """The block scale of every element of ``q`` (fp32, ``q.elements``' shape)."""
     s = q.scales
     for d, b in zip(q.axis, q.block_size, strict=True):
         s = s.repeat_interleave(b, dim=d)
-    return q.elements * s
+    return s
+
+
+def scaled_elements(q: BlockScaled) -> torch.Tensor:
+    """``q.elements`` times the block scales (not the tensor scale), fp32: exact, since an element has at most 4
+    significant bits and a scale is a power of two (E8M0) or has 4 (E4M3), inside fp32's range for finite scales."""
+    return q.elements * _expanded_scales(q)
+
+
+# ------------------------------------------------------------------------------------------------ Blackwell
+_ZERO_EXP = -(1 << 20)  # nominal exponent of a zero operand: below every other, never the maximum
+_FP32 = FloatFormat(8, 23)
+
+
+def _nominal_exponent(v: torch.Tensor, emin: int) -> torch.Tensor:
+    """``floor(log2 |v|)`` of fp32/fp64 ``v``, at least ``emin`` (a subnormal of the format counts at its emin, as
+    MMA-Sim's ``extract_significand_exponent``); ``_ZERO_EXP`` for zeros. int64."""
+    bits = v.double().abs().view(torch.int64)
+    e = torch.bitwise_right_shift(bits, 52).sub_(1023).clamp_(min=emin)
+    return e.masked_fill_(v == 0, _ZERO_EXP)
+
+
+def _blackwell_accumulate(
+    ea: torch.Tensor, sa: torch.Tensor, eb: torch.Tensor, sb: torch.Tensor, fmt_a: BlockFormat, fmt_b: BlockFormat
+) -> torch.Tensor:
+    """MMA-Sim's tcgen05 block-scaled MMA chained over K (module docstring): elements ``ea (M, K)``, ``eb (K, N)``
+    and their block scales expanded to the same shapes; fp32 ``(M, N)``."""
+    kind = _blackwell_kind(fmt_a)
+    bits, kinst = BLACKWELL_ALIGN_BITS[kind], _BLACKWELL_K[kind]
+    m, k = ea.shape
+    n = eb.shape[1]
+    va, vb = ea.double() * sa.double(), eb.double() * sb.double()  # exact
+    scale_emin = -6 if fmt_a.scale == "e4m3" else -127  # E4M3's smallest normal exponent; E8M0's smallest value
+    if kind == "mxf4":
+        # one term per 16-element sub-block: its exact dot times both scales, at the scales' nominal exponent
+        sub = 16
+        nsub = k // sub
+        terms_a, terms_b = va.reshape(m, nsub, sub).transpose(0, 1), vb.reshape(nsub, sub, n)
+        exp_a = _nominal_exponent(sa[:, ::sub], scale_emin).t()  # (nsub, M)
+        exp_b = _nominal_exponent(sb[::sub], scale_emin)  # (nsub, N)
+        per_inst = kinst // sub
+    else:
+        # one term per element product, at the sum of the operands' and the scales' nominal exponents
+        exp_a = _nominal_exponent(ea, fmt_a.element.emin) + _nominal_exponent(sa, scale_emin)
+        exp_b = _nominal_exponent(eb, fmt_b.element.emin) + _nominal_exponent(sb, scale_emin)
+        exp_a = exp_a.masked_fill_(ea == 0, _ZERO_EXP)
+        exp_b = exp_b.masked_fill_(eb == 0, _ZERO_EXP)
+        per_inst = kinst
+    out = torch.empty(m, n, dtype=torch.float32, device=ea.device)
+    width = per_inst * max(1, n)
+    rows = max(1, min(m, (1 << 22) // width))
+    for r0 in range(0, m, rows):
+        r1 = min(m, r0 + rows)
+        acc = torch.zeros(r1 - r0, n, dtype=torch.float64, device=ea.device)
+        for i0 in range(0, k if kind != "mxf4" else nsub, per_inst):
+            if kind == "mxf4":
+                i1 = min(nsub, i0 + per_inst)
+                # (R, terms, N): exact sub-block dots (16 products each, far below 2**53)
+                terms = torch.bmm(terms_a[i0:i1, r0:r1], terms_b[i0:i1]).transpose(0, 1)
+                exps = exp_a[i0:i1, r0:r1].t().unsqueeze(-1) + exp_b[i0:i1].unsqueeze(0)
+            else:
+                i1 = i0 + per_inst
+                terms = va[r0:r1, i0:i1].unsqueeze(-1) * vb[i0:i1].unsqueeze(0)  # exact products
+                exps = exp_a[r0:r1, i0:i1].unsqueeze(-1) + exp_b[i0:i1].unsqueeze(0)
+            top = torch.maximum(exps.amax(dim=1), _nominal_exponent(acc, _FP32.emin)).clamp_(min=-1000)
+            spacing = torch.ldexp(torch.ones_like(acc), top - bits)
+            # each term truncated to the window: integer multiples of the spacing, summed exactly in fp64
+            total = torch.div(terms, spacing.unsqueeze(1), rounding_mode="trunc").sum(dim=1)
+            total += torch.div(acc, spacing, rounding_mode="trunc")
+            acc = total.mul_(spacing)
+            round_directed_(acc, _FP32, "toward_zero", None)  # normalise, truncate to fp32
+        out[r0:r1] = acc
+    return out
 
 
 def _k_block(q: BlockScaled, dim: int, name: str) -> int:
@@ -108,8 +185,11 @@ def matmul_block_scaled(qa: BlockScaled, qb: BlockScaled, accumulator: MatmulMod
         raise ValueError(
             f"qa {tuple(qa.elements.shape)} and qb {tuple(qb.elements.shape)} must agree on K and on its block size"
         )
-    model = block_accumulator_model(accumulator, dataclasses.replace(qa.fmt, block_size=kb))
-    y = matmul_with_model(scaled_elements(qa), scaled_elements(qb), model, rounded=True)
+    if isinstance(accumulator, str) and accumulator == "blackwell":
+        y = _blackwell_accumulate(qa.elements, _expanded_scales(qa), qb.elements, _expanded_scales(qb), qa.fmt, qb.fmt)
+    else:
+        model = block_accumulator_model(accumulator, dataclasses.replace(qa.fmt, block_size=kb))
+        y = matmul_with_model(scaled_elements(qa), scaled_elements(qb), model, rounded=True)
     alpha = _alpha(qa.tensor_scale, qb.tensor_scale)
     if alpha is not None:
         y.mul_(alpha.to(y.device))
@@ -158,4 +238,22 @@ def block_scaled_matmul(
     model = block_accumulator_model(accumulator, bf)
     qa = mx_quantize(a, bf, scale_mode=scale_mode, axis=-1, rounding=rounding, generator=generator)
     qb = mx_quantize(b, bf, scale_mode=scale_mode, axis=-2, rounding=rounding, generator=generator)
+    if isinstance(accumulator, str) and accumulator == "blackwell":
+        return _blackwell_batched(qa, qb, bf)
     return matmul_with_model(scaled_elements(qa), scaled_elements(qb), model, rounded=True)
+
+
+def _blackwell_batched(qa: BlockScaled, qb: BlockScaled, bf: BlockFormat) -> torch.Tensor:
+    """The Blackwell model on broadcast batches: a shared ``b`` folds the batch into rows, else one product per
+    batch entry."""
+    ea, sa, eb, sb = qa.elements, _expanded_scales(qa), qb.elements, _expanded_scales(qb)
+    batch = torch.broadcast_shapes(ea.shape[:-2], eb.shape[:-2])
+    m, k, n = ea.shape[-2], ea.shape[-1], eb.shape[-1]
+    if eb.dim() == 2 or math.prod(eb.shape[:-2]) == 1:
+        rows = ea.expand(*batch, m, k).reshape(-1, k), sa.expand(*batch, m, k).reshape(-1, k)
+        y = _blackwell_accumulate(rows[0], rows[1], eb.reshape(k, n), sb.reshape(k, n), bf, bf)
+        return y.reshape(*batch, m, n)
+    ea, sa = ea.expand(*batch, m, k).reshape(-1, m, k), sa.expand(*batch, m, k).reshape(-1, m, k)
+    eb, sb = eb.expand(*batch, k, n).reshape(-1, k, n), sb.expand(*batch, k, n).reshape(-1, k, n)
+    outs = [_blackwell_accumulate(ea[i], sa[i], eb[i], sb[i], bf, bf) for i in range(ea.shape[0])]
+    return torch.stack(outs).reshape(*batch, m, n)

@@ -16,7 +16,7 @@ its rows and along its columns, unless a 2-D tile serves both:
 
 Scales: MXFP8 E8M0 with ``scale_mode="rceil"`` (Transformer Engine's round-up scale); NVFP4 E4M3 block scales
 under an fp32 tensor scale ``amax / (448 * 6)`` per quantized tensor. Accumulation: the recipe's ``accumulator``
-(default ``"fp32"``; ``"blackwell"``, the hardware both recipes run on, is 30-200x slower on a CPU: see
+(default ``"fp32"``; ``"blackwell"``, the hardware both recipes run on, is several times slower on a CPU: see
 :mod:`mixprec.emulate.mx_matmul`). Layers the
 NVFP4 paper keeps in BF16 (the first and last blocks) are named by ``high_precision`` patterns that
 ``emulate_linear_layers`` leaves alone. Derivations and sources: docs/emulate.md, "Block-scaled recipes".
