@@ -456,3 +456,15 @@ def test_recipe_options_are_checked_and_hybrid_uses_e5m2_gradients():
     qg = mx_quantize(c, "mxfp8_e5m2", scale_mode="rceil", axis=1)
     qw = mx_quantize(w, "mxfp8_e4m3", scale_mode="rceil", axis=0)
     assert torch.equal(gx2, matmul_block_scaled(qg, qw, "fp32"))
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+def test_recipe_reports_nan_instead_of_hiding_it(name):
+    x = torch.randn(32, 32)
+    x[3, 5] = float("nan")
+    layer = EmulatedLinear(32, 32, mode=name)
+    x.requires_grad_(True)
+    y = layer(x)
+    y.sum().backward()
+    assert bool(torch.isnan(y[3]).all()) and bool(torch.isfinite(y[torch.arange(32) != 3]).all())
+    assert bool(torch.isnan(layer.weight.grad).any())
