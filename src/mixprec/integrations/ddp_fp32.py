@@ -30,12 +30,48 @@ from mixprec.comm.fp32_accumulate import all_reduce_fp32_accumulate
 from mixprec.comm.fp32_sum import sum_shards_into
 from mixprec.comm.groups import new_group
 from mixprec.comm.hierarchical_fp32 import area_elements
+from mixprec.comm.live_audit import AuditResult, LiveAudit, PendingAudit
 from mixprec.comm.padding import pad_flat
 from mixprec.comm.topology import Topology, check_topology, resolve_topology
 from mixprec.core.dtypes import WIRE_DTYPES
 from mixprec.core.validate import check_group
 
-__all__ = ["fp32_accumulate_hook"]
+__all__ = ["FP32HookState", "fp32_accumulate_hook"]
+
+
+class FP32HookState:
+    """:func:`fp32_accumulate_hook`'s state when it takes options beyond the group.
+
+    Args:
+        process_group: the DDP process group (None = the default group), or for the two-stage scheme a
+            :class:`mixprec.compress.Topology` / 2-D DeviceMesh (as the hook's plain ``state``).
+        audit_every: None, or an int N >= 1: at synced steps N, 2N, ... one bucket (bucket index
+            ``(step // N - 1) mod buckets``) is also reduced exactly, and the error of the fp32-accumulated
+            reduction and of the backend's own all-reduce recorded in :attr:`audit_results`
+            (:class:`mixprec.comm.live_audit.LiveAudit`). Its collectives run on the autograd thread, on the
+            bucket's group (the default group with a topology), before the bucket's own.
+    """
+
+    def __init__(self, process_group: Any = None, *, audit_every: int | None = None) -> None:
+        self.audit = LiveAudit(audit_every)
+        self.process_group = process_group
+        self._num_buckets: int | None = None
+        self._audit_bucket: int | None = None
+
+    @property
+    def audit_results(self) -> list[AuditResult]:
+        """This rank's live-audit results, oldest first."""
+        return self.audit.results
+
+    def _begin(self, bucket: dist.GradBucket, group: dist.ProcessGroup | None) -> PendingAudit | None:
+        index = bucket.index()
+        if index == 0:  # torch DDP runs the hook on its buckets in index order: bucket 0 starts a step
+            self._audit_bucket = self.audit.new_step(self._num_buckets)
+        if bucket.is_last():
+            self._num_buckets = index + 1
+        if index != self._audit_bucket:
+            return None
+        return self.audit.begin(bucket.buffer(), group, average=True, native=True, index=index)
 
 
 class _BufferPool:
@@ -145,7 +181,9 @@ def _hierarchical_context(topology: Any) -> _HierarchicalContext:
         return ctx
 
 
-def _hierarchical_hook(topology: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _hierarchical_hook(
+    topology: Any, bucket: dist.GradBucket, audit: PendingAudit | None
+) -> torch.futures.Future[torch.Tensor]:
     buffer = bucket.buffer()
     ctx = _hierarchical_context(topology)
     world = dist.get_world_size()
@@ -167,6 +205,8 @@ def _hierarchical_hook(topology: Any, bucket: dist.GradBucket) -> torch.futures.
             _sync_stream(buffer.device)
             for buf in padded_copy:
                 ctx.pool.give(buf)
+            if audit is not None:
+                audit.finish(buffer)
             result.set_result(buffer)
         except BaseException as exc:  # handed to torch DDP, which raises it where it waits
             result.set_exception(exc)
@@ -186,9 +226,10 @@ def fp32_accumulate_hook(
     """torch DDP comm hook: average the bucket with the wire in its dtype and the sum in fp32.
 
     ``model.register_comm_hook(state=None, hook=fp32_accumulate_hook)``; ``state`` is the process group
-    (None = the default group), or a :class:`mixprec.compress.Topology` / 2-D DeviceMesh with dims
-    ("node", "local") over the default group for the two-stage multi-node scheme (node partials rounded to
-    the bucket dtype, then summed across nodes in fp32: see
+    (None = the default group), an :class:`FP32HookState` (the group plus ``audit_every``), or a
+    :class:`mixprec.compress.Topology` / 2-D DeviceMesh with dims ("node", "local") over the default group
+    for the two-stage multi-node scheme (node partials rounded to the bucket dtype, then summed across nodes
+    in fp32: see
     :func:`mixprec.comm.reduce_scatter_fp32_accumulate` for the bound). It reduces the buckets on a
     background thread, one at a time, with one receive area (a quarter of the largest bucket's shard per
     segment) and a pooled padded copy per bucket in flight.
@@ -210,6 +251,9 @@ def fp32_accumulate_hook(
     synchronisation, whose rendezvous name depends on that count). On CUDA the callbacks synchronise their
     stream before they hand buffers back or complete the future (not yet run on a GPU).
     """
+    options = state if isinstance(state, FP32HookState) else None
+    if options is not None:
+        state = options.process_group
     topology = None
     if state is not None and not isinstance(state, dist.ProcessGroup):
         try:
@@ -227,8 +271,9 @@ def fp32_accumulate_hook(
             f"fp32_accumulate_hook sums in fp32, so it takes float16, bfloat16 or float32 gradients; this bucket "
             f"holds {buffer.dtype} (parameters of that dtype): use torch DDP's default hook for them"
         )
+    audit = options._begin(bucket, group) if options is not None else None
     if topology is not None:
-        return _hierarchical_hook(topology, bucket)
+        return _hierarchical_hook(topology, bucket, audit)
     ctx = _context(group)
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -256,6 +301,8 @@ def fp32_accumulate_hook(
             _sync_stream(buffer.device)  # callbacks run on a pool stream: finish before the buffers are reused
             for buf in padded_copy:
                 ctx.pool.give(buf)
+            if audit is not None:
+                audit.finish(buffer)
             result.set_result(buffer)
         except BaseException as exc:
             fail(exc)

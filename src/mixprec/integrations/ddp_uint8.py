@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mixprec.comm.live_audit import AuditResult, LiveAudit
 from mixprec.comm.topology import check_topology
 from mixprec.compress import auto
 from mixprec.compress.fp8 import Compressor
@@ -50,6 +51,10 @@ class Uint8HookState:
         wire, link_gbps: ``"uint8"``, ``"e4m3"``, ``"e5m2"`` or ``"auto"`` (see
             :class:`mixprec.compress.Uint8Options`); with ``"auto"`` the choice of each bucket index is
             made at its first call and kept (:attr:`choices`).
+        audit_every: None, or an int N >= 1: at synced steps N, 2N, ... one bucket (bucket index
+            ``(step // N - 1) mod buckets``) is also reduced exactly and the error of the compressed
+            reduction (and of the backend's own all-reduce) recorded in :attr:`audit_results`
+            (:class:`mixprec.comm.live_audit.LiveAudit`).
 
     Raises:
         RuntimeError: torch.distributed is not initialised (every rank would otherwise share one stream).
@@ -68,7 +73,9 @@ class Uint8HookState:
         seed: int = DEFAULT_STOCHASTIC_SEED,
         wire: str = "uint8",
         link_gbps: float | None = None,
+        audit_every: int | None = None,
     ) -> None:
+        self.audit = LiveAudit(audit_every)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "Uint8HookState needs an initialised process group: call torch.distributed.init_process_group "
@@ -90,6 +97,13 @@ class Uint8HookState:
         if topology is not None:
             check_topology(topology, process_group)  # the hierarchical scheme needs the default group
         self._numels: dict[int, int] = {}  # bucket index -> its size when last reduced
+        self._num_buckets: int | None = None  # buckets per step, known once a last bucket was seen
+        self._audit_bucket: int | None = None
+
+    @property
+    def audit_results(self) -> list[AuditResult]:
+        """This rank's live-audit results, oldest first (``audit_every``)."""
+        return self.audit.results
 
     @property
     def options(self) -> Uint8Options:
@@ -174,13 +188,25 @@ def uint8_compress_hook(state: Uint8HookState, bucket: dist.GradBucket) -> torch
     (:class:`mixprec.compress.Uint8Reducer`, so the same bits as mixprec's wrapper on the same bucket).
     Wire: uint8 codes + fp32 per-chunk headers (~1/4 of fp32's bytes); accumulation: fp32 in rank order;
     extra memory: the reducer's buffers (~3 bytes per bucket element) and, with error feedback, fp32
-    residuals per bucket. Returns a completed future holding the reduced bucket buffer.
+    residuals per bucket. Returns a completed future holding the reduced bucket buffer. With
+    ``audit_every``, the audited bucket's collectives run first, on the same group (module
+    :mod:`mixprec.comm.live_audit`).
     """
     if not isinstance(state, Uint8HookState):
         raise TypeError(f"state must be a Uint8HookState; got {type(state).__name__}")
     buffer = bucket.buffer()
-    state._seen(bucket.index(), buffer.numel())
-    state.reducer.all_reduce_any_length(buffer, state.process_group, average=True, key=bucket.index())
+    index = bucket.index()
+    state._seen(index, buffer.numel())
+    if index == 0:  # torch DDP runs the hook on its buckets in index order: bucket 0 starts a step
+        state._audit_bucket = state.audit.new_step(state._num_buckets)
+    if bucket.is_last():
+        state._num_buckets = index + 1
+    audit = None
+    if index == state._audit_bucket:
+        audit = state.audit.begin(buffer, state.process_group, average=True, native=True, index=index)
+    state.reducer.all_reduce_any_length(buffer, state.process_group, average=True, key=index)
+    if audit is not None:
+        audit.finish(buffer)
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(buffer)
     return future

@@ -28,12 +28,14 @@ import torch
 import torch.distributed as dist
 
 from mixprec.comm.compat import require_initialized
-from mixprec.comm.handles import wait_all
+from mixprec.comm.handles import PendingReduction, wait_all
+from mixprec.comm.live_audit import AuditResult, LiveAudit, PendingAudit
 from mixprec.comm.reducer import BucketReducer, ReductionHandle, make_reducer
 from mixprec.core.dtypes import LOW_PRECISION_DTYPES
 from mixprec.core.validate import check_bool, check_group
 from mixprec.parallel.buckets import DEFAULT_BUCKET_SIZE, BucketLayout
 from mixprec.parallel.buffer import GradBuffer
+from mixprec.parallel.reducers import NativeReducer
 from mixprec.parallel.zero import ShardedOptimizer
 from mixprec.scaling import MasterWeightOptimizer
 
@@ -77,6 +79,10 @@ class DistributedDataParallel(torch.nn.Module):
         sharded_optimizer: ZeRO-1: reduce-scatter into fp32 shards and use :meth:`make_optimizer`.
         check_finite: check every bucket for inf/NaN before sending it, warn with
             :class:`NonFiniteGradientWarning` and record :attr:`last_nonfinite` (see ``docs/parallel.md``).
+        audit_every: None, or an int N >= 1: at synced steps N, 2N, ... one bucket (``(step // N - 1) mod
+            buckets``) is also reduced exactly and the reduction's error recorded in :attr:`audit_results`
+            (:class:`mixprec.comm.live_audit.LiveAudit`: one all-gather of that bucket, and one native
+            all-reduce of a copy beside a non-native reducer).
 
     The gradients are averaged over the group. Parameters that no rank used get a zero gradient.
     """
@@ -93,9 +99,11 @@ class DistributedDataParallel(torch.nn.Module):
         overlap: bool = True,
         sharded_optimizer: bool = False,
         check_finite: bool = True,
+        audit_every: int | None = None,
     ) -> None:
         super().__init__()
         require_initialized("DistributedDataParallel")
+        self.audit = LiveAudit(audit_every)
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module; got {type(module).__name__}")
         # group, bucket_size, grad_dtype and the parameters are checked by GradBuffer, before any collective.
@@ -148,6 +156,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._no_sync_depth = 0
         self._require_sync = True
         self.last_nonfinite: list[NonFiniteBucket] = []
+        self._audit_bucket: int | None = None
 
         self_ref = weakref.ref(self)
         self._hook_handles = [
@@ -202,6 +211,7 @@ class DistributedDataParallel(torch.nn.Module):
             self._callback_queued = True
             self._graph_task = task
             self.last_nonfinite = []
+            self._audit_bucket = self.audit.new_step(self.grad_buffer.num_buckets)
             torch.autograd.Variable._execution_engine.queue_callback(_make_finalizer(weakref.ref(self)))
         elif task != self._graph_task:
             # A nested backward (reentrant checkpointing) would finish before the outer one and end the
@@ -228,7 +238,29 @@ class DistributedDataParallel(torch.nn.Module):
     def _launch(self, k: int) -> None:
         if self.check_finite:
             self._check_bucket_finite(k)
-        self._handles[k] = self.grad_buffer.start_reduction(k, self.reducer)
+        if k != self._audit_bucket:
+            self._handles[k] = self.grad_buffer.start_reduction(k, self.reducer)
+            return
+        self.grad_buffer.clear_padding(k)  # the padding enters neither sum
+        audit = self.audit.begin(
+            self.grad_buffer.bucket(k),
+            self.group,
+            average=True,
+            native=not isinstance(self.reducer, NativeReducer),
+            index=k,
+        )
+        self._handles[k] = self._audited(k, self.grad_buffer.start_reduction(k, self.reducer), audit)
+
+    def _audited(self, k: int, handle: ReductionHandle, audit: PendingAudit) -> PendingReduction:
+        def finish() -> None:
+            handle.wait()
+            if self.sharded:
+                shard = self.grad_buffer.shard_grad(k)
+                audit.finish(shard, offset=self.rank * shard.numel())
+            else:
+                audit.finish(self.grad_buffer.bucket(k))
+
+        return PendingReduction(finish)
 
     def _check_bucket_finite(self, k: int) -> None:
         names = self.grad_buffer.find_nonfinite(k)
@@ -363,6 +395,12 @@ class DistributedDataParallel(torch.nn.Module):
         self.reducer.load_state_dict(state_dict["state"])
 
     # ------------------------------------------------------------------ introspection
+    @property
+    def audit_results(self) -> list[AuditResult]:
+        """This rank's live-audit results, oldest first (``audit_every``); ``result.as_row()`` gives the
+        ``audit_*`` fields of a metrics row."""
+        return self.audit.results
+
     @property
     def found_nonfinite(self) -> bool:
         """Whether this rank's last synced backward sent a bucket holding inf/NaN."""
