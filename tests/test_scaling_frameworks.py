@@ -1,264 +1,34 @@
 """scaler_from: each framework's loss-scale trajectory, floor error included, against an independent
-transcription of that framework's update rule, on random and adversarial overflow sequences; resuming from each
-framework's saved scaler state; bad framework names and keys.
+transcription of that framework's update rule (tests/scaling_reference.py, each citing its source), on random and
+adversarial overflow sequences; DeepSpeed's release lines (``version=``) and their defaults; resuming from each
+framework's saved scaler state, and saved states that are refused; bad framework names and keys.
 
-The transcriptions below are written from the public sources cited on each class (repository, file, lines at the
-commit read), in the frameworks' own arithmetic: Python floats (fp64) for DeepSpeed and NNabla, fp32 for torch's
-kernel and Megatron's fp32 tensors. They share no code with mixprec.
+The packages themselves, where they install on CPU, are run against scaler_from in tests/test_peers_*.py.
 """
 
 from __future__ import annotations
 
 import random
+from importlib import metadata
 
-import numpy as np
 import pytest
 import torch
 
-from mixprec.scaling import DynamicLossScaler, LossScaleFloorError, StaticLossScaler, scaler_from
-
-
-class FloorReached(Exception):
-    """A transcription's own "cannot decrease the scale any more" error."""
-
-
-def _f32(x: float) -> float:
-    with np.errstate(over="ignore"):  # C's float cast: overflow gives inf
-        return float(np.float32(x))
-
-
-class TorchGradScalerRule:
-    """pytorch/pytorch, aten/src/ATen/native/cuda/AmpKernels.cu, ``amp_update_scale_cuda_kernel`` (lines 181-207
-    on main: the grown scale is kept only when finite), called by torch/amp/grad_scaler.py ``update()`` (lines
-    484-560 in torch 2.13). The scale is an fp32 tensor; the factors are doubles."""
-
-    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
-        self.scale = _f32(init_scale)
-        self.growth_tracker = 0
-        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
-
-    def update(self, found_inf: bool) -> None:
-        if found_inf:
-            self.scale = _f32(self.scale * self.backoff_factor)
-            self.growth_tracker = 0
-            return
-        successful = self.growth_tracker + 1
-        if successful == self.growth_interval:
-            grown = _f32(self.scale * self.growth_factor)
-            if np.isfinite(grown):
-                self.scale = grown
-            self.growth_tracker = 0
-        else:
-            self.growth_tracker = successful
-
-
-class DeepSpeedZeroRule:
-    """microsoft/DeepSpeed (commit 38327e07), deepspeed/runtime/fp16/loss_scaler.py: ``DynamicLossScaler.__init__``
-    (lines 118-138) and ``update_scale`` (lines 170-203), used by ZeRO stages 1-3 (stage_1_and_2.py line 2077,
-    stage3.py line 2464). Built from the fp16 config by deepspeed/runtime/config.py lines 215-241."""
-
-    def __init__(self, init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis):
-        self.cur_scale = init_scale
-        self.cur_iter = 0
-        self.last_overflow_iter = -1
-        self.scale_factor = 2.0
-        self.scale_window = scale_window
-        self.min_scale = min_scale
-        self.delayed_shift = delayed_shift
-        self.cur_hysteresis = delayed_shift
-        self.consecutive_hysteresis = consecutive_hysteresis
-
-    @property
-    def scale(self) -> float:
-        return self.cur_scale
-
-    def update(self, overflow: bool) -> None:
-        if overflow:
-            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
-                if self.cur_scale == self.min_scale:
-                    raise FloorReached
-                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
-            else:
-                self.cur_hysteresis -= 1
-            self.last_overflow_iter = self.cur_iter
-        else:
-            if self.consecutive_hysteresis:
-                self.cur_hysteresis = self.delayed_shift
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
-                if not self.consecutive_hysteresis:
-                    self.cur_hysteresis = self.delayed_shift
-                self.cur_scale *= self.scale_factor
-        self.cur_iter += 1
-
-
-class DeepSpeedFP16OptimizerRule:
-    """microsoft/DeepSpeed (commit 38327e07), deepspeed/runtime/fp16/fused_optimizer.py: dynamic-scale set-up
-    (lines 89-103: scale_factor 2, the window and the minimum from the config) and ``_update_scale`` (lines
-    385-407); unfused_optimizer.py lines 275-297 is the same rule. ZeRO stage 0."""
-
-    def __init__(self, init_scale, scale_window, min_loss_scale):
-        self.cur_scale = init_scale
-        self.cur_iter = 0
-        self.last_overflow_iter = -1
-        self.scale_factor = 2
-        self.scale_window = scale_window
-        self.min_loss_scale = min_loss_scale
-
-    @property
-    def scale(self) -> float:
-        return self.cur_scale
-
-    def update(self, skip: bool) -> None:
-        if skip:
-            self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_loss_scale)
-            self.last_overflow_iter = self.cur_iter
-        else:
-            stable_interval = (self.cur_iter - self.last_overflow_iter) - 1
-            if stable_interval > 0 and stable_interval % self.scale_window == 0:
-                self.cur_scale *= self.scale_factor
-        self.cur_iter += 1
-
-    def state_dict(self) -> dict:
-        return {
-            "dynamic_loss_scale": True,
-            "cur_scale": self.cur_scale,
-            "cur_iter": self.cur_iter,
-            "last_overflow_iter": self.last_overflow_iter,
-            "scale_factor": self.scale_factor,
-            "scale_window": self.scale_window,
-            "optimizer_state_dict": {},
-            "fp32_groups_flat": [],
-            "clip_grad": 0.0,
-        }
-
-
-class MegatronRule:
-    """NVIDIA/Megatron-LM (commit d98e8a64), megatron/core/optimizer/grad_scaler.py, ``DynamicGradScaler``:
-    ``__init__`` (lines 84-129, factors and minimum held as fp32 tensors), ``update`` (lines 131-153),
-    ``state_dict`` (lines 155-160)."""
-
-    def __init__(self, initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis):
-        self._scale = torch.tensor([initial_scale], dtype=torch.float)
-        self.min_scale = torch.tensor([min_scale], dtype=torch.float)
-        self.growth_factor = torch.tensor([growth_factor], dtype=torch.float)
-        self.backoff_factor = torch.tensor([backoff_factor], dtype=torch.float)
-        self.growth_interval = growth_interval
-        self.hysteresis = hysteresis
-        self._growth_tracker = 0
-        self._hysteresis_tracker = hysteresis
-
-    @property
-    def scale(self) -> float:
-        return float(self._scale.item())
-
-    def update(self, found_inf: bool) -> None:
-        if found_inf:
-            self._growth_tracker = 0
-            self._hysteresis_tracker -= 1
-            if self._hysteresis_tracker <= 0:
-                self._scale = torch.max(self._scale * self.backoff_factor, self.min_scale)
-        else:
-            self._growth_tracker += 1
-            if self._growth_tracker == self.growth_interval:
-                self._growth_tracker = 0
-                self._hysteresis_tracker = self.hysteresis
-                self._scale = self._scale * self.growth_factor
-
-    def state_dict(self) -> dict:
-        return {
-            "scale": self._scale.clone(),
-            "growth_tracker": self._growth_tracker,
-            "hysteresis_tracker": self._hysteresis_tracker,
-        }
-
-
-class NNablaRule:
-    """sony/nnabla (commit 2814df0d), python/src/nnabla/experimental/mixed_precision_training.py,
-    ``DynamicLossScalingUpdater``: ``__init__`` (lines 66-84) and ``update`` (lines 86-143). One call of
-    ``update`` here is one attempt: an overflowing attempt divides the scale and resets the counter (lines
-    119-121) before NNabla retries; a clean one steps, then grows when the counter exceeds N (lines 139-143)."""
-
-    def __init__(self, scale=8.0, scaling_factor=2.0, N=2000):
-        self.scale = scale
-        self.scaling_factor = scaling_factor
-        self.N = N
-        self._counter = 0
-
-    def update(self, overflow: bool) -> None:
-        if overflow:
-            self.scale /= self.scaling_factor
-            self._counter = 0
-            return
-        if self._counter > self.N:
-            self.scale *= self.scaling_factor
-            self._counter = 0
-        self._counter += 1
-
-
-# ---------------------------------------------------------------------------------------------- drivers
-def _run_rule(rule, seq):
-    """Scales after each iteration, and the index of the iteration that raised at the floor (or None)."""
-    scales = []
-    for i, overflow in enumerate(seq):
-        try:
-            rule.update(overflow)
-        except FloorReached:
-            return scales, i
-        scales.append(float(rule.scale))
-    return scales, None
-
-
-def _run_ours(scaler, seq):
-    scales = []
-    for i, overflow in enumerate(seq):
-        try:
-            scaler.update(found_inf=overflow)
-        except LossScaleFloorError:
-            return scales, i
-        scales.append(scaler.get_scale())
-    return scales, None
-
-
-def _random_sequences(count: int, length: int, seed: int) -> list[list[bool]]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(count):
-        p = (0.1, 0.3, 0.5, 0.7)[i % 4]
-        out.append([rng.random() < p for _ in range(length)])
-    return out
-
-
-def _adversarial(window: int, hysteresis: int = 1) -> list[list[bool]]:
-    """Runs of clean steps just below, at and just above the growth window (and its +1 variant), overflow bursts
-    just below, at and above the hysteresis, all-overflow and all-clean sequences, and alternation."""
-    seqs = [[True] * 40, [False] * (4 * window + 3), [True, False] * 20, [False, True] * 20]
-    for clean in (window - 1, window, window + 1, window + 2, 2 * window, 2 * window + 1):
-        for burst in {1, max(1, hysteresis - 1), hysteresis, hysteresis + 1}:
-            seqs.append(([True] * burst + [False] * max(clean, 0)) * 4)
-            seqs.append(([False] * max(clean, 0) + [True] * burst) * 4)
-    return seqs
-
-
-_FP32_NORMAL = (2.0**-126, 2.0**127)
-CUT = {"sequences": 0, "cut": 0}  # how many compared sequences were cut short (see _check_same)
-
-
-def _check_same(rule, scaler, seq):
-    """Equal trajectories (scale after every iteration, and the iteration that raises at the floor).
-
-    mixprec holds the scale as a normal fp32 number: the comparison stops where the reference's scale leaves
-    [2**-126, 2**127] (subnormal: its reciprocal overflows and every later step is inf anyway; above: fp32
-    overflows). ``CUT`` counts how often that happens, so the tests can check they are not vacuous."""
-    want = _run_rule(rule, seq)
-    in_range = [i for i, x in enumerate(want[0]) if not _FP32_NORMAL[0] <= x <= _FP32_NORMAL[1]]
-    CUT["sequences"] += 1
-    if in_range:
-        CUT["cut"] += 1
-        seq = seq[: in_range[0]]
-        want = (want[0][: in_range[0]], None)
-    got = _run_ours(scaler, seq)
-    assert got == want, (seq, want, got)
-    return want
+from mixprec.scaling import DynamicLossScaler, StaticLossScaler, scaler_from
+from scaling_reference import (
+    CUT,
+    DeepSpeedFP16OptimizerRule,
+    DeepSpeedZeroRule,
+    MegatronRule,
+    NNablaRule,
+    TorchGradScalerRule,
+    adversarial,
+    check_same,
+    drive_grad_scaler,
+    random_sequences,
+    run_ours,
+    run_rule,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -274,48 +44,39 @@ TORCH_CONFIGS = [(2.0**16, 2.0, 0.5, 1), (2.0**10, 2.0, 0.5, 3), (512.0, 1.7, 0.
 
 @pytest.mark.parametrize(("init", "growth", "backoff", "interval"), TORCH_CONFIGS)
 def test_torch_matches_grad_scaler_rule_and_grad_scaler_itself(init, growth, backoff, interval):
-    seqs = _random_sequences(24, 150, seed=interval) + _adversarial(interval)
+    seqs = random_sequences(24, 150, seed=interval) + adversarial(interval)
     kw = dict(init_scale=init, growth_factor=growth, backoff_factor=backoff, growth_interval=interval)
     for seq in seqs:
-        want = _check_same(TorchGradScalerRule(**kw), scaler_from("torch", **kw), seq)
+        want = check_same(TorchGradScalerRule(**kw), scaler_from("torch", **kw), seq)
         assert want[1] is None  # torch never gives up
-    # and the real GradScaler agrees with the transcription (so the transcription is a faithful oracle)
-    for seq in seqs[:6]:
-        real = torch.amp.GradScaler("cpu", **kw)
-        assert _drive_grad_scaler(real, seq) == _run_rule(TorchGradScalerRule(**kw), seq)[0]
-
-
-def _drive_grad_scaler(real: torch.amp.GradScaler, seq) -> list[float]:
-    """torch's own GradScaler through its public verbs; an overflowing iteration gets an inf gradient."""
-    p = torch.nn.Parameter(torch.zeros(2))
-    opt = torch.optim.SGD([p], lr=0.0)
-    scales = []
-    for overflow in seq:
-        real.scale(torch.ones(()))
-        p.grad = torch.full_like(p, float("inf") if overflow else 1.0)
-        real.step(opt)
-        real.update()
-        scales.append(real.get_scale())
-    return scales
+        # torch is always installed: its own GradScaler, not only the transcription, is the reference (up to
+        # where the scale leaves fp32's normal range, as for the transcription)
+        assert drive_grad_scaler(torch.amp.GradScaler("cpu", **kw), seq)[: len(want[0])] == want[0]
 
 
 # ---------------------------------------------------------------------------------------------- deepspeed
+# DeepSpeed release lines: the last one before PR #6976 and the one on PyPI when this was written
+OLD, NEW = "0.16.9", "0.19.8"
 ZERO_CONFIGS = [
     # initial_scale_power, loss_scale_window, min_loss_scale, hysteresis, consecutive_hysteresis
     (16, 2, 1, 2, False),
     (8, 3, 1, 2, True),
-    (4, 1, 0.25, 1, False),
+    (4, 1, 1, 1, False),
     (12, 5, 4, 3, True),
     (10, 4, 2, 3, False),
 ]
+ZERO_CASES = [(*config, version) for config in ZERO_CONFIGS for version in (OLD, NEW)]
+ZERO_CASES.append((4, 1, 0.25, 1, False, OLD))  # a fractional floor: only the old config reader takes one
 
 
-@pytest.mark.parametrize(("power", "window", "min_scale", "hysteresis", "consecutive"), ZERO_CONFIGS)
-def test_deepspeed_zero_matches_its_loss_scaler_floor_error_included(power, window, min_scale, hysteresis, consecutive):
-    seqs = _random_sequences(24, 150, seed=power) + _adversarial(window, hysteresis)
+@pytest.mark.parametrize(("power", "window", "min_scale", "hysteresis", "consecutive", "version"), ZERO_CASES)
+def test_deepspeed_zero_matches_its_loss_scaler_floor_error_included(
+    power, window, min_scale, hysteresis, consecutive, version
+):
+    seqs = random_sequences(24, 150, seed=power) + adversarial(window, hysteresis)
     raised = 0
     for seq in seqs:
-        rule = DeepSpeedZeroRule(2.0**power, window, min_scale, hysteresis, consecutive)
+        rule = DeepSpeedZeroRule(2.0**power, window, min_scale, hysteresis, consecutive, since_0_17_1=version == NEW)
         ours = scaler_from(
             "deepspeed",
             zero_stage=2,
@@ -324,60 +85,182 @@ def test_deepspeed_zero_matches_its_loss_scaler_floor_error_included(power, wind
             min_loss_scale=min_scale,
             hysteresis=hysteresis,
             consecutive_hysteresis=consecutive,
+            version=version,
         )
-        raised += _check_same(rule, ours, seq)[1] is not None
+        raised += check_same(rule, ours, seq)[1] is not None
     assert raised >= 5  # not vacuous: the floor error is reached and reproduced on several sequences
 
 
-def test_deepspeed_zero_floor_example_raises_at_its_own_count():
+@pytest.mark.parametrize("version", [OLD, NEW])
+def test_deepspeed_zero_floor_example_raises_at_its_own_count(version):
     # hysteresis 2, consecutive hysteresis, floor 1, start 2: DeepSpeed raises at the 7th iteration (index 6);
     # counting the overflows that hysteresis absorbs would raise at index 3
     seq = [True, True, False, True, False, True, True]
-    rule = DeepSpeedZeroRule(2.0, 1000, 1, 2, True)
-    ours = scaler_from(
-        "deepspeed",
-        zero_stage=1,
-        initial_scale_power=1,
-        hysteresis=2,
-        consecutive_hysteresis=True,
-        min_loss_scale=1,
-    )
-    assert _check_same(rule, ours, seq) == ([2.0, 1.0, 1.0, 1.0, 1.0, 1.0], 6)
+    rule = DeepSpeedZeroRule(2.0, 1000, 1, 2, True, since_0_17_1=version == NEW)
+    kw = dict(initial_scale_power=1, hysteresis=2, consecutive_hysteresis=True, min_loss_scale=1, version=version)
+    assert check_same(rule, scaler_from("deepspeed", zero_stage=1, **kw), seq) == ([2.0, 1.0, 1.0, 1.0, 1.0, 1.0], 6)
 
 
-def test_deepspeed_zero_without_dynamic_keys_uses_its_loss_scaler_defaults():
-    ours = scaler_from("deepspeed", zero_stage=3)
-    rule = DeepSpeedZeroRule(2.0**32, 1000, 1, 1, False)
-    assert ours.get_scale() == 2.0**32 and ours.hysteresis == 1
-    for seq in _random_sequences(4, 60, seed=7):
-        _check_same(rule, scaler_from("deepspeed", zero_stage=3), seq)
-        rule = DeepSpeedZeroRule(2.0**32, 1000, 1, 1, False)
+@pytest.mark.parametrize("version", [OLD, NEW])
+def test_deepspeed_zero_without_the_floor_error_backs_off_to_the_floor_and_goes_on(version):
+    seqs = random_sequences(12, 100, seed=5) + adversarial(3, 2)
+    for seq in seqs:
+        rule = DeepSpeedZeroRule(8.0, 3, 1, 2, False, since_0_17_1=version == NEW, raise_error_at_min_scale=False)
+        ours = scaler_from(
+            "deepspeed",
+            zero_stage=3,
+            initial_scale_power=3,
+            loss_scale_window=3,
+            hysteresis=2,
+            raise_error_at_min_scale=False,
+            version=version,
+        )
+        assert check_same(rule, ours, seq)[1] is None
+    assert check_same(rule, ours, [True] * 10)[0][-1] == 1.0  # stays at its floor
+
+
+def test_deepspeed_zero_growth_step_depends_on_the_release_line():
+    # initial_scale_power=8, loss_scale_window=5, hysteresis=1, five clean steps: DeepSpeed 0.19.8's ZeRO scaler
+    # stays at 256 (it grows on the sixth), the rule before 0.17.1 grows on the fifth
+    kw = dict(zero_stage=2, initial_scale_power=8, loss_scale_window=5, hysteresis=1)
+    assert run_ours(scaler_from("deepspeed", version=NEW, **kw), [False] * 6)[0] == [256] * 5 + [512]
+    assert run_ours(scaler_from("deepspeed", version="0.17.1", **kw), [False] * 6)[0] == [256] * 5 + [512]
+    assert run_ours(scaler_from("deepspeed", version=OLD, **kw), [False] * 6)[0] == [256] * 4 + [512] * 2
+    assert run_ours(scaler_from("deepspeed", version="0.17.0", **kw), [False] * 6)[0] == [256] * 4 + [512] * 2
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_zero_defaults_of_each_release_line(stage):
+    # an fp16 section with only enabled and loss_scale 0: before 0.17.1 ZeRO's loss scaler keeps its own defaults
+    # (2**32, window 1000, hysteresis 1); from 0.17.1 the config model's defaults apply (2**16, hysteresis 2)
+    old = scaler_from("deepspeed", zero_stage=stage, enabled=True, loss_scale=0, version=OLD)
+    new = scaler_from("deepspeed", zero_stage=stage, enabled=True, loss_scale=0, version=NEW)
+    assert (old.get_scale(), old.growth_interval, old.hysteresis, old.min_scale) == (2.0**32, 1000, 1, 1.0)
+    assert (new.get_scale(), new.growth_interval, new.hysteresis, new.min_scale) == (2.0**16, 1000, 2, 1.0)
+    for seq in random_sequences(4, 60, seed=7):
+        check_same(
+            DeepSpeedZeroRule(2.0**32, 1000, 1, 1, False, since_0_17_1=False),
+            scaler_from("deepspeed", zero_stage=stage, version=OLD),
+            seq,
+        )
+        check_same(
+            DeepSpeedZeroRule(2.0**16, 1000, 1, 2, False, since_0_17_1=True),
+            scaler_from("deepspeed", zero_stage=stage, version=NEW),
+            seq,
+        )
+    # one dynamic key in the section makes the old reader take the section's defaults for the others
+    assert scaler_from("deepspeed", zero_stage=stage, hysteresis=3, version=OLD).get_scale() == 2.0**16
 
 
 FP16_OPTIMIZER_CONFIGS = [(8, 2, 1), (16, 1, 1), (6, 3, 0.5), (10, 7, 8)]
 
 
+@pytest.mark.parametrize("version", [OLD, NEW])
 @pytest.mark.parametrize(("power", "window", "min_scale"), FP16_OPTIMIZER_CONFIGS)
-def test_deepspeed_stage0_matches_fp16_optimizer(power, window, min_scale):
-    seqs = _random_sequences(24, 150, seed=window) + _adversarial(window)
+def test_deepspeed_stage0_matches_fp16_optimizer(power, window, min_scale, version):
+    if version == NEW and not float(min_scale).is_integer():
+        min_scale = 1  # the config model reads an int
+    seqs = random_sequences(24, 150, seed=window) + adversarial(window)
+    kw = dict(initial_scale_power=power, loss_scale_window=window, min_loss_scale=min_scale, version=version)
     for seq in seqs:
         rule = DeepSpeedFP16OptimizerRule(2.0**power, window, min_scale)
-        ours = scaler_from("deepspeed", initial_scale_power=power, loss_scale_window=window, min_loss_scale=min_scale)
-        assert _check_same(rule, ours, seq)[1] is None
+        assert check_same(rule, scaler_from("deepspeed", **kw), seq)[1] is None
 
 
 def test_deepspeed_stage0_grows_on_the_step_after_the_window():
     # W = 2, three clean steps from 256: DeepSpeed's FP16_Optimizer gives [256, 256, 512]; the default dynamic
     # scaler (growth every W) gives [256, 512, 512]
     seq = [False] * 3
-    assert _run_ours(scaler_from("deepspeed", initial_scale_power=8, loss_scale_window=2), seq)[0] == [256, 256, 512]
-    assert _run_ours(DynamicLossScaler(init_scale=256.0, growth_interval=2), seq)[0] == [256, 512, 512]
-    assert _run_rule(DeepSpeedFP16OptimizerRule(256.0, 2, 1), seq)[0] == [256, 256, 512]
+    for version in (OLD, NEW):
+        ours = scaler_from("deepspeed", initial_scale_power=8, loss_scale_window=2, version=version)
+        assert run_ours(ours, seq)[0] == [256, 256, 512]
+    assert run_ours(DynamicLossScaler(init_scale=256.0, growth_interval=2), seq)[0] == [256, 512, 512]
+    assert run_rule(DeepSpeedFP16OptimizerRule(256.0, 2, 1), seq)[0] == [256, 256, 512]
+
+
+def test_deepspeed_stage0_floor_of_an_unfused_optimizer_before_0_17_1():
+    # no dynamic key in the section: before 0.17.1 FP16_UnfusedOptimizer (any optimizer but FusedAdam) keeps its
+    # own floor 0.25, FP16_Optimizer the section's 1; from 0.17.1 both get the section's
+    seq = [True] * 20
+    floors = {
+        (version, fused): run_ours(scaler_from("deepspeed", fused_optimizer=fused, version=version), seq)[0][-1]
+        for version in (OLD, NEW)
+        for fused in (True, False)
+    }
+    assert floors == {(OLD, True): 1.0, (OLD, False): 0.25, (NEW, True): 1.0, (NEW, False): 1.0}
+    assert run_rule(DeepSpeedFP16OptimizerRule(2.0**16, 1000, 0.25), seq)[0][-1] == 0.25
+    # a dynamic key in the section: both take the section's floor
+    assert scaler_from("deepspeed", loss_scale_window=1000, fused_optimizer=False, version=OLD).min_scale == 1.0
 
 
 def test_deepspeed_static_loss_scale():
-    s = scaler_from("deepspeed", loss_scale=128)
-    assert isinstance(s, StaticLossScaler) and s.get_scale() == 128.0
+    for version in (OLD, NEW):
+        s = scaler_from("deepspeed", loss_scale=128, version=version)
+        assert isinstance(s, StaticLossScaler) and s.get_scale() == 128.0
+
+
+def test_deepspeed_min_loss_scale_is_an_int_from_0_17_1():
+    assert scaler_from("deepspeed", zero_stage=1, min_loss_scale=0.25, initial_scale_power=2, version=OLD)
+    assert scaler_from("deepspeed", zero_stage=1, min_loss_scale=2.0, version=NEW).min_scale == 2.0
+    for kw in ({}, {"loss_scale": 128}):  # the config model checks the type even when the scale is static
+        with pytest.raises(ValueError, match=r"min_loss_scale must be an integer from DeepSpeed 0\.17\.1 on"):
+            scaler_from("deepspeed", zero_stage=1, min_loss_scale=0.25, version=NEW, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- deepspeed versions
+def _fake_installed(monkeypatch, version):
+    real = metadata.version
+
+    def version_of(name):
+        if name != "deepspeed":
+            return real(name)
+        if version is None:
+            raise metadata.PackageNotFoundError(name)
+        return version
+
+    monkeypatch.setattr(metadata, "version", version_of)
+
+
+def _grows_on(scaler) -> int:
+    """The clean step (1-based) on which a fresh scaler first grows."""
+    scales = run_ours(scaler, [False] * (scaler.growth_interval + 2))[0]
+    return next(i for i, s in enumerate(scales, start=1) if s > scales[0])
+
+
+@pytest.mark.parametrize(
+    ("installed", "grows_on"),
+    [("0.16.9", 5), ("0.17.0", 5), ("0.17.1", 6), ("0.19.8", 6), ("0.17.1+cpu", 6), (None, 6)],
+)
+def test_deepspeed_version_defaults_to_the_installed_one_else_the_newest(monkeypatch, installed, grows_on):
+    _fake_installed(monkeypatch, installed)
+    kw = dict(zero_stage=2, initial_scale_power=8, loss_scale_window=5, hysteresis=1)
+    assert _grows_on(scaler_from("deepspeed", **kw)) == grows_on
+    # an explicit version wins over the installed one
+    assert _grows_on(scaler_from("deepspeed", version=OLD, **kw)) == 5
+    assert _grows_on(scaler_from("deepspeed", version=NEW, **kw)) == 6
+
+
+def test_deepspeed_bad_versions_are_named(monkeypatch):
+    for bad in ("latest", "", "zero.1"):
+        with pytest.raises(ValueError, match=r"version must be a DeepSpeed release such as '0\.16\.9'"):
+            scaler_from("deepspeed", version=bad)
+    with pytest.raises(TypeError, match="version must be a str"):
+        scaler_from("deepspeed", version=0.16)
+    with pytest.raises(ValueError, match=r"version is '0\.8\.3': mixprec reproduces DeepSpeed 0\.9\.3 and later"):
+        scaler_from("deepspeed", version="0.8.3")
+    _fake_installed(monkeypatch, "0.9.2")
+    with pytest.raises(ValueError, match=r"the installed deepspeed's version .*is '0\.9\.2'"):
+        scaler_from("deepspeed")
+    assert scaler_from("deepspeed", version="v0.9.3", zero_stage=1).growth_delay == 0
+
+
+def test_deepspeed_keys_of_one_stage_are_refused_for_the_other():
+    with pytest.raises(ValueError, match="raise_error_at_min_scale is an argument of ZeRO's loss scaler"):
+        scaler_from("deepspeed", zero_stage=0, raise_error_at_min_scale=True)
+    with pytest.raises(ValueError, match="fused_optimizer only matters for zero_stage=0"):
+        scaler_from("deepspeed", zero_stage=2, fused_optimizer=False)
+    with pytest.raises(TypeError, match="zero_stage"):
+        scaler_from("deepspeed", zero_stage=True)
 
 
 # ---------------------------------------------------------------------------------------------- megatron
@@ -400,8 +283,8 @@ def test_megatron_matches_dynamic_grad_scaler(initial, min_scale, growth, backof
         growth_interval=interval,
         hysteresis=hysteresis,
     )
-    for seq in _random_sequences(24, 150, seed=interval) + _adversarial(interval, hysteresis):
-        assert _check_same(MegatronRule(**kw), scaler_from("megatron", **kw), seq)[1] is None
+    for seq in random_sequences(24, 150, seed=interval) + adversarial(interval, hysteresis):
+        assert check_same(MegatronRule(**kw), scaler_from("megatron", **kw), seq)[1] is None
 
 
 # ---------------------------------------------------------------------------------------------- nnabla
@@ -410,9 +293,9 @@ NNABLA_CONFIGS = [(8.0, 2.0, 0), (8.0, 2.0, 1), (2.0**10, 2.0, 3), (2.0**15, 4.0
 
 @pytest.mark.parametrize(("scale", "factor", "n"), NNABLA_CONFIGS)
 def test_nnabla_matches_dynamic_loss_scaling_updater(scale, factor, n):
-    for seq in _random_sequences(24, 150, seed=n) + _adversarial(n + 1):
+    for seq in random_sequences(24, 150, seed=n) + adversarial(n + 1):
         rule = NNablaRule(scale, factor, n)
-        assert _check_same(rule, scaler_from("nnabla", scale=scale, scaling_factor=factor, N=n), seq)[1] is None
+        assert check_same(rule, scaler_from("nnabla", scale=scale, scaling_factor=factor, N=n), seq)[1] is None
 
 
 # ---------------------------------------------------------------------------------------------- resume
@@ -422,49 +305,66 @@ def _resume_case(make_rule, state_of, make_ours, framework, seed):
         prefix = [rng.random() < 0.35 for _ in range(rng.randrange(0, 40))]
         suffix = [rng.random() < 0.35 for _ in range(60)]
         rule = make_rule()
-        if _run_rule(rule, prefix)[1] is not None:
+        if run_rule(rule, prefix)[1] is not None:
             continue
         ours = scaler_from(framework, state_dict=state_of(rule), **make_ours)
         assert ours.get_scale() == float(rule.scale)
-        _check_same(rule, ours, suffix)
+        check_same(rule, ours, suffix)
 
 
-def test_resume_from_grad_scaler_state():
+def test_resume_from_grad_scaler_state_and_back():
     kw = dict(init_scale=1024.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
     rng = random.Random(3)
     for _ in range(12):
         prefix = [rng.random() < 0.35 for _ in range(rng.randrange(1, 30))]
+        suffix = [rng.random() < 0.35 for _ in range(60)]
         real = torch.amp.GradScaler("cpu", **kw)
-        _drive_grad_scaler(real, prefix)
+        drive_grad_scaler(real, prefix)
         rule = TorchGradScalerRule(**kw)
-        _run_rule(rule, prefix)
-        ours = scaler_from("torch", state_dict=real.state_dict(), **kw)
-        _check_same(rule, ours, [rng.random() < 0.35 for _ in range(60)])
+        run_rule(rule, prefix)
+        # saved by GradScaler, resumed by mixprec
+        want = check_same(rule, scaler_from("torch", state_dict=real.state_dict(), **kw), suffix)
+        # saved by mixprec, resumed by GradScaler (it loads mixprec's state dict, a superset of its own)
+        ours = scaler_from("torch", **kw)
+        run_ours(ours, prefix)
+        back = torch.amp.GradScaler("cpu", **kw)
+        back.load_state_dict(ours.state_dict())
+        assert drive_grad_scaler(back, suffix) == want[0]
 
 
-def test_resume_from_deepspeed_zero_loss_scaler():
+@pytest.mark.parametrize("version", [OLD, NEW])
+def test_resume_from_deepspeed_zero_loss_scaler(version):
     # ZeRO's optimizer state dict holds the loss-scaler object itself; its attribute dict loads too
+    since = version == NEW
     _resume_case(
-        lambda: DeepSpeedZeroRule(2.0**10, 3, 1, 2, False),
+        lambda: DeepSpeedZeroRule(2.0**10, 3, 1, 2, False, since_0_17_1=since),
         lambda rule: {"loss_scaler": rule, "dynamic_loss_scale": True, "overflow": False},
-        dict(zero_stage=2, initial_scale_power=10, loss_scale_window=3, hysteresis=2),
+        dict(zero_stage=2, initial_scale_power=10, loss_scale_window=3, hysteresis=2, version=version),
         "deepspeed",
         seed=11,
     )
     _resume_case(
-        lambda: DeepSpeedZeroRule(2.0**10, 4, 1, 3, True),
-        vars,
-        dict(zero_stage=1, initial_scale_power=10, loss_scale_window=4, hysteresis=3, consecutive_hysteresis=True),
+        lambda: DeepSpeedZeroRule(2.0**10, 4, 1, 3, True, since_0_17_1=since),
+        lambda rule: rule.saved(),
+        dict(
+            zero_stage=1,
+            initial_scale_power=10,
+            loss_scale_window=4,
+            hysteresis=3,
+            consecutive_hysteresis=True,
+            version=version,
+        ),
         "deepspeed",
         seed=12,
     )
 
 
-def test_resume_from_deepspeed_fp16_optimizer_state():
+@pytest.mark.parametrize("version", [OLD, NEW])
+def test_resume_from_deepspeed_fp16_optimizer_state(version):
     _resume_case(
         lambda: DeepSpeedFP16OptimizerRule(2.0**12, 3, 1),
         lambda rule: rule.state_dict(),
-        dict(initial_scale_power=12, loss_scale_window=3),
+        dict(initial_scale_power=12, loss_scale_window=3, version=version),
         "deepspeed",
         seed=13,
     )
@@ -526,11 +426,108 @@ def test_bad_values_are_named_by_the_frameworks_key(framework, kwargs, exc, matc
         scaler_from(framework, **kwargs)
 
 
+def _zero_state(**changes):
+    """A ZeRO loss scaler saved after 7 iterations (the last overflow at iteration 4), hysteresis 2."""
+    rule = DeepSpeedZeroRule(2.0**10, 3, 1, 2, False, since_0_17_1=True)
+    run_rule(rule, [False, True, False, False, True, False, False])
+    return {**rule.saved(), **changes}
+
+
+ZERO_KW = dict(zero_stage=1, initial_scale_power=10, loss_scale_window=3, hysteresis=2, version=NEW)
+
+
+@pytest.mark.parametrize(
+    ("changes", "exc", "match"),
+    [
+        # DeepSpeed's cur_hysteresis lies in [1, delayed_shift]: it backs off when an overflow finds it at 1
+        ({"cur_hysteresis": -5}, ValueError, r"state_dict\['cur_hysteresis'\] must lie in \[1, hysteresis=2\]; got -5"),
+        ({"cur_hysteresis": 0}, ValueError, r"state_dict\['cur_hysteresis'\] must lie in \[1, hysteresis=2\]; got 0"),
+        ({"cur_hysteresis": 3}, ValueError, r"state_dict\['cur_hysteresis'\] must lie in \[1, hysteresis=2\]; got 3"),
+        ({"cur_hysteresis": 1.0}, TypeError, r"state_dict\['cur_hysteresis'\] must be an int"),
+        # the scale: the key the user gave, never mixprec's own state_dict['scale']
+        ({"cur_scale": 0.5}, ValueError, r"state_dict\['cur_scale'\] \(0\.5\) must be >= min_loss_scale \(1\.0\)"),
+        ({"cur_scale": 1e39}, ValueError, r"state_dict\['cur_scale'\] must be a normal fp32 number"),
+        ({"cur_scale": -4.0}, ValueError, r"state_dict\['cur_scale'\] must be a finite number > 0"),
+        ({"cur_scale": "1024"}, TypeError, r"state_dict\['cur_scale'\] must be a real number"),
+        ({"cur_iter": -1}, ValueError, r"state_dict\['cur_iter'\] must be an int >= 0"),
+        (
+            {"last_overflow_iter": 7},
+            ValueError,
+            r"state_dict\['last_overflow_iter'\] \(7\) must lie in \[-1, cur_iter=7\)",
+        ),
+        ({"last_overflow_iter": -2}, ValueError, r"state_dict\['last_overflow_iter'\] \(-2\) must lie in"),
+        # DeepSpeed resumes with the saved rule: a state that contradicts the settings is refused, naming both
+        (
+            {"scale_window": 5},
+            ValueError,
+            r"state_dict\['scale_window'\] is 5 but loss_scale_window=3: .*pass loss_scale_window=5",
+        ),
+        ({"delayed_shift": 3}, ValueError, r"state_dict\['delayed_shift'\] is 3 but hysteresis=2"),
+        ({"min_scale": 4}, ValueError, r"state_dict\['min_scale'\] is 4 but min_loss_scale=1\.0"),
+        (
+            {"consecutive_hysteresis": True},
+            ValueError,
+            r"state_dict\['consecutive_hysteresis'\] is True but consecutive",
+        ),
+        ({"raise_error_at_min_scale": False}, ValueError, r"state_dict\['raise_error_at_min_scale'\] is False but"),
+        ({"scale_factor": 3.0}, ValueError, r"state_dict\['scale_factor'\] must be 2"),
+        ({"dynamic": False}, ValueError, r"state_dict\['dynamic'\] is False but loss_scale=0 \(dynamic\)"),
+    ],
+)
+def test_bad_deepspeed_state_is_refused_naming_the_key_given(changes, exc, match):
+    with pytest.raises(exc, match=match) as info:
+        scaler_from("deepspeed", state_dict=_zero_state(**changes), **ZERO_KW)
+    assert "state_dict['scale']" not in str(info.value)
+
+
+def test_bad_deepspeed_state_is_named_where_it_was_given():
+    class LossScaler:  # what ZeRO pickles: an object, inside the optimizer's state dict
+        def __init__(self, entries):
+            self.__dict__.update(entries)
+
+    nested = {"loss_scaler": LossScaler(_zero_state(cur_hysteresis=-5)), "dynamic_loss_scale": True}
+    with pytest.raises(ValueError, match=r"state_dict\['loss_scaler'\]\.cur_hysteresis must lie in \[1, "):
+        scaler_from("deepspeed", state_dict=nested, **ZERO_KW)
+    nested = {"loss_scaler": _zero_state(cur_scale=0.5)}
+    with pytest.raises(ValueError, match=r"state_dict\['loss_scaler'\]\['cur_scale'\] \(0\.5\) must be >="):
+        scaler_from("deepspeed", state_dict=nested, **ZERO_KW)
+    with pytest.raises(ValueError, match=r"state_dict\.cur_scale \(0\.5\) must be >="):
+        scaler_from("deepspeed", state_dict=LossScaler(_zero_state(cur_scale=0.5)), **ZERO_KW)
+    with pytest.raises(TypeError, match=r"state_dict\['loss_scaler'\] must be DeepSpeed's loss scaler"):
+        scaler_from("deepspeed", state_dict={"loss_scaler": 3}, **ZERO_KW)
+    # the valid state loads, with the hysteresis it saved (one overflow from a backoff: DeepSpeed refills it only
+    # on growth)
+    assert scaler_from("deepspeed", state_dict=_zero_state(), **ZERO_KW).state_dict()["hysteresis_left"] == 1
+    assert (
+        scaler_from("deepspeed", state_dict=_zero_state(cur_hysteresis=2), **ZERO_KW).state_dict()["hysteresis_left"]
+        == 2
+    )
+
+
+def test_deepspeed_state_of_another_stage_or_kind_is_refused():
+    stage0 = DeepSpeedFP16OptimizerRule(2.0**10, 3, 1).state_dict()
+    with pytest.raises(ValueError, match=r"stage-0 optimizer's .* but zero_stage=2"):
+        scaler_from("deepspeed", state_dict=stage0, zero_stage=2, version=NEW)
+    with pytest.raises(ValueError, match="holds a ZeRO loss scaler but zero_stage=0"):
+        scaler_from("deepspeed", state_dict={"loss_scaler": _zero_state()}, version=NEW)
+    with pytest.raises(ValueError, match=r"state_dict\['dynamic_loss_scale'\] is True but loss_scale=128"):
+        scaler_from("deepspeed", state_dict=stage0, loss_scale=128, version=NEW)
+    with pytest.raises(ValueError, match=r"state_dict\['scale_window'\] is 3 but loss_scale_window=1000"):
+        scaler_from("deepspeed", state_dict=stage0, version=NEW)
+    # a static scaler's state: the scale only
+    static = scaler_from(
+        "deepspeed", state_dict={"loss_scaler": {"cur_scale": 64.0, "dynamic": False}}, loss_scale=128, zero_stage=2
+    )
+    assert static.get_scale() == 64.0
+
+
 def test_bad_saved_state_is_named():
     with pytest.raises(ValueError, match=r"unknown key.*'cur_scale'.*accepted: scale"):
         scaler_from("torch", state_dict={"cur_scale": 1.0})
     with pytest.raises(KeyError, match="cur_scale"):
         scaler_from("deepspeed", state_dict={"scale": 1.0})
+    with pytest.raises(KeyError, match=r"lacks 'cur_scale'.*the 'optimizer_state_dict' entry"):  # a whole checkpoint
+        scaler_from("deepspeed", zero_stage=2, state_dict={"optimizer_state_dict": {}, "ds_version": "0.19.8"})
     with pytest.raises(ValueError, match="scale"):
         scaler_from(
             "megatron", state_dict={"scale": torch.tensor([float("inf")]), "growth_tracker": 0, "hysteresis_tracker": 2}
