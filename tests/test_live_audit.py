@@ -66,6 +66,9 @@ def test_metrics_on_a_crafted_case() -> None:
     assert m.effective_bits == pytest.approx(-math.log2(rel), rel=1e-15)
     same, _ = error_metrics(exact.float(), exact)
     assert (same.rel_l2, same.max_abs, same.effective_bits) == (0.0, 0.0, MAX_EFFECTIVE_BITS)
+    wide = result.double()
+    assert error_metrics(wide, exact)[0] == m
+    assert torch.equal(wide, result.double()) and exact[1] == 2.0  # neither input is modified
 
 
 def test_metrics_leave_out_nonfinite_inputs_and_count_overflows() -> None:

@@ -81,25 +81,32 @@ def error_metrics(result: torch.Tensor, exact: torch.Tensor) -> tuple[ErrorMetri
     """(:class:`ErrorMetrics` of ``result`` against ``exact`` [fp64, same length], the number of elements
     where ``exact`` is finite but ``result`` is not: an overflow of the reduction itself). Elements where
     ``exact`` is inf/NaN (some rank sent one) are left out; they are counted by the caller."""
-    y = result.reshape(-1).to(torch.float64)
+    y = result.reshape(-1).to(torch.float64, copy=True)  # a scratch copy: worked on in place below
     x = exact.reshape(-1)
-    finite_x = torch.isfinite(x)
-    finite_y = torch.isfinite(y)
-    lost = int((finite_x & ~finite_y).sum())
-    both = finite_x & finite_y
-    x, y = x[both], y[both]
-    err = (y - x).abs()
-    err_norm = float(torch.linalg.vector_norm(err)) if err.numel() else 0.0
-    ref_norm = float(torch.linalg.vector_norm(x)) if x.numel() else 0.0
+    lost = 0
+    # One sum each tells whether anything is non-finite (inf/NaN propagate; finite fp64 sums of these
+    # magnitudes cannot overflow); only then the masks, which cost several passes.
+    if not (math.isfinite(float(x.sum())) and math.isfinite(float(y.sum()))):
+        finite_x = torch.isfinite(x)
+        finite_y = torch.isfinite(y)
+        lost = int((finite_x & ~finite_y).sum())
+        both = finite_x & finite_y
+        x, y = x[both], y[both]
+    err = y.sub_(x).abs_()
+    if err.numel() == 0:
+        return ErrorMetrics(rel_l2=0.0, max_abs=0.0, max_rel=0.0, effective_bits=MAX_EFFECTIVE_BITS), lost
+    err_norm = float(torch.linalg.vector_norm(err))
+    ref_norm = float(torch.linalg.vector_norm(x))
     if err_norm == 0.0:
         rel_l2 = 0.0
     elif ref_norm == 0.0:
         rel_l2 = math.inf
     else:
         rel_l2 = err_norm / ref_norm
-    nonzero = x != 0
-    max_rel = float((err[nonzero] / x[nonzero].abs()).max()) if bool(nonzero.any()) else 0.0
-    max_abs = float(err.max()) if err.numel() else 0.0
+    max_abs = float(err.max())
+    magnitude = x.abs()
+    zero = magnitude == 0
+    max_rel = float(err.masked_fill_(zero, 0.0).div_(magnitude.masked_fill_(zero, 1.0)).max())
     bits = MAX_EFFECTIVE_BITS if rel_l2 == 0.0 else min(MAX_EFFECTIVE_BITS, max(0.0, -math.log2(rel_l2)))
     return ErrorMetrics(rel_l2=rel_l2, max_abs=max_abs, max_rel=max_rel, effective_bits=bits), lost
 
@@ -287,8 +294,11 @@ class LiveAudit:
                 native_result.div_(world)
             dist.all_reduce(native_result, op=dist.ReduceOp.SUM, group=group)
             received += 2 * (world - 1) * n * flat.element_size() // world  # a ring's share per rank
-        # fp64 sum of P values of <= 24 significand bits: relative error <= (P - 1) 2^-53 of sum |x_i|.
-        exact = rows.view(world, n).to(torch.float64).sum(dim=0)
+        # fp64 sum in rank order of P values of <= 24 significand bits: error <= (P - 1) 2^-53 sum |x_i|.
+        per_rank = rows.view(world, n)
+        exact = per_rank[0].to(torch.float64, copy=True)
+        for r in range(1, world):
+            exact += per_rank[r]
         if average:
             exact /= world
         del rows
