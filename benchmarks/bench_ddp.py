@@ -16,7 +16,11 @@ Bucket sizes match: torch's 25 MB cap in fp32 elements for the wrapper. Time: me
 slowest rank's step; the variants take turns, one step each, so that load from other work on a
 shared machine spreads over all of them.
 
-    python benchmarks/bench_ddp.py [--quick]
+``--audit-every N`` adds the bf16-wire fp32_accumulate variant with the live numerics audit
+(``audit_every=N``), runs at least 2N timed steps, and prints the audit's cost: the mean step time with
+and without it (a mean, not a median: one step in N pays for the audit) and the audit's own time.
+
+    python benchmarks/bench_ddp.py [--quick] [--audit-every N]
 """
 
 from __future__ import annotations
@@ -61,7 +65,11 @@ def _bf16_wire_hook(state, bucket):  # no annotations: torch DDP compares them w
     return future
 
 
-def _build(variant: str, width: int, depth: int):
+def _audited(audit_every: int) -> str:
+    return f"mixprec fp32_accumulate, bf16 wire, audit every {audit_every}"
+
+
+def _build(variant: str, width: int, depth: int, audit_every: int | None = None):
     model = _model(width, depth)
     bucket_elems = BUCKET_MB * (1 << 20) // 4
     if variant.startswith("torch"):
@@ -72,16 +80,24 @@ def _build(variant: str, width: int, depth: int):
     reduce = "native" if variant == "mixprec native" else "fp32_accumulate"
     grad_dtype = torch.bfloat16 if "bf16 wire" in variant else None
     ddp = DistributedDataParallel(
-        model, bucket_size=bucket_elems, reduce=reduce, grad_dtype=grad_dtype, sharded_optimizer="ZeRO" in variant
+        model,
+        bucket_size=bucket_elems,
+        reduce=reduce,
+        grad_dtype=grad_dtype,
+        sharded_optimizer="ZeRO" in variant,
+        audit_every=audit_every if "audit" in variant else None,
     )
     return ddp, ddp.make_optimizer(torch.optim.AdamW, lr=1e-4)
 
 
-def _bench_rank(rank: int, world_size: int, width: int, depth: int, batch: int, steps: int) -> dict[str, float]:
+def _bench_rank(
+    rank: int, world_size: int, width: int, depth: int, batch: int, steps: int, audit_every: int | None = None
+) -> dict[str, float]:
     gen = torch.Generator().manual_seed(rank)
     x, y = torch.randn(batch, width, generator=gen), torch.randn(batch, 16, generator=gen)
-    setups = {variant: _build(variant, width, depth) for variant in VARIANTS}
-    times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    variants = VARIANTS + ((_audited(audit_every),) if audit_every else ())
+    setups = {variant: _build(variant, width, depth, audit_every) for variant in variants}
+    times: dict[str, list[float]] = {variant: [] for variant in variants}
     # Round-robin over the variants, one step each: load from other work on a shared machine then
     # falls on all of them alike instead of on whichever variant ran during a busy minute.
     for step in range(steps + 2):  # two warm-up rounds
@@ -94,33 +110,61 @@ def _bench_rank(rank: int, world_size: int, width: int, depth: int, batch: int, 
             if step >= 2:
                 times[variant].append(time.perf_counter() - t0)
     out = {}
-    for variant in VARIANTS:
+    for variant in variants:
         per_step = torch.tensor(times[variant], dtype=torch.float64)
         dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
         out[variant] = statistics.median(per_step.tolist())
+        out[f"mean {variant}"] = statistics.fmean(per_step.tolist())
+    if audit_every:
+        results = setups[_audited(audit_every)][0].audit_results
+        out["audits"] = len(results)
+        out["audit seconds"] = max(r.seconds for r in results) if results else 0.0
+        out["audit numel"] = max(r.numel for r in results) if results else 0
+        out["audit bits"] = results[-1].mixprec.effective_bits if results else float("nan")
+        out["audit native bits"] = results[-1].native.effective_bits if results else float("nan")
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="2 ranks, a small model, 3 steps (seconds)")
+    ap.add_argument(
+        "--audit-every", type=int, default=None, metavar="N", help="also time the live numerics audit every N steps"
+    )
     args = ap.parse_args()
+    if args.audit_every is not None and args.audit_every < 1:
+        ap.error("--audit-every must be an int >= 1")
     import torch._dynamo  # noqa: F401  (torch DDP imports it: once here instead of in every forked rank)
 
     if args.quick:
         plans, width, depth, batch, steps = [2], 256, 2, 32, 3
     else:
         plans, width, depth, batch, steps = [2, 4], 1024, 6, 64, 10
+    if args.audit_every:
+        steps = max(steps, 2 * args.audit_every)
     params = sum(p.numel() for p in _model(width, depth).parameters())
     rows = []
+    audit_lines = []
     for world_size in plans:
-        result = run_distributed(_bench_rank, world_size, width, depth, batch, steps, timeout=3600)[0]
+        result = run_distributed(_bench_rank, world_size, width, depth, batch, steps, args.audit_every, timeout=3600)[0]
         base = result["torch DDP"]
-        for variant in VARIANTS:
+        for variant in VARIANTS + ((_audited(args.audit_every),) if args.audit_every else ()):
             rows.append([world_size, variant, result[variant] * 1e3, result[variant] / base])
+        if args.audit_every:
+            plain = result["mean mixprec fp32_accumulate, bf16 wire"]
+            audited = result[f"mean {_audited(args.audit_every)}"]
+            audit_lines.append(
+                f"{world_size} ranks: mean step {plain * 1e3:.2f} ms without the audit, {audited * 1e3:.2f} ms with it "
+                f"({(audited / plain - 1) * 100:+.2f}%); {result['audits']} audits of up to {result['audit numel']} "
+                f"elements, the slowest {result['audit seconds'] * 1e3:.2f} ms on rank 0 "
+                f"({result['audit seconds'] / args.audit_every / plain * 100:.2f}% of a step over {args.audit_every}); "
+                f"effective bits {result['audit bits']:.1f} (gloo's bf16 sum: {result['audit native bits']:.1f})"
+            )
     print(machine_header(f"Training step, torch DDP vs mixprec wrapper (MLP, {params / 1e6:.1f}M fp32 params)"))
     print(f"batch {batch} per rank, AdamW, {steps} timed steps after 2 warm-up steps, {BUCKET_MB} MB buckets\n")
     print(markdown_table(["ranks", "variant", "step ms", "ratio to torch DDP"], rows))
+    for line in audit_lines:
+        print(line)
 
 
 if __name__ == "__main__":
