@@ -20,6 +20,7 @@ import torch.distributed as dist
 import mixprec.hooks
 from mixprec.comm.live_audit import MAX_EFFECTIVE_BITS, LiveAudit, check_audit_every, error_metrics
 from mixprec.comm.models import gloo_ring_sum
+from mixprec.comm.topology import Topology
 from mixprec.parallel import DistributedDataParallel, NonFiniteGradientWarning
 from mixprec.testing import run_distributed
 
@@ -232,21 +233,28 @@ def test_fp32_accumulation_beats_the_backends_bf16_sum_within_its_bound(sharded:
             assert r["native"] > max(r["rel"], U_BF16 / 8)  # bf16 sums: errors of order u, not below
 
 
-def _schedule_case(rank: int, world_size: int) -> list[tuple[int, int]]:
+def _schedule_case(rank: int, world_size: int) -> dict[str, object]:
     _setup()
-    ddp = DistributedDataParallel(VecNet(), bucket_size=384, audit_every=3)
+    ddp = DistributedDataParallel(VecNet(), bucket_size=384, grad_dtype=torch.bfloat16, audit_every=3)
+    plain = DistributedDataParallel(VecNet(), bucket_size=384, grad_dtype=torch.bfloat16)
+    same = True
     for step in range(7):
-        if step == 1:
-            with ddp.no_sync():  # not a synced step: not counted
-                ddp(_grads(rank, step)).backward()
-        ddp(_grads(rank, step)).backward()
-        ddp.zero_grad_buffers()
-    return [(r.step, r.bucket) for r in ddp.audit_results]
+        for wrapper in (ddp, plain):
+            if step == 1:
+                with wrapper.no_sync():  # not a synced step: not counted
+                    wrapper(_grads(rank, step)).backward()
+            wrapper(_grads(rank, step)).backward()
+        same &= all(torch.equal(a.grad, b.grad) for a, b in zip(ddp.parameters(), plain.parameters(), strict=True))
+        for wrapper in (ddp, plain):
+            wrapper.zero_grad_buffers()
+    return {"audits": [(r.step, r.bucket) for r in ddp.audit_results], "same": same}
 
 
-def test_wrapper_audits_exactly_at_steps_n_2n() -> None:
+def test_wrapper_audits_exactly_at_steps_n_2n_and_changes_nothing() -> None:
     out = run_distributed(_schedule_case, 2, timeout=120)
-    assert out == [[(3, 0), (6, 1)]] * 2
+    for r in out:
+        assert r["audits"] == [(3, 0), (6, 1)]
+        assert r["same"]  # the audited wrapper's gradients are the unaudited one's, bit for bit
 
 
 def _bad_argument_case(rank: int, world_size: int) -> list[str]:
@@ -334,3 +342,47 @@ def test_hooks_audit_at_steps_n_2n(which: str) -> None:
             # fp32 buckets: the fp32 sum of two values and a division by 2 are one rounding each.
             assert rel <= 2 * U_FP32
             assert native <= 2 * U_FP32
+
+
+def _hierarchical_hook_case(rank: int, world_size: int) -> dict[str, object]:
+    _setup()
+    grads = {}
+    results = []
+    for audited in (True, False):
+        model = VecNet().to(torch.bfloat16)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=384 * 2 / 2**20)
+        topology = Topology(2, 2)
+        state = mixprec.hooks.FP32HookState(topology, audit_every=1) if audited else topology
+        ddp.register_comm_hook(state, mixprec.hooks.fp32_accumulate_hook)
+        for step in range(2):
+            model.zero_grad()
+            ddp([g.to(torch.bfloat16) for g in _grads(rank, step)]).backward()
+        grads[audited] = [p.grad.clone() for p in model.parameters()]
+        if audited:
+            results = [(r.step, r.numel, r.mixprec.rel_l2, r.native.rel_l2) for r in state.audit_results]
+    return {"same": all(torch.equal(a, b) for a, b in zip(grads[True], grads[False], strict=True)), "audits": results}
+
+
+def _two_stage_bound(step: int, world: int = 4) -> float:
+    """rel_l2 bound of the two-stage scheme on step ``step``'s gradients: the result is rounded once
+    (u |x_i|) and each node partial p_k once (u |p_k,i|, halved by the division by 2 nodes), after fp32 sums
+    (gamma_3 of sum |x| in all); the max over parameters bounds any bucket of them (norms add up in squares)."""
+    bounds = []
+    for i in range(len(SIZES)):
+        rows = torch.stack([_grads(r, step)[i].to(torch.bfloat16).double() for r in range(world)])
+        x = rows.sum(0) / world
+        partials = (rows[0::2] + rows[1::2]).abs() / 2  # |p_k| before rounding, per node k (ranks 2k, 2k + 1)
+        share = float((partials.sum(0) / 2).norm() / x.norm())
+        cond = float((rows.abs().sum(0) / world).norm() / x.norm())
+        bounds.append(U_BF16 + U_BF16 * (1 + U_BF16) * share * (1 + U_BF16) + 3 * U_FP32 * cond * 2)
+    return max(bounds)
+
+
+def test_fp32_hook_with_a_topology_is_audited_and_unchanged() -> None:
+    out = run_distributed(_hierarchical_hook_case, 4, timeout=180)
+    for r in out:
+        assert r["same"]  # the audit reads the bucket, never writes it
+        assert [a[0] for a in r["audits"]] == [1, 2]
+        for step, _, rel, native in r["audits"]:
+            assert 0 < rel <= _two_stage_bound(step - 1)
+            assert native > 0
