@@ -386,3 +386,28 @@ def test_fp32_hook_with_a_topology_is_audited_and_unchanged() -> None:
         for step, _, rel, native in r["audits"]:
             assert 0 < rel <= _two_stage_bound(step - 1)
             assert native > 0
+
+
+def _reducer_case(rank: int, world_size: int, reduce: str) -> list[tuple[float, float | None]]:
+    _setup()
+    ddp = DistributedDataParallel(VecNet(), reduce=reduce, grad_dtype=torch.bfloat16, bucket_size=384, audit_every=1)
+    ddp(_grads(rank, 0)).backward()
+    return [(r.mixprec.rel_l2, None if r.native is None else r.native.rel_l2) for r in ddp.audit_results]
+
+
+@pytest.mark.parametrize("reduce", ["native", "uint8"])
+def test_any_registered_reducer_is_audited(reduce: str) -> None:
+    out = run_distributed(_reducer_case, 3, reduce, timeout=120)
+    assert out[0] == out[1] == out[2]
+    ((rel, native),) = out[0]
+    if reduce == "native":
+        assert native is None  # the reducer is the backend's own: nothing to put beside it
+        # Pre-divide, then two additions, each rounding to bf16: gamma_3 of sum |x_r| / P (Higham's bound),
+        # for every parameter (so for any bucket of them).
+        conds = []
+        for i in range(len(SIZES)):
+            rows = torch.stack([_grads(r, 0)[i].to(torch.bfloat16).double() for r in range(3)])
+            conds.append(float((rows.abs().sum(0) / 3).norm() / (rows.sum(0) / 3).norm()))
+        assert 0 < rel <= 3 * U_BF16 / (1 - 3 * U_BF16) * max(conds)
+    else:
+        assert 0 < native < rel < 2.0**-5  # 8-bit codes: coarser than bf16 sums, far from garbage
