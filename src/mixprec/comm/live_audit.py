@@ -267,12 +267,14 @@ class LiveAudit:
         average: bool,
         native: bool,
         index: int,
+        factor: float | None = None,
     ) -> PendingAudit:
         """Run the audit's collectives on ``bucket`` (its pre-reduction contents, not modified) before its
         reduction starts; every rank of ``group`` calls this for the same bucket at the same point.
 
         ``native``: also run the backend's own all-reduce on a copy (pre-divided by the group size in the
-        wire dtype when ``average``, then SUM, as torch DDP does).
+        wire dtype when ``average``, then SUM, as torch DDP does). ``factor``: a reduction that multiplies
+        the sum by it (FSDP2's PREMUL_SUM); the copy is multiplied in the wire dtype before the SUM.
         """
         # Checked identically on every rank (all hold this bucket's dtype and length) before any collective.
         check_tensor("bucket", bucket, WIRE_DTYPES)
@@ -292,6 +294,8 @@ class LiveAudit:
             native_result = flat.clone()
             if average:
                 native_result.div_(world)
+            if factor is not None:
+                native_result.mul_(factor)
             dist.all_reduce(native_result, op=dist.ReduceOp.SUM, group=group)
             received += 2 * (world - 1) * n * flat.element_size() // world  # a ring's share per rank
         # fp64 sum in rank order of P values of <= 24 significand bits: error <= (P - 1) 2^-53 sum |x_i|.
@@ -301,6 +305,8 @@ class LiveAudit:
             exact += per_rank[r]
         if average:
             exact /= world
+        if factor is not None:
+            exact *= factor
         del rows
         return PendingAudit(
             self,

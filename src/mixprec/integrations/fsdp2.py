@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mixprec.comm.live_audit import AuditResult, LiveAudit
 from mixprec.core.dtypes import Rounding
 from mixprec.parallel.reducers import FP32AccumulateReducer
 
@@ -67,6 +68,11 @@ class FP32AccumulateReduceScatter(_fsdp_base()):  # type: ignore[misc]
             "local"): the two-stage multi-node scheme of :mod:`mixprec.comm.hierarchical_fp32` (the FSDP
             shard group must then hold every rank in global order; the receive buffer becomes its area).
         inter_node_dtype: with a topology: None (node partials rounded to the reduce dtype) or torch.float32.
+        audit_every: None, or an int N >= 1: at backward passes N, 2N, ... one reduce-scatter (the k-th of
+            the pass, k = ``(step // N - 1) mod calls per pass``) is also reduced exactly and its error, and
+            the backend's all-reduce's beside it, recorded in :attr:`audit_results`
+            (:class:`mixprec.comm.live_audit.LiveAudit`). A pass is the reduce-scatters of one autograd
+            backward (its end is an autograd engine callback).
     """
 
     def __init__(
@@ -76,12 +82,36 @@ class FP32AccumulateReduceScatter(_fsdp_base()):  # type: ignore[misc]
         generator: torch.Generator | None = None,
         topology: Any = None,
         inter_node_dtype: torch.dtype | None = None,
+        audit_every: int | None = None,
     ) -> None:
+        self.audit = LiveAudit(audit_every)
         self.reducer = FP32AccumulateReducer(
             rounding=rounding, generator=generator, topology=topology, inter_node_dtype=inter_node_dtype
         )
         """What every call runs: ``reducer.reduce_scatter_scaled`` (options, stream and checks are the reducer's)."""
         self._scratch: torch.Tensor | None = None
+        self._calls_in_pass: int | None = None  # None: no backward pass open
+        self._calls_per_pass: int | None = None
+        self._audit_call: int | None = None
+
+    @property
+    def audit_results(self) -> list[AuditResult]:
+        """This rank's live-audit results, oldest first (``audit_every``)."""
+        return self.audit.results
+
+    def _audit_index(self) -> int | None:
+        """This call's index in its backward pass when it is the one to audit, else None."""
+        if self._calls_in_pass is None:
+            self._calls_in_pass = 0
+            self._audit_call = self.audit.new_step(self._calls_per_pass)
+            torch.autograd.Variable._execution_engine.queue_callback(self._close_pass)
+        index = self._calls_in_pass
+        self._calls_in_pass += 1
+        return index if index == self._audit_call else None
+
+    def _close_pass(self) -> None:
+        self._calls_per_pass = self._calls_in_pass
+        self._calls_in_pass = None
 
     @property
     def rounding(self) -> Rounding:
@@ -125,11 +155,17 @@ class FP32AccumulateReduceScatter(_fsdp_base()):  # type: ignore[misc]
         async_op: bool = False,
     ) -> Any:
         average, factor = _decode_op(op)
+        index = self._audit_index() if self.audit.enabled else None
+        audit = None
+        if index is not None:
+            audit = self.audit.begin(input_tensor, group, average=average, native=True, index=index, factor=factor)
         # The receive buffer is reused across calls, so only one reduction may be in flight: finish it here
         # (FSDP2 calls this synchronously anyway).
         self.reducer.reduce_scatter_scaled(
             output_tensor, input_tensor, group, average=average, factor=factor, scratch=self._scratch_for(input_tensor)
         )
+        if audit is not None:
+            audit.finish(output_tensor, offset=dist.get_rank(group) * output_tensor.numel())
         return _CompletedWork() if async_op else None
 
     def __repr__(self) -> str:
@@ -160,7 +196,9 @@ def use_fp32_accumulation(
     many FSDP modules were set.
 
     Call it after ``fully_shard``. Raises ValueError when there is no FSDP module, RuntimeError when this
-    torch's FSDP2 has no ``set_custom_reduce_scatter``.
+    torch's FSDP2 has no ``set_custom_reduce_scatter``. For the live audit, build one
+    ``FP32AccumulateReduceScatter(audit_every=N)`` and pass it to each module's ``set_custom_reduce_scatter``
+    (one object for all: it counts the reduce-scatters of a backward pass).
     """
     try:
         from torch.distributed.fsdp import FSDPModule
