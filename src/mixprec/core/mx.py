@@ -10,8 +10,10 @@ cuBLAS's and Transformer Engine's), ``neuron`` (AWS Neuron's doubled scale) and 
 nearest (ties to even), toward zero, or stochastic on mixprec's Philox stream (:mod:`mixprec.core.philox`).
 :func:`hadamard_transform` is the random Hadamard transform of the NVFP4 training recipe.
 
-All work is vectorised torch code on one fp32 copy of ``x``. Formulas, sources, special values and where the
-references disagree: ``docs/mx.md``.
+Blocks along the last axis of a CPU tensor, rounded to nearest or toward zero, go through one compiled pass
+(``mixprec.native``'s ``mx.c``) when the kernel library is loaded; everything else (stochastic rounding, other
+axes, 2-D tiles, CUDA) is vectorised torch code on one fp32 copy of ``x``, which is also the kernel's oracle.
+Formulas, sources, special values and where the references disagree: ``docs/mx.md``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from mixprec.core.formats import FloatFormat
 from mixprec.core.philox import draw_key, round_up, stream_bytes
 from mixprec.core.rounding import ROUNDING_MODES, round_nearest_grid_, round_to_
 from mixprec.core.validate import check_choice, check_positive_int, check_tensor
+from mixprec.native import can_run
+from mixprec.native.mx import available as native_available
+from mixprec.native.mx import mx_quantize_raw
 
 __all__ = [
     "MX_FORMATS",
@@ -333,7 +338,12 @@ def mx_quantize(
         tensor_scale: NVFP4 only: fp32 tensor scale for two-level scaling (block scales are E4M3 values of
             ``amax / 6 / tensor_scale``); e.g. ``amax(x) / (448 * 6)``.
     """
-    bf, mode, ts, layout, w, scales = _quantize(x, fmt, block_size, scale_mode, axis, rounding, generator, tensor_scale)
+    bf, mode, ts, layout = _prepare(x, fmt, block_size, scale_mode, axis, rounding, generator, tensor_scale)
+    done = _native_quantize(x, bf, mode, ts, layout, rounding, dequantize=False, out=None)
+    if done is not None:
+        elements, block_scales = done
+        return BlockScaled(elements, block_scales, ts, bf, layout.block, layout.dims, mode)
+    w, scales = _quantize(x, bf, mode, ts, layout, rounding, generator)
     return BlockScaled(
         elements=layout.from_blocks(w).contiguous(),
         scales=layout.scales_from_blocks(scales).contiguous(),
@@ -345,7 +355,7 @@ def mx_quantize(
     )
 
 
-def _quantize(
+def _prepare(
     x: torch.Tensor,
     fmt: object,
     block_size: object,
@@ -354,8 +364,8 @@ def _quantize(
     rounding: str,
     generator: torch.Generator | None,
     tensor_scale: object,
-) -> tuple[BlockFormat, str, torch.Tensor | None, _Layout, torch.Tensor, torch.Tensor]:
-    """Checks, then (format, scale mode, tensor scale, layout, elements [..., blocks, block], scales [..., blocks])."""
+) -> tuple[BlockFormat, str, torch.Tensor | None, _Layout]:
+    """Checks; returns (format, scale mode, tensor scale, layout)."""
     check_tensor("x", x, _INPUT_DTYPES)
     bf = get_block_format(fmt)
     if scale_mode is None:
@@ -368,13 +378,84 @@ def _quantize(
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
     ts = _tensor_scale(tensor_scale, bf, x.device)
-    layout = _layout(x, block_size, axis, bf.block_size)
+    return bf, str(scale_mode), ts, _layout(x, block_size, axis, bf.block_size)
 
+
+def _native_quantize(
+    x: torch.Tensor,
+    bf: BlockFormat,
+    mode: str,
+    ts: torch.Tensor | None,
+    layout: _Layout,
+    rounding: str,
+    *,
+    dequantize: bool,
+    out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The compiled pass (csrc/mx.c): (elements or, with ``dequantize``, their decoded values, in ``x``'s shape;
+    the scales, or None when dequantizing), or None where it cannot run and the torch path must: stochastic
+    rounding, blocks not along the last axis, a tensor not on the CPU (or fake, or under a dispatch mode),
+    torch.compile tracing, or no kernel library. ``out`` (fp32, ``x``'s shape) receives the result if given."""
+    last = x.dim() - 1
+    if rounding == "stochastic" or len(layout.block) != 1 or layout.dims != (last,) or x.numel() == 0:
+        return None
+    if torch.compiler.is_compiling() or not can_run(x) or (out is not None and not can_run(out)):
+        return None
+    if not native_available():
+        return None
+    src = x.detach()
+    if not src.is_contiguous():
+        src = src.contiguous()
+    # the kernel writes into out when out is the fp32 source itself (each block is read whole before it is
+    # written) or shares no memory with it; otherwise into a fresh buffer that is copied to out
+    direct = (
+        out is not None
+        and out.is_contiguous()
+        and ((out.data_ptr() == src.data_ptr() and src.dtype == torch.float32) or not _shares_memory(out, src))
+    )
+    dst = out if direct else torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    block = layout.block[0]
+    n_blocks = x.numel() // block
+    scales = None if dequantize else torch.empty((*x.shape[:-1], x.shape[-1] // block), dtype=torch.float32)
+    grid = bf.element
+    ran = mx_quantize_raw(
+        src.data_ptr(), str(src.dtype).removeprefix("torch."), dst.data_ptr(),
+        None if scales is None else scales.data_ptr(), n_blocks, block, grid.exp_bits, grid.man_bits,
+        bf.max_element, mode, None if ts is None else float(ts), rounding == "toward_zero", dequantize,
+    )  # fmt: skip
+    if not ran:
+        return None
+    if out is not None:
+        if dst is out:
+            # a raw-pointer write is invisible to autograd: bump the version counter as an in-place op would
+            torch.autograd.graph.increment_version(out)
+        else:
+            out.copy_(dst)
+            dst = out
+    return dst, scales
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the storage spans of two tensors intersect (a conservative overlap test)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _quantize(
+    x: torch.Tensor,
+    bf: BlockFormat,
+    scale_mode: str,
+    ts: torch.Tensor | None,
+    layout: _Layout,
+    rounding: str,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path: (elements [..., blocks, block], scales [..., blocks])."""
     blocks = layout.to_blocks(x.detach())
     w = blocks.to(torch.float32, memory_format=torch.contiguous_format)
     if w.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         w = w.clone()  # a view of x: never round the caller's tensor
-    scales, mult = _scale_blocks(w, bf, str(scale_mode), ts)
+    scales, mult = _scale_blocks(w, bf, scale_mode, ts)
     w.mul_(mult.unsqueeze(-1))
     if rounding == "stochastic":
         key = draw_key(generator)
@@ -384,7 +465,7 @@ def _quantize(
         round_elements(w, bf, rounding, key=key, primary=primary, positions=positions)
     else:
         round_elements(w, bf, rounding)
-    return bf, str(scale_mode), ts, layout, w, scales
+    return w, scales
 
 
 def fake_quantize(
@@ -397,13 +478,25 @@ def fake_quantize(
     scale_mode: ScaleMode | None = None,
     axis: int | tuple[int, int] = -1,
     tensor_scale: float | torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``mx_quantize(x, fmt, ...).dequantize()`` (the same bits) without the intermediate tensors: ``x`` rounded
-    to the block-scaled format, in fp32 (the fake quantization of ``round_to(x, "mxfp8_e4m3")``)."""
-    _, _, ts, layout, w, scales = _quantize(x, fmt, block_size, scale_mode, axis, rounding, generator, tensor_scale)
+    to the block-scaled format, in fp32 (the fake quantization of ``round_to(x, "mxfp8_e4m3")``).
+
+    ``out``: an fp32 tensor of ``x``'s shape and device to write into (may be ``x`` itself); returned."""
+    bf, mode, ts, layout = _prepare(x, fmt, block_size, scale_mode, axis, rounding, generator, tensor_scale)
+    if out is not None:
+        check_tensor("out", out, (torch.float32,))
+        if out.shape != x.shape or out.device != x.device:
+            raise ValueError(f"out must have x's shape {tuple(x.shape)} and device {x.device}; got {tuple(out.shape)}")
+    done = _native_quantize(x, bf, mode, ts, layout, rounding, dequantize=True, out=out)
+    if done is not None:
+        return done[0]
+    w, scales = _quantize(x, bf, mode, ts, layout, rounding, generator)
     s = scales if ts is None else ts * scales
     w.mul_(s.unsqueeze(-1))
-    return layout.from_blocks(w).contiguous()
+    result = layout.from_blocks(w)
+    return result.contiguous() if out is None else out.copy_(result)
 
 
 # ------------------------------------------------------------------------------------------------ Hadamard
