@@ -1,0 +1,118 @@
+"""mixprec inside Hugging Face Accelerate (the real package, ``accelerate`` from the integrations extra).
+
+examples/integrations/train_accelerate.py runs under ``torchrun --nproc-per-node 2`` (gloo, CPU): the uint8
+reducer with error feedback and stochastic rounding as the DDP comm hook after ``prepare()``, mixprec's
+DynamicLossScaler as the accelerator's scaler, an inf on rank 0 at one step. Its final parameters must be
+bit-equal to mixprec's own DistributedDataParallel with the same reducer, options, seed, batches and
+scaler, its skips, scale and learning rate the same (the prepared scheduler does not step on a skipped step).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mixprec.testing import run_distributed
+
+accelerate = pytest.importorskip("accelerate")
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "integrations" / "train_accelerate.py"
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("train_accelerate", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _wrapper(rank: int, world: int, reduce: str) -> dict:
+    """The same run under mixprec's own DistributedDataParallel, SkipAwareLR stepping as Accelerate's
+    prepared scheduler does (num_processes steps per optimizer step that ran)."""
+    from mixprec.parallel import DistributedDataParallel
+    from mixprec.scaling import SkipAwareLR
+
+    torch.set_num_threads(1)
+    ex = _example()
+    net = ex.make_model()
+    ddp = DistributedDataParallel(net, reduce=reduce, reduce_options=ex.UINT8 if reduce == "uint8" else {})
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    scaler = ex.make_scaler()
+    sched = SkipAwareLR(ex.make_schedule(opt), scaler)
+    for step in range(ex.STEPS):
+        x, y = ex.batch(step, rank)
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(ddp(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        for _ in range(world):
+            sched.step()
+    return {
+        "weight": net[0].weight.detach().clone(),
+        "skipped": scaler.steps_skipped,
+        "scale": scaler.get_scale(),
+        "lr": sched.get_last_lr()[0],
+    }
+
+
+def _torchrun(tmp_path: Path, *args: str) -> tuple[str, dict]:
+    out = tmp_path / "params.pt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPT),
+        "--out",
+        str(out),
+        *args,
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout, torch.load(out, weights_only=True)
+
+
+@pytest.mark.slow
+def test_accelerate_hook_and_scaler_give_the_wrappers_bits(tmp_path) -> None:
+    stdout, got = _torchrun(tmp_path, "--reduce", "uint8")
+    assert stdout.count("before prepare(): ValueError") == 2, stdout
+    assert "replicas identical: True" in stdout and "train_accelerate example: OK" in stdout
+    want = run_distributed(_wrapper, 2, "uint8", timeout=240)[0]
+    assert got["skipped"] == want["skipped"] == 1
+    assert got["scale"] == want["scale"]
+    assert got["lr"] == want["lr"]
+    assert torch.equal(got["weight"], want["weight"])
+
+
+def test_apply_refuses_what_it_cannot_hook() -> None:
+    from mixprec.integrations import accelerate as adapter
+
+    class NotAnAccelerator:
+        pass
+
+    with pytest.raises(TypeError, match=r"accelerate\.Accelerator"):
+        adapter.apply(NotAnAccelerator(), torch.nn.Linear(2, 2))
+
+    class Fake:  # the attributes apply() reads, without starting a process group
+        def __init__(self, kind: str) -> None:
+            self.distributed_type = accelerate.utils.DistributedType(kind)
+            self.is_fsdp2 = False
+
+    with pytest.raises(ValueError, match=r"after model = accelerator.prepare\(model\)"):
+        adapter.apply(Fake("MULTI_CPU"), torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="DataParallel"):
+        adapter.apply(Fake("MULTI_CPU"), torch.nn.DataParallel(torch.nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="DeepSpeed"):
+        adapter.apply(Fake("DEEPSPEED"), torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="FSDP2 only"):
+        adapter.apply(Fake("FSDP"), torch.nn.Linear(2, 2))
