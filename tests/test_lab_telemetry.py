@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -14,7 +15,7 @@ from mixprec.lab.build import build_parts
 from mixprec.lab.config import config_from_toml, merge_config
 from mixprec.lab.corpus import load_corpus
 from mixprec.lab.data import train_microbatches
-from mixprec.lab.metrics import METRICS_NAME, read_rows
+from mixprec.lab.metrics import METRICS_NAME, encode_row, read_rows
 from mixprec.lab.schedule import lr_factor
 from mixprec.lab.telemetry import HEADROOM_FIELDS
 from mixprec.scaling import grad_range_by_layer
@@ -232,6 +233,70 @@ def test_report_bad_input_exits_2_in_one_line(tmp_path, capsys, make, message) -
     assert main(["report", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
+
+
+def _row(step: object, scale: object = 1024.0) -> dict:
+    return {"step": step, "loss": 2.0, "loss_scale": scale, "skipped": False}
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([_row(3), _row(3)], "metrics.jsonl:2: step 3 is logged again (first at line 1)"),
+        ([_row(3), _row(2)], "metrics.jsonl:2: step 2 follows step 3: the steps of a log must increase"),
+        ([_row(-1)], "metrics.jsonl:1: 'step' must lie in 0..2**53"),
+        ([_row(0), _row(10**30)], "metrics.jsonl:2: 'step' must lie in 0..2**53"),
+        ([_row(True)], "metrics.jsonl:1: 'step' must be an integer"),
+    ],
+)
+def test_report_refuses_the_steps_compare_refuses(tmp_path, capsys, rows, message) -> None:
+    """One check of a log's steps (mixprec.lab.metrics.read_step_rows) for both readers: the same file gets the
+    same one-line error from report and from compare, instead of a summary of "steps 3..2"."""
+    _write_rows(tmp_path / "run", rows)
+    for argv in (["report", str(tmp_path / "run")], ["compare", str(tmp_path / "run"), "--no-plot"]):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1 and message in err, (argv, err)
+
+
+@pytest.mark.parametrize("scale", [0, -4, 0.0, None, "big"])
+def test_report_refuses_a_loss_scale_no_scaler_keeps(tmp_path, capsys, scale) -> None:
+    _write_rows(tmp_path / "run", [_row(0), _row(1, scale)])
+    assert main(["report", str(tmp_path / "run"), "--no-plot"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and "metrics.jsonl:2:" in err and "loss_scale" in err
+
+
+def test_report_refuses_a_nonfinite_loss_scale(tmp_path, capsys) -> None:
+    # The strict encoding of the metrics log: an inf loss scale is null plus a "nonfinite" entry.
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / METRICS_NAME).write_text(encode_row(_row(0, math.inf)) + "\n")
+    assert main(["report", str(tmp_path / "run"), "--no-plot"]) == 2
+    assert "'loss_scale' must be a finite number > 0; got inf" in capsys.readouterr().err
+
+
+def test_report_and_compare_name_a_binary_file(tmp_path, capsys) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / METRICS_NAME).write_bytes(json.dumps(_row(0)).encode() + b"\n\xc9\x00\xff\xfe garbage\n")
+    for argv in (["report", str(tmp_path / "run")], ["compare", str(tmp_path / "run"), "--no-plot"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"{tmp_path / 'run' / METRICS_NAME}:2: not UTF-8 text" in err, err
+
+
+def test_report_and_compare_refuse_deeply_nested_json_in_one_line(tmp_path, capsys) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / METRICS_NAME).write_text('{"step": 0, "a": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    for argv in (["report", str(tmp_path / "run")], ["compare", str(tmp_path / "run"), "--no-plot"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "metrics.jsonl:1: JSON nested too deeply" in err, err
+
+
+def test_report_refuses_malformed_culprits(tmp_path, capsys) -> None:
+    _write_rows(tmp_path / "run", [{**_row(0), "skipped": True, "culprits": 7}])
+    assert main(["report", str(tmp_path / "run"), "--no-plot"]) == 2
+    assert "metrics.jsonl:1: 'culprits' must be a list of parameter names; got 7" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------ demo --audit FILE

@@ -3,10 +3,12 @@
 A run is a ``mixprec train`` run directory (its ``metrics.jsonl`` is read) or a JSONL file of one object per
 line. Only ``step`` (an integer) and ``loss`` (a number) are required; ``eval_loss``, ``skipped`` and
 ``tokens_per_s`` are used when present, so a log from another machine or framework compares as well. Rows whose
-loss is missing or null are ignored. A step that appears twice is refused (``duplicates="error"``, the default:
-``mixprec train`` never writes one, since a resumed run first drops the rows after its checkpoint); with
-``duplicates="last"`` the later row wins (a log that a resumed run appended to without dropping them), and
-:attr:`RunLog.repeated_steps` counts the steps so replaced, which ``mixprec compare`` reports.
+loss is missing or null are ignored. Steps are checked as every reader of a metrics log checks them
+(:func:`mixprec.lab.metrics.read_step_rows`): integers in ``0..2**53``, increasing down the file; a step that
+appears twice or goes back is refused (``duplicates="error"``, the default: ``mixprec train`` never writes one,
+since a resumed run first drops the rows after its checkpoint); with ``duplicates="last"`` the later row wins (a
+log that a resumed run appended to without dropping them), and :attr:`RunLog.repeated_steps` counts the steps so
+replaced, which ``mixprec compare`` reports.
 
 The table's columns are defined in :class:`RunComparison`.
 """
@@ -19,12 +21,13 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mixprec.lab.metrics import METRICS_NAME, read_numbered_rows
+from mixprec.lab.metrics import DUPLICATE_RULES, METRICS_NAME, read_step_rows
 
 __all__ = ["DUPLICATE_RULES", "RunComparison", "RunLog", "compare_runs", "format_table", "load_run", "plot_comparison"]
 
-# What load_run does with a step logged twice: refuse it, or keep the later row.
-DUPLICATE_RULES = ("error", "last")
+_LAST_HINT = (
+    "; to keep the later row of each repeated step (a log appended to by a resumed run), pass --duplicate-steps last"
+)
 
 
 @dataclass(frozen=True)
@@ -94,39 +97,24 @@ def _number(value: object, what: str) -> float:
 def load_run(path: str, name: str | None = None, *, duplicates: str = "error") -> RunLog:
     """Read a run directory or JSONL file.
 
-    ``duplicates``: what a step logged on two rows means: ``"error"`` refuses it, ``"last"`` keeps the later row
-    (counted in :attr:`RunLog.repeated_steps`). Raises ValueError on unreadable lines, on a repeated step with
-    ``"error"``, or when no row has a loss.
+    ``duplicates``: what a step logged on two rows (or going back) means: ``"error"`` refuses it, ``"last"`` keeps
+    the later row (counted in :attr:`RunLog.repeated_steps`). Raises ValueError on unreadable lines, on a step
+    that is no integer in ``0..2**53``, on a repeated or decreasing step with ``"error"``, or when no row has a
+    loss.
     """
-    if duplicates not in DUPLICATE_RULES:
-        raise ValueError(f"duplicates must be one of {', '.join(map(repr, DUPLICATE_RULES))}; got {duplicates!r}")
     file = _metrics_path(path)
-    first_line: dict[int, int] = {}
     repeated: set[int] = set()
     loss: dict[int, float] = {}
     eval_loss: dict[int, float] = {}
     skipped: dict[int, bool] = {}
     tps: dict[int, float] = {}
-    for lineno, row in read_numbered_rows(file):
-        where = f"{file}:{lineno}"
-        if "step" not in row:
-            raise ValueError(f"{where}: no 'step' field")
-        step = row["step"]
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise ValueError(f"{where}: 'step' must be an integer; got {step!r}")
-        if row.get("loss") is None:
-            continue
-        if step in first_line:
-            if duplicates == "error":
-                raise ValueError(
-                    f"{where}: step {step} is logged again (first at line {first_line[step]}); to keep the later "
-                    "row of each repeated step (a log appended to by a resumed run), pass --duplicate-steps last"
-                )
+    rows = read_step_rows(file, duplicates=duplicates, counts=lambda row: row.get("loss") is not None, hint=_LAST_HINT)
+    for where, step, row, again in rows:
+        if again:
             repeated.add(step)
             # The later row replaces the earlier one completely, also where it lacks a field.
             for record in (eval_loss, skipped, tps):
                 record.pop(step, None)
-        first_line.setdefault(step, lineno)
         loss[step] = _number(row["loss"], f"{where}: 'loss'")
         if row.get("eval_loss") is not None:
             eval_loss[step] = _number(row["eval_loss"], f"{where}: 'eval_loss'")

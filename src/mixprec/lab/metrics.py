@@ -7,6 +7,8 @@ NaN or +-inf float is written as ``null`` and named in the row's ``"nonfinite"``
 restores those values, so a reader sees the floats the trainer logged, while any other JSON tool sees valid
 JSON with nulls. Logs written with bare ``NaN`` (Python's json module, older runs) still read. A run killed
 mid-write may leave a torn last line: :func:`truncate_metrics` (called on resume) drops it with a notice.
+:func:`read_step_rows` is the one check of a log's steps that every reader (``mixprec compare``, ``mixprec
+report``) applies: integers in ``0..MAX_STEP``, increasing down the file as ``mixprec train`` writes them.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import math
 import os
 import statistics
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 __all__ = [
+    "DUPLICATE_RULES",
+    "MAX_STEP",
     "METRICS_NAME",
     "NONFINITE_KEY",
     "SUMMARY_NAME",
@@ -29,6 +33,7 @@ __all__ = [
     "encode_row",
     "read_numbered_rows",
     "read_rows",
+    "read_step_rows",
     "strict_row",
     "summarize_run",
     "truncate_metrics",
@@ -39,6 +44,11 @@ METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
 NONFINITE_KEY = "nonfinite"
 _NONFINITE_NAMES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+# The largest step a row may carry: 2**53, the largest integer that every JSON reader (a double) keeps exactly.
+MAX_STEP = 2**53
+# What a step logged on two rows means: refuse the log, or keep the later row (a resumed run appended to a log
+# without dropping the rows after its checkpoint).
+DUPLICATE_RULES = ("error", "last")
 
 
 def _nonfinite_name(v: float) -> str:
@@ -88,17 +98,69 @@ def read_rows(path: str) -> Iterator[dict[str, Any]]:
 
 def read_numbered_rows(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
     """:func:`read_rows` with each row's 1-based line number (for error messages naming ``path:line``)."""
-    with open(path) as fh:
-        for lineno, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text (is {path!r} a metrics log?)") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: not a JSON object ({exc.msg})") from None
+            except RecursionError:
+                raise ValueError(f"{path}:{lineno}: JSON nested too deeply to be a metrics row") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
             yield lineno, decode_row(row, f"{path}:{lineno}")
+
+
+def read_step_rows(
+    path: str,
+    *,
+    duplicates: str = "error",
+    counts: Callable[[dict[str, Any]], bool] | None = None,
+    hint: str = "",
+) -> Iterator[tuple[str, int, dict[str, Any], bool]]:
+    """The rows of a metrics log whose step is checked: ``(where, step, row, repeated)``, ``where`` being
+    ``path:line``.
+
+    Every row needs a ``step``: an integer in ``0..MAX_STEP``. Among the rows that ``counts`` accepts (all by
+    default; the others are checked and skipped), each step must exceed the one before, as ``mixprec train``
+    logs them. With ``duplicates="last"`` a step may also go back (a resumed run appended to the log without
+    dropping the rows after its checkpoint); ``repeated`` is then true for a row whose step an earlier row had,
+    and that later row is the one to keep. ``hint`` is appended to the message of a step that repeats or goes
+    back (what the caller offers instead, e.g. a flag).
+
+    Raises:
+        ValueError: naming ``path:line`` (and, for a repeat, the line of the first row), on any of the above or
+            on a line that :func:`read_numbered_rows` refuses.
+    """
+    if duplicates not in DUPLICATE_RULES:
+        raise ValueError(f"duplicates must be one of {', '.join(map(repr, DUPLICATE_RULES))}; got {duplicates!r}")
+    first_line: dict[int, int] = {}
+    last: int | None = None
+    for lineno, row in read_numbered_rows(path):
+        where = f"{path}:{lineno}"
+        if "step" not in row:
+            raise ValueError(f"{where}: no 'step' field")
+        step = row["step"]
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(f"{where}: 'step' must be an integer; got {step!r}")
+        if not 0 <= step <= MAX_STEP:
+            raise ValueError(f"{where}: 'step' must lie in 0..2**53 (a count of optimizer steps); got {step}")
+        if counts is not None and not counts(row):
+            continue
+        repeated = step in first_line
+        if duplicates == "error" and repeated:
+            raise ValueError(f"{where}: step {step} is logged again (first at line {first_line[step]}){hint}")
+        if duplicates == "error" and last is not None and step < last:
+            raise ValueError(f"{where}: step {step} follows step {last}: the steps of a log must increase{hint}")
+        first_line.setdefault(step, lineno)
+        last = step
+        yield where, step, row, repeated
 
 
 def truncate_metrics(path: str, before_step: int) -> None:

@@ -15,7 +15,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
-from mixprec.lab.metrics import METRICS_NAME, read_numbered_rows
+from mixprec.lab.metrics import METRICS_NAME, read_step_rows
 from mixprec.lab.telemetry import HEADROOM_FIELDS, HEADROOM_KEY
 
 __all__ = ["RunTelemetry", "load_telemetry", "plot_telemetry", "summary_lines"]
@@ -42,23 +42,28 @@ class RunTelemetry:
 
 
 def load_telemetry(run_dir: str) -> RunTelemetry:
-    """Read ``run_dir/metrics.jsonl``. Raises ValueError (one line) for a missing directory or log, an empty log,
-    or a row without ``step``, ``loss_scale`` and ``skipped`` or with a malformed ``headroom``."""
+    """Read ``run_dir/metrics.jsonl``. Raises ValueError (one line, naming ``path:line``) for a missing directory
+    or log, an empty log, steps that ``mixprec compare`` refuses too (:func:`mixprec.lab.metrics.read_step_rows`:
+    not integers in ``0..2**53``, repeated or decreasing), or a row without a loss_scale that is a finite number
+    > 0 (what every loss scaler keeps), a bool skipped, or with malformed ``culprits`` or ``headroom``."""
     if not os.path.isdir(run_dir):
         raise ValueError(f"RUN {run_dir!r} is not a directory (give a mixprec train run directory)")
     path = os.path.join(run_dir, METRICS_NAME)
     if not os.path.isfile(path):
         raise ValueError(f"RUN {run_dir!r} holds no {METRICS_NAME} (is it a mixprec train run directory?)")
     tel = RunTelemetry(run_dir)
-    for lineno, row in read_numbered_rows(path):
-        where = f"{path}:{lineno}"
-        step, scale, skipped = row.get("step"), row.get("loss_scale"), row.get("skipped")
-        if not isinstance(step, int) or not isinstance(scale, int | float) or not isinstance(skipped, bool):
-            raise ValueError(f"{where}: a metrics row needs an integer step, a numeric loss_scale and a bool skipped")
+    for where, step, row, _ in read_step_rows(path):
+        scale, skipped, culprits = row.get("loss_scale"), row.get("skipped"), row.get("culprits") or []
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not isinstance(skipped, bool):
+            raise ValueError(f"{where}: a metrics row needs a numeric loss_scale and a bool skipped")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{where}: 'loss_scale' must be a finite number > 0; got {scale!r}")
+        if not isinstance(culprits, list) or not all(isinstance(c, str) for c in culprits):
+            raise ValueError(f"{where}: 'culprits' must be a list of parameter names; got {culprits!r}")
         tel.steps.append(step)
         tel.scales.append(float(scale))
         tel.skipped.append(skipped)
-        tel.culprits.update(row.get("culprits") or ())
+        tel.culprits.update(culprits)
         if HEADROOM_KEY in row:
             _add_headroom(tel, row[HEADROOM_KEY], step, where)
     if not tel.steps:
