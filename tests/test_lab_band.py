@@ -55,6 +55,25 @@ def test_band_verdicts_on_known_curves() -> None:
         band_verdicts(replicas[:1], [inside])
 
 
+def test_replicas_of_unequal_length_are_refused_not_cut(tmp_path, capsys) -> None:
+    """Replicas of 5, 5 and 3 steps: the band would silently cover the 3 shared steps only."""
+    replicas = [run_log("r0", [2.0] * 5), run_log("r1", [2.01] * 5), run_log("r2", [2.02] * 3)]
+    message = r"replica r2 logged loss at 3 steps \(0..2\), but replica r0 at 5 steps \(0..4\)"
+    with pytest.raises(ValueError, match=message):
+        band_verdicts(replicas, [run_log("v", [2.0] * 5)])
+    with pytest.raises(ValueError, match=r"replica r2 logged loss at 3 steps \(0..2\), but replica r\d at 5 steps"):
+        false_alarms(replicas)
+    for k, n in enumerate((5, 5, 3)):
+        (tmp_path / "band" / f"replica-{k}").mkdir(parents=True)
+        rows = "".join(f'{{"step": {s}, "loss": {2.0 + 0.01 * k}}}\n' for s in range(n))
+        (tmp_path / "band" / f"replica-{k}" / "metrics.jsonl").write_text(rows)
+    (tmp_path / "v.jsonl").write_text("".join(f'{{"step": {s}, "loss": 2.0}}\n' for s in range(5)))
+    assert main(["compare", "--no-plot", "--band", str(tmp_path / "band"), str(tmp_path / "v.jsonl")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert f"replica {tmp_path / 'band' / 'replica-2' / 'metrics.jsonl'} logged loss at 3 steps (0..2)" in err
+
+
 def test_replicas_and_compare_band_round_trip(tmp_path, capsys) -> None:
     assert main(["train", *TINY, "--replicas", "3", "--out-dir", str(tmp_path / "band")]) == 0
     assert sorted(p.name for p in (tmp_path / "band").iterdir()) == ["replica-0", "replica-1", "replica-2"]

@@ -139,9 +139,30 @@ def false_alarms(replicas: Sequence[RunLog], *, widen: float = 1.0, persist: int
     return count
 
 
+def _check_replicas(replicas: Sequence[RunLog], metric: str) -> None:
+    """Replicas that logged different steps (one stopped early, or ran longer) give no band over the steps they
+    do not share: refuse them, naming the replica that differs from the first, instead of cutting the band to
+    the shorter one."""
+    first = _values(replicas[0], metric)
+    for run in replicas[1:]:
+        values = _values(run, metric)
+        if values.keys() != first.keys():
+            raise ValueError(
+                f"replica {run.path} logged {metric} at {_span(values)}, but replica {replicas[0].path} at "
+                f"{_span(first)}: every replica of a band must log the same steps (finish the shorter one with "
+                "mixprec train --resume --steps N, or leave it out of the band directory)"
+            )
+
+
+def _span(values: dict[int, float]) -> str:
+    steps = sorted(values)
+    return f"{len(steps)} steps ({steps[0]}..{steps[-1]})" if steps else "no step"
+
+
 def _judge(
     replicas: Sequence[RunLog], variants: Sequence[RunLog], widen: float, persist: int, metric: str
 ) -> tuple[list[BandVerdict], tuple[float, float]]:
+    _check_replicas(replicas, metric)
     series = [_values(r, metric) for r in replicas]
     steps = sorted(set.intersection(*(set(s) for s in series)))
     if not steps:
