@@ -64,6 +64,45 @@ def special_rows(fmt: str, block: int) -> torch.Tensor:
     return torch.cat([x, extra])
 
 
+def boundary_rows(fmt: str, block: int) -> torch.Tensor:
+    """One block per amax that sits on a branch of a scale rule: powers of two and their fp32 neighbours (floor,
+    ceil, neuron), amax / max_element at 2**-127, between 2**-128 and 2**-127 and at 2**-126 (rceil's subnormal
+    quotients), the ``even`` carry into the next binade (a tie of the element's precision) and below it; the rest
+    of each block is smaller values of both signs."""
+    bf = MX_FORMATS[fmt]
+    top, man = bf.max_element, bf.element.man_bits
+    up, down = torch.tensor(math.inf), torch.tensor(0.0)
+    amaxes: list[float] = []
+    for k in (-149, -140, -130, -127, -126, -120, -5, 0, 7, 100, 127):
+        p2 = torch.tensor(2.0**k)
+        amaxes += [p2.item(), torch.nextafter(p2, up).item(), torch.nextafter(p2, down).item()]
+        tie = torch.tensor(2.0**k * (2 - 2.0 ** -(man + 1)))  # rounds up to 2**(k+1) at man fraction bits
+        amaxes += [tie.item(), torch.nextafter(tie, down).item()]
+    for q in (2.0**-127, 1.5 * 2.0**-128, 2.0**-126, 2.0**-128):
+        a = torch.tensor(top * q)
+        amaxes += [a.item(), torch.nextafter(a, up).item(), torch.nextafter(a, down).item()]
+    amaxes = [a for a in amaxes if 0 < a < math.inf]
+    g = torch.Generator().manual_seed(2)
+    rows = torch.rand(len(amaxes), block, generator=g) * (
+        torch.randint(0, 2, (len(amaxes), block), generator=g) * 2 - 1
+    )
+    a = torch.tensor(amaxes, dtype=torch.float32).unsqueeze(1)
+    rows = rows * a * 0.99
+    rows[:, 0] = a[:, 0] * (1 - 2 * (torch.arange(len(amaxes)) % 2))
+    return rows
+
+
+@pytest.mark.parametrize(("fmt", "mode"), CASES)
+@pytest.mark.parametrize("block", [None, 8])
+def test_scale_rule_boundaries(fmt: str, mode: str, block: int | None, calls: list[int]) -> None:
+    """Both the grouped scale loops (blocks of 16 and 32) and the one-block loop (other sizes)."""
+    x = boundary_rows(fmt, block or MX_FORMATS[fmt].block_size)
+    for rounding in ("nearest", "toward_zero"):
+        assert_same(x, fmt, scale_mode=mode, rounding=rounding, block_size=block)
+        assert_same(x.bfloat16(), fmt, scale_mode=mode, rounding=rounding, block_size=block)
+    assert calls == [1] * 8
+
+
 def both_paths(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
     got = fn(*args, **kwargs)
     with native.disabled():
@@ -139,9 +178,14 @@ def test_odd_shapes_and_block_sizes(shape: tuple[int, ...], block_size: int | No
         pytest.skip("the format's block does not divide the last dim")
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 6)
-    mode = "e4m3" if fmt == "nvfp4" else "rceil"
-    assert_same(x, fmt, block_size=block_size, scale_mode=mode)
-    assert calls == [1, 1]
+    x.view(-1)[:: max(1, x.numel() // 7)] = torch.tensor([0.0, -0.0, 1e-40, 3e38, math.inf, math.nan]).repeat(8)[
+        : len(range(0, x.numel(), max(1, x.numel() // 7)))
+    ]
+    modes = ("e4m3",) if fmt == "nvfp4" else E8M0_MODES  # sizes other than 16 and 32 take the one-block loop
+    for mode in modes:
+        for rounding in ("nearest", "toward_zero"):
+            assert_same(x, fmt, block_size=block_size, scale_mode=mode, rounding=rounding)
+    assert calls == [1, 1] * 2 * len(modes)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

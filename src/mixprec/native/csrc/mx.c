@@ -19,6 +19,7 @@
 enum { MX_FLOOR = 0, MX_CEIL = 1, MX_EVEN = 2, MX_RCEIL = 3, MX_NEURON = 4, MX_E4M3 = 5 };
 enum { MX_SRC_F32 = 0, MX_SRC_F16 = 1, MX_SRC_BF16 = 2 };
 #define MX_NAN 0x7FC00000u
+#define GROUP 16 /* blocks whose scales are computed together */
 
 typedef struct {
     int mode, emax, has_ts, toward_zero;
@@ -63,6 +64,57 @@ static inline void block_scale(uint32_t amaxb, const mxparams *p, float *scale, 
     e = e < -127 ? -127 : (e > 127 ? 127 : e);
     *scale = *deq = bits_f32(pow2_bits(e));
     *mult = (p->mode == MX_RCEIL && e == -127) ? 1.0f : bits_f32(pow2_bits(-e)); /* TE's exp2f_rcp */
+}
+
+/* block_scale for g blocks at once, in loops gcc vectorizes across blocks (integer selects only; dividing by 1
+ * and multiplying by 1 are exact, so one loop serves NVFP4 with and without a tensor scale). */
+static void block_scales(const uint32_t *am, int g, const mxparams *p, float *sc, float *mu, float *dq) {
+    uint32_t *scb = (uint32_t *)sc, *mub = (uint32_t *)mu, *dqb = (uint32_t *)dq;
+    if (p->mode == MX_E4M3) {
+        const float maxe = p->max_element, tsd = p->has_ts ? p->ts : 1.0f, rtsd = p->has_ts ? p->rts : 1.0f;
+#pragma omp simd
+        for (int i = 0; i < g; i++) {
+            uint32_t b = f32_bits((bits_f32(am[i]) / maxe) / tsd);
+            b = b < 0x3C800000u ? 0x3C800000u : (b > 0x43E00000u ? 0x43E00000u : b); /* [2**-6, 448] */
+            const float m = bits_f32((b & 0x7F800000u) + ((20u << 23) | (1u << 22)));
+            const float s = (bits_f32(b) + m) - m;
+            const uint32_t nan = 0u - (uint32_t)(am[i] > 0x7F800000u);
+            scb[i] = (f32_bits(s) & ~nan) | (MX_NAN & nan);
+            mub[i] = (f32_bits(rtsd / s) & ~nan) | (MX_NAN & nan);
+            dqb[i] = (f32_bits(tsd * s) & ~nan) | (MX_NAN & nan);
+        }
+        return;
+    }
+    int32_t e[GROUP];
+    if (p->mode == MX_RCEIL) {
+        const float maxe = p->max_element;
+#pragma omp simd
+        for (int i = 0; i < g; i++) {
+            const uint32_t d = f32_bits(bits_f32(am[i]) / maxe);
+            const int32_t en = (int32_t)((d >> 23) & 0xFFu) - 127 + (int32_t)((d & 0x7FFFFFu) != 0);
+            const int32_t es = d > 0x00400000u ? -126 : -127;
+            e[i] = d < 0x00800000u ? es : en;
+        }
+    } else {
+        const uint32_t inc = p->mode == MX_EVEN ? p->even_inc : 0u;
+        const int32_t ceil = p->mode == MX_CEIL, off = -p->emax + (p->mode == MX_NEURON);
+#pragma omp simd
+        for (int i = 0; i < g; i++) {
+            const uint32_t b = am[i] + inc;
+            e[i] = (int32_t)((b >> 23) & 0xFFu) - 127 + (ceil & (int32_t)((b & 0x7FFFFFu) != 0)) + off;
+        }
+    }
+    const uint32_t one_if_rceil = p->mode == MX_RCEIL ? 0x3F800000u : 0u;
+#pragma omp simd
+    for (int i = 0; i < g; i++) {
+        int32_t k = e[i] < -127 ? -127 : (e[i] > 127 ? 127 : e[i]);
+        const uint32_t sb = k >= -126 ? (uint32_t)(k + 127) << 23 : 0x00400000u;
+        uint32_t mb = -k >= -126 ? (uint32_t)(127 - k) << 23 : 0x00400000u;
+        mb = (k == -127 && one_if_rceil) ? one_if_rceil : mb; /* TE's exp2f_rcp */
+        const uint32_t nan = 0u - (uint32_t)(am[i] > 0x7F800000u);
+        scb[i] = dqb[i] = (sb & ~nan) | (MX_NAN & nan);
+        mub[i] = (mb & ~nan) | (MX_NAN & nan);
+    }
 }
 
 static inline __attribute__((always_inline)) uint32_t element(uint32_t xb, float mult, const mxparams *p) {
@@ -120,24 +172,64 @@ DEFINE_BLOCK(block_f32, uint32_t, MX_LOAD_F32)
 DEFINE_BLOCK(block_bf16, uint16_t, MX_LOAD_BF16)
 DEFINE_BLOCK(block_f16, uint16_t, MX_LOAD_F16)
 
-/* Blocks [b0, b1): the common block sizes get loops of a constant trip count (fully vectorized, no remainder). */
-#define DEFINE_RANGE(NAME, SRC_T, BLOCK_FN)                                                                    \
+/* Blocks [b0, b1). The common block sizes go in groups of 16 blocks: amax per block (a loop of a constant trip
+ * count), the 16 scales in vectorized loops, then the elements; other sizes one block at a time. */
+#define DEFINE_GROUPED(NAME, SRC_T, LOAD, B)                                                                   \
+    static void NAME(const SRC_T *src, float *dst, float *scales, int64_t b0, int64_t b1, int dequant,         \
+                     const mxparams *p) {                                                                      \
+        uint32_t am[GROUP];                                                                                    \
+        float sc[GROUP], mu[GROUP], dq[GROUP];                                                                 \
+        const mxparams q = *p;                                                                                 \
+        for (int64_t g0 = b0; g0 < b1; g0 += GROUP) {                                                          \
+            const int g = b1 - g0 < GROUP ? (int)(b1 - g0) : GROUP;                                            \
+            for (int j = 0; j < g; j++) {                                                                      \
+                const SRC_T *s = src + (g0 + j) * B;                                                           \
+                uint32_t m = 0;                                                                                \
+                _Pragma("omp simd reduction(max : m)") for (int i = 0; i < B; i++) {                           \
+                    const uint32_t a = LOAD(s[i]) & 0x7FFFFFFFu;                                               \
+                    m = a > m ? a : m;                                                                         \
+                }                                                                                              \
+                am[j] = m;                                                                                     \
+            }                                                                                                  \
+            block_scales(am, g, p, sc, mu, dq);                                                                \
+            if (scales) memcpy(scales + g0, sc, (size_t)g * sizeof(float));                                    \
+            for (int j = 0; j < g; j++) {                                                                      \
+                const SRC_T *s = src + (g0 + j) * B;                                                           \
+                float *o = dst + (g0 + j) * B;                                                                 \
+                uint32_t *ob = (uint32_t *)o;                                                                  \
+                const float mult = mu[j], deq = dq[j];                                                         \
+                if (am[j] > 0x7F800000u) {                                                                     \
+                    for (int i = 0; i < B; i++) ob[i] = MX_NAN;                                                \
+                } else if (dequant) {                                                                          \
+                    _Pragma("omp simd") for (int i = 0; i < B; i++) o[i] = bits_f32(element(LOAD(s[i]), mult, &q)) * deq; \
+                } else {                                                                                       \
+                    _Pragma("omp simd") for (int i = 0; i < B; i++) ob[i] = element(LOAD(s[i]), mult, &q);     \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+DEFINE_GROUPED(grouped32_f32, uint32_t, MX_LOAD_F32, 32)
+DEFINE_GROUPED(grouped16_f32, uint32_t, MX_LOAD_F32, 16)
+DEFINE_GROUPED(grouped32_bf16, uint16_t, MX_LOAD_BF16, 32)
+DEFINE_GROUPED(grouped16_bf16, uint16_t, MX_LOAD_BF16, 16)
+DEFINE_GROUPED(grouped32_f16, uint16_t, MX_LOAD_F16, 32)
+DEFINE_GROUPED(grouped16_f16, uint16_t, MX_LOAD_F16, 16)
+
+#define DEFINE_RANGE(NAME, SRC_T, BLOCK_FN, G32, G16)                                                          \
     static void NAME(const void *src_, float *dst, float *scales, int64_t b0, int64_t b1, int block,           \
                      int dequant, const mxparams *p) {                                                         \
         const SRC_T *src = (const SRC_T *)src_;                                                                \
-        for (int64_t b = b0; b < b1; b++) {                                                                    \
-            float *so = scales ? scales + b : 0;                                                               \
-            if (block == 32)                                                                                   \
-                BLOCK_FN(src + b * 32, dst + b * 32, 32, 32, dequant, p, so);                                  \
-            else if (block == 16)                                                                              \
-                BLOCK_FN(src + b * 16, dst + b * 16, 16, 16, dequant, p, so);                                  \
-            else                                                                                               \
-                BLOCK_FN(src + b * block, dst + b * block, block, block, dequant, p, so);                      \
-        }                                                                                                      \
+        if (block == 32)                                                                                       \
+            G32(src, dst, scales, b0, b1, dequant, p);                                                         \
+        else if (block == 16)                                                                                  \
+            G16(src, dst, scales, b0, b1, dequant, p);                                                         \
+        else                                                                                                   \
+            for (int64_t b = b0; b < b1; b++)                                                                  \
+                BLOCK_FN(src + b * block, dst + b * block, block, block, dequant, p, scales ? scales + b : 0); \
     }
-DEFINE_RANGE(range_f32, uint32_t, block_f32)
-DEFINE_RANGE(range_bf16, uint16_t, block_bf16)
-DEFINE_RANGE(range_f16, uint16_t, block_f16)
+DEFINE_RANGE(range_f32, uint32_t, block_f32, grouped32_f32, grouped16_f32)
+DEFINE_RANGE(range_bf16, uint16_t, block_bf16, grouped32_bf16, grouped16_bf16)
+DEFINE_RANGE(range_f16, uint16_t, block_f16, grouped32_f16, grouped16_f16)
 
 /* Quantize n_blocks contiguous blocks of `block` elements of src (MX_SRC_* kind) to the block-scaled format
  * (element: exp_bits, man_bits, largest value max_element with exponent emax; scale rule mode; NVFP4's tensor
