@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import multiprocessing as mp
 import os
+import re
 import sys
 import traceback
 from datetime import timedelta
@@ -65,14 +66,27 @@ class TrainingFailed(RanksFailed):
 
 
 def torchrun_env() -> dict[str, int] | None:
-    """RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE when started by torchrun (or any launcher setting them)."""
+    """RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE when started by torchrun (or any launcher setting them),
+    with torchrun's GROUP_RANK and GROUP_WORLD_SIZE (this node's index and the node count) when set.
+
+    Raises:
+        ValueError: a variable is not an integer, or GROUP_WORLD_SIZE x LOCAL_WORLD_SIZE is not WORLD_SIZE (nodes
+            with different rank counts: the hierarchical reductions need the same count on every node).
+    """
     if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
         return None
     try:
         env = {k: int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         env["LOCAL_WORLD_SIZE"] = int(os.environ.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+        env.update({k: int(os.environ[k]) for k in ("GROUP_RANK", "GROUP_WORLD_SIZE") if k in os.environ})
     except ValueError as exc:
         raise ValueError(f"torchrun environment variables must be integers ({exc})") from None
+    nodes = env.get("GROUP_WORLD_SIZE")
+    if nodes is not None and nodes * env["LOCAL_WORLD_SIZE"] != env["WORLD_SIZE"]:
+        raise ValueError(
+            f"torchrun started {env['LOCAL_WORLD_SIZE']} ranks on this node (LOCAL_WORLD_SIZE) but {env['WORLD_SIZE']}"
+            f" ranks on {nodes} nodes (WORLD_SIZE, GROUP_WORLD_SIZE): give every node the same --nproc-per-node"
+        )
     return env
 
 
@@ -316,6 +330,8 @@ def _launch_torchrun(
         if rank == 0:
             prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
         dist.barrier()
+        if rank == 0:
+            print(f"mixprec train: torchrun: {_where(env, cfg)}", file=sys.stderr, flush=True)
         device = torch.device("cuda", env["LOCAL_RANK"]) if device_type == "cuda" else torch.device("cpu")
         return train_rank(
             cfg,
@@ -325,8 +341,45 @@ def _launch_torchrun(
             resume=resume,
             progress=progress if rank == 0 else False,
         )
+    except BaseException as exc:
+        if not is_peer_failure(exc):
+            raise
+        # One line per surviving rank instead of a traceback, naming the peer's address when the transport gave
+        # it (gloo does: a node that died or was cut off). Printed before the group is torn down below: that makes
+        # the other local ranks fail, and torchrun may SIGTERM this rank as soon as one of them has exited.
+        peer = _PEER_ADDRESS.search(str(exc))
+        who = f"the rank at {peer.group(1)} failed or is unreachable" if peer else "another rank failed or hung"
+        line = f"rank {rank} (node {_node(env)}, local rank {env['LOCAL_RANK']}) stopped: {who}"
+        print(f"mixprec train: {line}", file=sys.stderr, flush=True)
+        raise TrainingFailed(
+            f"{line} ({exc}). The last checkpoint, if any, is intact; continue with --resume. (A rank that hangs "
+            f"is detected after timeout = {cfg.parallel.timeout:g} s.)",
+            rank=rank,
+        ) from exc
     finally:
         dist.destroy_process_group()
+
+
+# gloo's transport errors name the peer as "[ADDRESS]:PORT" (e.g. "Read error [10.0.0.2]:37000: Connection reset").
+_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+")
+
+
+def _node(env: dict[str, int]) -> int:
+    return env.get("GROUP_RANK", env["RANK"] // env["LOCAL_WORLD_SIZE"])
+
+
+def _where(env: dict[str, int], cfg: TrainConfig) -> str:
+    """The job's shape as torchrun's environment gives it, and the topology the hierarchical reductions use."""
+    nodes = env.get("GROUP_WORLD_SIZE", env["WORLD_SIZE"] // env["LOCAL_WORLD_SIZE"])
+    line = (
+        f"{env['WORLD_SIZE']} ranks, {nodes} node(s) x {env['LOCAL_WORLD_SIZE']} (WORLD_SIZE={env['WORLD_SIZE']}, "
+        f"LOCAL_WORLD_SIZE={env['LOCAL_WORLD_SIZE']}"
+        + (f", GROUP_WORLD_SIZE={env['GROUP_WORLD_SIZE']})" if "GROUP_WORLD_SIZE" in env else ")")
+    )
+    p = cfg.parallel
+    if p.reduce.endswith("_hierarchical"):
+        line += f"; {p.reduce} topology: {env['WORLD_SIZE'] // p.ranks_per_node} nodes x {p.ranks_per_node} ranks"
+    return line
 
 
 def read_summary(out_dir: str) -> dict[str, Any]:
