@@ -33,9 +33,9 @@ def _example():
     return module
 
 
-def _wrapper(rank: int, world: int, reduce: str) -> dict:
+def _wrapper(rank: int, world: int, reduce: str, schedule_steps: int | None = None) -> dict:
     """The same run under mixprec's own DistributedDataParallel, SkipAwareLR stepping as Accelerate's
-    prepared scheduler does (num_processes steps per optimizer step that ran)."""
+    prepared scheduler does (num_processes steps per optimizer step that ran) or ``schedule_steps`` times."""
     from mixprec.parallel import DistributedDataParallel
     from mixprec.scaling import SkipAwareLR
 
@@ -52,7 +52,7 @@ def _wrapper(rank: int, world: int, reduce: str) -> dict:
         scaler.scale(torch.nn.functional.mse_loss(ddp(x), y)).backward()
         scaler.step(opt)
         scaler.update()
-        for _ in range(world):
+        for _ in range(world if schedule_steps is None else schedule_steps):
             sched.step()
     return {
         "weight": net[0].weight.detach().clone(),
@@ -62,7 +62,7 @@ def _wrapper(rank: int, world: int, reduce: str) -> dict:
     }
 
 
-def _torchrun(tmp_path: Path, *args: str) -> tuple[str, dict]:
+def _torchrun(tmp_path: Path, *args: str, script: Path = SCRIPT) -> tuple[str, dict]:
     out = tmp_path / "params.pt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     cmd = [
@@ -72,7 +72,7 @@ def _torchrun(tmp_path: Path, *args: str) -> tuple[str, dict]:
         "--standalone",
         "--nproc-per-node",
         "2",
-        str(SCRIPT),
+        str(script),
         "--out",
         str(out),
         *args,
@@ -91,6 +91,20 @@ def test_accelerate_hook_and_scaler_give_the_wrappers_bits(tmp_path) -> None:
     assert got["skipped"] == want["skipped"] == 1
     assert got["scale"] == want["scale"]
     assert got["lr"] == want["lr"]
+    assert torch.equal(got["weight"], want["weight"])
+
+
+@pytest.mark.slow
+def test_hf_trainer_callback_gives_the_wrappers_bits(tmp_path) -> None:
+    """examples/integrations/hf_trainer_accelerate.py: the same run inside transformers' Trainer (it steps its
+    scheduler once per step that ran, when accelerator.optimizer_step_was_skipped is False)."""
+    pytest.importorskip("transformers")
+    stdout, got = _torchrun(tmp_path, script=SCRIPT.with_name("hf_trainer_accelerate.py"))
+    assert "hf_trainer_accelerate example: OK" in stdout
+    want = run_distributed(_wrapper, 2, "uint8", 1, timeout=240)[0]
+    assert got["skipped"] == want["skipped"] == 1
+    assert got["scale"] == want["scale"]
+    assert got["lr"] == want["lr"] == 0.5 / 4
     assert torch.equal(got["weight"], want["weight"])
 
 

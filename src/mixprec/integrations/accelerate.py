@@ -24,7 +24,7 @@ import torch
 from mixprec.integrations.ddp_reducer import ReducerHookState, reducer_hook
 from mixprec.scaling import LossScaler
 
-__all__ = ["MixprecTrainerCallback", "apply", "use_scaler"]
+__all__ = ["MixprecTrainerCallback", "apply", "use_scaler"]  # noqa: F822  (built by __getattr__ on first use)
 
 
 def _distributed_type(accelerator: Any) -> str:
@@ -125,31 +125,47 @@ def use_scaler(accelerator: Any, scaler: LossScaler) -> LossScaler:
     return scaler
 
 
-def _trainer_callback_base() -> type:
+def _trainer_callback() -> type:
+    """MixprecTrainerCallback, built on first use: importing transformers takes about a second."""
     try:
         from transformers import TrainerCallback
-    except ImportError:
-        return object
-    return TrainerCallback
+    except ImportError as exc:
+        raise ImportError("MixprecTrainerCallback needs transformers (pip install transformers)") from exc
+
+    class MixprecTrainerCallback(TrainerCallback):  # type: ignore[misc]
+        """Hugging Face ``Trainer`` callback: at ``on_train_begin`` (after the Trainer's ``prepare()``) apply
+        ``reduce`` to the wrapped model and, with ``scaler``, make it the accelerator's loss scaler::
+
+            trainer.add_callback(MixprecTrainerCallback(trainer, reduce="uint8", scaler=DynamicLossScaler()))
+
+        Set ``TrainingArguments(max_grad_norm=0)`` or unscale yourself: the Trainer's clipping unscales only
+        torch's GradScaler. ``state`` is what :func:`apply` returned.
+        """
+
+        def __init__(
+            self, trainer: Any, reduce: Any = "fp32_accumulate", scaler: LossScaler | None = None, **options: Any
+        ) -> None:
+            if scaler is not None and not isinstance(scaler, LossScaler):
+                raise TypeError(f"scaler must be a mixprec loss scaler; got {type(scaler).__name__}")
+            self.trainer = trainer
+            self.reduce = reduce
+            self.scaler = scaler
+            self.options = options
+            self.state: Any = None
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            trainer = self.trainer
+            self.state = apply(trainer.accelerator, trainer.model_wrapped, self.reduce, **self.options)
+            if self.scaler is not None:
+                use_scaler(trainer.accelerator, self.scaler)
+
+    MixprecTrainerCallback.__module__ = __name__
+    return MixprecTrainerCallback
 
 
-class MixprecTrainerCallback(_trainer_callback_base()):  # type: ignore[misc]
-    """Hugging Face ``Trainer`` callback: at ``on_train_begin`` (after the Trainer's ``prepare()``) apply
-    ``reduce`` to the wrapped model and, with ``scaler``, make it the accelerator's loss scaler.
-
-    ``Trainer(..., callbacks=[MixprecTrainerCallback(trainer_ref, reduce="uint8")])`` needs the trainer;
-    simpler: ``trainer.add_callback(MixprecTrainerCallback(trainer, reduce="uint8"))`` before ``train()``.
-    """
-
-    def __init__(self, trainer: Any, reduce: Any = "fp32_accumulate", scaler: LossScaler | None = None, **options: Any):
-        self.trainer = trainer
-        self.reduce = reduce
-        self.scaler = scaler
-        self.options = options
-        self.state: Any = None
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        trainer = self.trainer
-        self.state = apply(trainer.accelerator, trainer.model_wrapped, self.reduce, **self.options)
-        if self.scaler is not None:
-            use_scaler(trainer.accelerator, self.scaler)
+def __getattr__(name: str) -> Any:
+    if name == "MixprecTrainerCallback":
+        cls = _trainer_callback()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
