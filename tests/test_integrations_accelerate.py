@@ -130,3 +130,38 @@ def test_apply_refuses_what_it_cannot_hook() -> None:
         adapter.apply(Fake("DEEPSPEED"), torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="FSDP2 only"):
         adapter.apply(Fake("FSDP"), torch.nn.Linear(2, 2))
+
+
+def _fsdp2_apply(rank: int, world: int) -> tuple[int, str]:
+    """apply()'s FSDP2 branch on real fully_shard-ed modules (Accelerate routes cpu=True to DDP, so its FSDP2
+    plugin cannot run here: the accelerator's two attributes that apply() reads are given by hand)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from mixprec.integrations import accelerate as adapter
+
+    class FSDP2Accelerator:
+        distributed_type = accelerate.utils.DistributedType.FSDP
+        is_fsdp2 = True
+
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    try:
+        adapter.apply(FSDP2Accelerator(), model, reduce="uint8")
+        refusal = ""
+    except ValueError as exc:
+        refusal = str(exc)
+    return adapter.apply(FSDP2Accelerator(), model, rounding="stochastic"), refusal
+
+
+@pytest.mark.slow
+def test_apply_installs_the_reduce_scatter_on_fsdp2_modules() -> None:
+    import torch._dynamo  # FSDP2 imports it on first use: once here, not per rank
+    import torch.distributed.fsdp  # noqa: F401
+
+    for installed, refusal in run_distributed(_fsdp2_apply, 2, timeout=120):
+        assert installed == 2  # model[0] and the root
+        assert "only 'fp32_accumulate' can" in refusal
