@@ -1,7 +1,8 @@
 """8-bit min-max gradient compression (after Bagua's ByteGrad): quantizer, compressed collectives, reducers.
 
 * :class:`MinMaxUInt8`: per-chunk min-max uint8 quantizer (0 decodes to 0) with a documented wire format;
-  :class:`ScaledFP8`: fp8 e4m3/e5m2 codes with a power-of-two scale per chunk; either goes on the wire.
+  :class:`ScaledFP8`: fp8 e4m3/e5m2 codes with a power-of-two scale per chunk; :class:`BlockScaledWire`:
+  MXFP8 / MXFP4 / NVFP4 with the block scales inline; any of them goes on the wire.
 * :func:`compressed_all_reduce` / :func:`compressed_reduce_scatter`: uint8 on the wire, fp32 sums, flat or
   hierarchical (:class:`Topology`), optional :class:`ErrorFeedback`, per-call :class:`CompressionStats`.
 * Reducers ``"uint8"`` and ``"uint8_hierarchical"`` for :class:`mixprec.parallel.DistributedDataParallel`
@@ -11,6 +12,7 @@
 """
 
 from mixprec.comm.topology import Topology
+from mixprec.compress.blockscaled import BlockScaledWire
 from mixprec.compress.collectives import (
     compressed_all_reduce,
     compressed_reduce_scatter,
@@ -24,6 +26,7 @@ from mixprec.compress.reducers import Uint8Reducer  # registers "uint8" and "uin
 from mixprec.compress.state import CompressionStats, ErrorFeedback
 
 __all__ = [
+    "BlockScaledWire",
     "CompressionStats",
     "ErrorFeedback",
     "MinMaxUInt8",

@@ -70,7 +70,7 @@ class FlatPhase:
         self.segments = segment_bounds(part, world, comp.chunk_size)
         self.seg_nbytes = [comp.encoded_nbytes(b - a) for a, b in self.segments]
         self.nbytes = sum(self.seg_nbytes)
-        self.header = sum(nb - (b - a) for nb, (a, b) in zip(self.seg_nbytes, self.segments))
+        self.header = sum(comp.header_nbytes(b - a) for a, b in self.segments)
         first = source(0, *self.segments[0])
         device = first.device
         self.send = self.per_segment(inflight.get(tag + "send", world * self.nbytes, torch.uint8, device))

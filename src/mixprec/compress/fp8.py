@@ -23,6 +23,7 @@ import torch
 
 import mixprec.native as native
 from mixprec.compress._scratch import Scratch
+from mixprec.compress.blockscaled import BlockScaledWire
 from mixprec.compress.quantize import (
     _DTYPE_CODES,
     FLOAT_DTYPES,
@@ -327,7 +328,7 @@ class ScaledFP8(ChunkedCompressor):
         return int(scale.isnan().sum())
 
 
-# What the compressed collectives accept: both quantizers share the row API and the wire layout (header, then
-# one byte per element).
-Compressor = MinMaxUInt8 | ScaledFP8
-COMPRESSORS: tuple[type, ...] = (MinMaxUInt8, ScaledFP8)
+# What the compressed collectives accept: the quantizers share the row API (the block-scaled wire sizes its
+# buffer itself: scales, then one byte per element or one per two).
+Compressor = MinMaxUInt8 | ScaledFP8 | BlockScaledWire
+COMPRESSORS: tuple[type, ...] = (MinMaxUInt8, ScaledFP8, BlockScaledWire)

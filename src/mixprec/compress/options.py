@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from mixprec.comm.topology import Topology, check_topology
+from mixprec.compress.blockscaled import BLOCK_WIRES, BlockScaledWire, check_block_wire
 from mixprec.compress.fp8 import FP8_FORMATS, Compressor, ScaledFP8
 from mixprec.compress.quantize import CHECK_FINITE, MinMaxUInt8
 from mixprec.compress.state import ErrorFeedback
@@ -24,8 +25,9 @@ __all__ = ["DEFAULT_CHUNK_SIZE", "WIRES", "Uint8Options", "build_compressor"]
 # Elements per chunk (one header entry) of the data-parallel compressors: ByteGrad's block, 0.4% of header bytes.
 DEFAULT_CHUNK_SIZE = 2048
 
-# What goes on the wire: min-max uint8, fp8 with per-chunk scales, or a choice per bucket (compress/auto.py).
-WIRES: tuple[str, ...] = ("uint8", *FP8_FORMATS, "auto")
+# What goes on the wire: min-max uint8, fp8 with per-chunk scales, block-scaled MX / NVFP4 (compress/blockscaled.py),
+# or a choice per bucket among the first three (compress/auto.py). "auto" stays last.
+WIRES: tuple[str, ...] = ("uint8", *FP8_FORMATS, *BLOCK_WIRES, "auto")
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,9 @@ class Uint8Options:
             initialised.
         seed: base seed of the stochastic-rounding stream, an int.
         wire: ``"uint8"`` (:class:`~mixprec.compress.MinMaxUInt8`), ``"e4m3"`` / ``"e5m2"``
-            (:class:`~mixprec.compress.ScaledFP8`) or ``"auto"``: per bucket, full precision (fp32 sums), uint8
+            (:class:`~mixprec.compress.ScaledFP8`), ``"mxfp8_e4m3"`` / ``"mxfp8_e5m2"`` / ``"mxfp4_e2m1"`` /
+            ``"nvfp4"`` (:class:`~mixprec.compress.BlockScaledWire`, chunk_size a multiple of the block size)
+            or ``"auto"``: per bucket, full precision (fp32 sums), uint8
             or fp8, from a cost model of the link rate and this machine's quantizing cost (``docs/compress.md``).
         link_gbps: ``"auto"`` only: the link rate in Gbit/s, a float > 0; None = probe it at the first
             reduction (rank 0's measurement, broadcast).
@@ -68,6 +72,8 @@ class Uint8Options:
             if not (math.isfinite(self.link_gbps) and self.link_gbps > 0):
                 raise ValueError(f"link_gbps must be a finite number > 0; got {self.link_gbps}")
         check_positive_int("chunk_size", self.chunk_size)
+        if self.wire in BLOCK_WIRES:
+            check_block_wire(self.wire, self.chunk_size)
         check_choice("rounding", self.rounding, ROUNDINGS)
         check_bool("error_feedback", self.error_feedback)
         check_choice("check_finite", self.check_finite, CHECK_FINITE)
@@ -145,6 +151,8 @@ def build_compressor(options: Uint8Options, wire: str, generator: torch.Generato
         return MinMaxUInt8(**kwargs)
     if wire in FP8_FORMATS:
         return ScaledFP8(wire, **kwargs)
+    if wire in BLOCK_WIRES:
+        return BlockScaledWire(wire, **kwargs)
     raise ValueError(f"wire must be one of {', '.join(map(repr, WIRES[:-1]))} here; got {wire!r}")
 
 

@@ -193,6 +193,10 @@ class ChunkedCompressor(abc.ABC):
         """Bytes of the encoded buffer: ``HEADER_BYTES * num_chunks(numel) + numel``."""
         return self.HEADER_BYTES * self.num_chunks(numel) + numel
 
+    def header_nbytes(self, numel: int) -> int:
+        """Bytes of the encoded buffer that are not element codes (the chunk headers)."""
+        return self.HEADER_BYTES * self.num_chunks(numel)
+
     # ------------------------------------------------------------------ row API (the collectives' building blocks)
     def check_generator_device(self, device: torch.device) -> None:
         """ValueError unless stochastic rounding's ``generator`` (if any) can draw on ``device``.

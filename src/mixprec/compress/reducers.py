@@ -1,8 +1,9 @@
 """The compressed gradient reducers for mixprec's DistributedDataParallel.
 
 Registered with :func:`mixprec.comm.register_reducer` when :mod:`mixprec.compress` is imported (importing
-``mixprec`` does): ``"uint8"``, ``"fp8"`` (``wire="e4m3"`` or ``"e5m2"``), their ``"_hierarchical"`` twins,
-and ``"auto"`` (full precision, uint8 or fp8 per bucket: :mod:`mixprec.compress.auto`)::
+``mixprec`` does): ``"uint8"``, ``"fp8"`` (``wire="e4m3"`` or ``"e5m2"``), ``"mxfp8"`` (``wire="mxfp8_e4m3"``
+or ``"mxfp8_e5m2"``), ``"nvfp4"`` (block-scaled: :mod:`mixprec.compress.blockscaled`), their ``"_hierarchical"``
+twins, and ``"auto"`` (full precision, uint8 or fp8 per bucket: :mod:`mixprec.compress.auto`)::
 
     ddp = DistributedDataParallel(model, reduce="uint8", reduce_options={"error_feedback": True})
     ddp = DistributedDataParallel(model, reduce="uint8_hierarchical")   # topology from LOCAL_WORLD_SIZE
@@ -426,7 +427,13 @@ def _factory(name: str, wires: tuple[str, ...], hierarchical: bool) -> Callable[
     return make
 
 
-for _name, _wires in (("uint8", ("uint8",)), ("fp8", ("e4m3", "e5m2")), ("auto", ("auto",))):
+for _name, _wires in (
+    ("uint8", ("uint8",)),
+    ("fp8", ("e4m3", "e5m2")),
+    ("mxfp8", ("mxfp8_e4m3", "mxfp8_e5m2")),
+    ("nvfp4", ("nvfp4",)),
+    ("auto", ("auto",)),
+):
     register_reducer(_name, _factory(_name, _wires, hierarchical=False))
     if _name != "auto":
         register_reducer(_name + "_hierarchical", _factory(_name, _wires, hierarchical=True))
