@@ -13,7 +13,7 @@ from mixprec.lab.compression_error import CompressionErrorConfig, run_study
 def test_quick_study_holds_its_bounds_and_keeps_zeros() -> None:
     config = CompressionErrorConfig(world=4, elements=8192, chunk_size=256, model_width=32)
     rows = {(r.distribution, r.wire): r for r in run_study(config)}
-    assert len(rows) == 25
+    assert len(rows) == 45
     for key, row in rows.items():
         assert 0 < row.error_over_bound <= 1, key
     # sparse gradients: the zero-aligned grid keeps every zero and cuts the mean error several times over

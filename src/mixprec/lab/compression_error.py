@@ -6,6 +6,8 @@ in rank order, the mean quantized once more) with each wire, and compare the res
 * uint8: min-max 8-bit codes with a zero-aligned grid (MinMaxUInt8), 1 + 8/chunk bytes per element;
 * uint8-min-grid: the previous grid (offset at the chunk minimum, zeros not exact), for comparison;
 * e4m3, e5m2: fp8 codes with a power-of-two scale per chunk (ScaledFP8), 1 + 4/chunk bytes per element;
+* mxfp8_e4m3, mxfp8_e5m2, mxfp4_e2m1, nvfp4: block-scaled codes with the scales inline (BlockScaledWire):
+  8.25, 8.25, 4.25 and 4.5 + 32/chunk bits per element;
 * bf16: a bf16 wire with fp32 sums and one rounding (the fp32-accumulating collective), 2 bytes per element.
 
 Gradients: normal, heavy-tailed (Student-t, 2 degrees of freedom), sparse (90% of the elements zero on every
@@ -26,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from mixprec.compress import MinMaxUInt8, ScaledFP8
+from mixprec.compress import BlockScaledWire, MinMaxUInt8, ScaledFP8
+from mixprec.compress.blockscaled import BLOCK_WIRES
 from mixprec.compress.options import DEFAULT_CHUNK_SIZE
 from mixprec.core.validate import check_positive_int
 from mixprec.emulate import round_to
@@ -46,7 +49,7 @@ __all__ = [
     "simulate",
 ]
 
-WIRES = ("uint8", "uint8-min-grid", "e4m3", "e5m2", "bf16")
+WIRES = ("uint8", "uint8-min-grid", "e4m3", "e5m2", *BLOCK_WIRES, "bf16")
 DISTRIBUTIONS = ("normal", "student-t", "sparse", "outliers", "model")
 _U32 = 2.0**-24
 
@@ -154,6 +157,17 @@ def _fp8_bound(comp: ScaledFP8, v: torch.Tensor) -> torch.Tensor:
     return torch.maximum(fmt.unit_roundoff * v.double().abs(), sub / 2 * scale)
 
 
+def _block_bound(comp: BlockScaledWire, v: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """One block-scaled round trip of ``v`` errs by at most ``u_e |x|`` or half the element grid's subnormal
+    spacing times the block's decoded scale (docs/compress.md); ``2**-20`` covers the fp32 product with
+    NVFP4's reciprocal scale."""
+    grid = comp.format.element
+    u = 2.0 ** -(grid.man_bits + 1)
+    sub = 2.0 ** (grid.emin - grid.man_bits)
+    scale = comp.block_scales(buffer, v.numel()).double().repeat_interleave(comp.block)[: v.numel()]
+    return u * (1 + 2.0**-20) * v.double().abs() + sub / 2 * scale + 2.0**-149
+
+
 def _min_grid_roundtrip(v: torch.Tensor, chunk: int) -> torch.Tensor:
     """The previous uint8 grid, in float64: offset at the chunk minimum, step R / 255."""
     x = v.double().view(-1, chunk)
@@ -185,6 +199,16 @@ def simulate(grads: torch.Tensor, wire: str, chunk_size: int) -> tuple[torch.Ten
             return ((x.amax(1) - x.amin(1)) / 510 * (1 + 1e-6) + 2.0**-150).repeat_interleave(chunk_size)
 
         nbytes = 1 + 8 / chunk_size
+    elif wire in BLOCK_WIRES:
+        block = BlockScaledWire(wire, chunk_size=chunk_size, check_finite="flag")
+
+        def roundtrip(v: torch.Tensor) -> torch.Tensor:
+            return block.decode(block.encode(v), v.numel())
+
+        def bound(v: torch.Tensor) -> torch.Tensor:
+            return _block_bound(block, v, block.encode(v))
+
+        nbytes = block.encoded_nbytes(grads.shape[1]) / grads.shape[1]
     else:
         comp = MinMaxUInt8(chunk_size=chunk_size) if wire == "uint8" else ScaledFP8(wire, chunk_size=chunk_size)
 
@@ -244,13 +268,15 @@ def run_study(config: CompressionErrorConfig, *, progress: bool = False) -> list
 
 def format_table(rows: list[CompressionErrorRow]) -> str:
     lines = [
-        "| gradients | wire | bytes/elem | rel. error | mean error | max error | error/bound | zeros kept |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| gradients | wire | bytes/elem | bits/elem | rel. error | mean error | max error | error/bound "
+        "| zeros kept |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         kept = "-" if r.zeros_kept != r.zeros_kept else f"{100 * r.zeros_kept:.0f}%"
         lines.append(
-            f"| {r.distribution} | {r.wire} | {r.bytes_per_element:.3f} | {r.rel_error:.2e} | {r.mean_error:.2e} | "
+            f"| {r.distribution} | {r.wire} | {r.bytes_per_element:.3f} | {8 * r.bytes_per_element:.3f} | "
+            f"{r.rel_error:.2e} | {r.mean_error:.2e} | "
             f"{r.max_error:.2e} | "
             f"{r.error_over_bound:.2f} | {kept} |"
         )
