@@ -5,6 +5,9 @@ recovering the constants of synthetic benchmark rows, the committed netns measur
 from __future__ import annotations
 
 import json
+import math
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from mixprec.lab.comm_cost import (
     Calibration,
     Cluster,
     Phase,
+    check_benchmark,
     compare_with_measurements,
     costs,
     fit_calibration,
@@ -137,3 +141,77 @@ def test_cli_prints_costs_pick_and_calibration(tmp_path, capsys) -> None:
 def test_bad_arguments_are_named(argv: list[str], flag: str, capsys) -> None:
     assert main(["study", "comm-cost", "--no-plot", *argv]) == 2
     assert flag in capsys.readouterr().err
+
+
+def _edited_benchmark(tmp_path: Path, edit) -> Path:
+    data = json.loads((CALIBRATION / "netns_fp32_16M.json").read_text())
+    edit(data)
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        # silently fitted before: a 6e23 GB/s memory from one impossible time, sizes no benchmark ran
+        (lambda d: d["rows"][0].update(numel=-16), "rows[0].numel must be an int >= 4; got -16"),
+        (lambda d: d["rows"][0].update(numel=1e30), "rows[0].numel must be an int >= 4; got float 1e+30"),
+        (lambda d: d["rows"][0].update(numel=10**30), "rows[0].numel must be a multiple of the 4 ranks up to 2**40"),
+        (lambda d: d["rows"][1].update(numel=2**24 + 2), "rows[1].numel must be a multiple of the 4 ranks"),
+        (lambda d: d["rows"][0].update(ms=1e-300), "rows[0].ms is 1e-300, but a 1 Gbit/s link takes 134.218 ms"),
+        (lambda d: d["rows"][0].update(ms=math.inf), "rows[0].ms must be a finite number > 0"),
+        (lambda d: d["rows"][0].update(hier_segments=[0, 0, 0]), "rows[0].hier_segments must be positive integers"),
+        (
+            lambda d: d["rows"][0].update(hier_segments=[2**20] * 3),
+            "rows[0].hier_segments must be positive integers summing to a rank's shard (4194304 elements)",
+        ),
+        (lambda d: d["rows"][0].update(native_sum="yes"), "rows[0].native_sum must be true or false"),
+        (lambda d: d["rows"][0].update(op="gather"), "rows[0].op must be one of 'rs', 'ar'"),
+        (lambda d: d["rows"][0].update(nodes=3), "rows[0].nodes is 3 but the file's nodes is 2"),
+        # tracebacks before
+        (lambda d: d.update(nodes=0), "nodes must be an int >= 2; got 0"),
+        (lambda d: d.update(per_node="two"), "per_node must be an int >= 1; got str 'two'"),
+        (lambda d: d["rows"][0].update(rate="fast"), "rows[0].rate must be a real number; got str 'fast'"),
+        (lambda d: d.update(rows="x"), "rows must be a list of row objects; got str"),
+        (lambda d: d["rows"].append(7), "rows[24] must be an object; got int"),
+        (lambda d: d["rows"][0].update(method=["hier"]), "rows[0].method must be a string"),
+    ],
+)
+def test_calibration_files_no_benchmark_writes_are_refused(tmp_path, capsys, edit, message) -> None:
+    path = _edited_benchmark(tmp_path, edit)
+    for flag in ("--calibration", "--holdout"):
+        argv = ["study", "comm-cost", "--no-plot", "--out-dir", str(tmp_path), "--calibration"]
+        argv += [str(path)] if flag == "--calibration" else [str(CALIBRATION / "netns_fp32_16M.json"), flag, str(path)]
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1, err
+        assert f"{flag} {str(path)!r}: {message}" in err, err
+    with pytest.raises((ValueError, TypeError), match=re.escape(message)):
+        fit_calibration(json.loads(path.read_text()))
+
+
+def test_rows_of_other_methods_are_skipped(tmp_path) -> None:
+    path = _edited_benchmark(tmp_path, lambda d: d["rows"].append({"method": "gloo-tree", "ms": -1}))
+    assert check_benchmark(json.loads(path.read_text())) is None
+
+
+def test_calibration_must_be_a_regular_file(tmp_path, capsys) -> None:
+    """A FIFO would block the read forever (nothing writes to it): refused before it is opened."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for flag in ("--calibration", "--holdout"):
+        argv = ["study", "comm-cost", "--no-plot", "--out-dir", str(tmp_path), "--calibration"]
+        argv += [str(fifo)] if flag == "--calibration" else [str(CALIBRATION / "netns_fp32_16M.json"), flag, str(fifo)]
+        assert main(argv) == 2
+        assert f"{flag}: {str(fifo)!r} is not a regular file" in capsys.readouterr().err
+    assert main(["study", "comm-cost", "--no-plot", "--calibration", str(tmp_path)]) == 2
+    assert "is not a regular file" in capsys.readouterr().err
+
+
+def test_deeply_nested_calibration_is_one_line(tmp_path, capsys) -> None:
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    assert main(["study", "comm-cost", "--no-plot", "--out-dir", str(tmp_path), "--calibration", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "nested too deeply" in err and "Traceback" not in err

@@ -31,6 +31,7 @@ __all__ = [
     "Cost",
     "Phase",
     "add_arguments",
+    "check_benchmark",
     "compare_with_measurements",
     "costs",
     "fit_calibration",
@@ -47,6 +48,12 @@ _ROUNDING_RMS = 0.42
 _BENCH = {"hier": ("hier_fp32", 2), "flat": ("flat_a2a", 2), "bf16": ("ring", 2), "fp32": ("ring", 4)}
 # The loopback between the ranks of a netns "node" has no rate limit: only its CPU cost (per socket byte).
 _LOOPBACK_GBIT = 1e6
+# A benchmark row's size, in elements: at most 2**40 (4 TiB of fp32 per rank, more than a machine that runs the
+# benchmark holds).
+_MAX_BENCH_NUMEL = 2**40
+# A measured time below this fraction of the rate-limited link's time for the bytes that must leave a node is
+# impossible (the fraction leaves room for the shaper's burst allowance).
+_LINK_FLOOR = 0.5
 
 
 @dataclass(frozen=True)
@@ -283,8 +290,64 @@ def recommend(cluster: Cluster, numel: int, op: str, calib: Calibration) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- calibration
+def check_benchmark(data: object, where: str = "benchmark data") -> None:
+    """Refuse what ``bench_netns_fp32.py --json`` cannot have written (ValueError or TypeError naming ``where``
+    and the field), before a fit would take it for a measurement: ``nodes`` an int >= 2, ``per_node`` an int >=
+    1; each row of a fitted method (hier, flat, bf16, fp32; rows of other methods are skipped) with ``op`` 'rs' or
+    'ar', a finite ``rate`` > 0 (Gbit/s), an integer ``numel`` that ``nodes x per_node`` ranks divide, up to
+    2**40, a finite ``ms`` no less than half the link's time for the bytes that must leave a node, and, where
+    present, ``hier_segments`` (positive lengths summing to a rank's shard), ``native_sum`` (a bool), the
+    byte counters (finite, >= 0) and the row's own ``nodes`` and ``per_node`` (the file's)."""
+    if not isinstance(data, dict) or not {"rows", "nodes", "per_node"} <= set(data):
+        raise ValueError(f"{where}: not a bench_netns_fp32.py --json file (needs rows, nodes, per_node)")
+    nodes = check_positive_int(f"{where}: nodes", data["nodes"], minimum=2)
+    per_node = check_positive_int(f"{where}: per_node", data["per_node"])
+    world = nodes * per_node
+    if not isinstance(data["rows"], list):
+        raise TypeError(f"{where}: rows must be a list of row objects; got {type(data['rows']).__name__}")
+    for i, row in enumerate(data["rows"]):
+        at = f"{where}: rows[{i}]"
+        if not isinstance(row, dict):
+            raise TypeError(f"{at} must be an object; got {type(row).__name__}")
+        method = row.get("method")
+        if not isinstance(method, str):
+            raise TypeError(f"{at}.method must be a string; got {method!r}")
+        if method not in _BENCH:
+            continue
+        for key, value in (("nodes", nodes), ("per_node", per_node)):
+            if key in row and row[key] != value:
+                raise ValueError(f"{at}.{key} is {row[key]!r} but the file's {key} is {value}")
+        check_choice(f"{at}.op", row.get("op"), ("rs", "ar"))
+        rate = check_positive_float(f"{at}.rate", row.get("rate"))
+        numel = check_positive_int(f"{at}.numel", row.get("numel"), minimum=world)
+        if numel > _MAX_BENCH_NUMEL or numel % world:
+            raise ValueError(f"{at}.numel must be a multiple of the {world} ranks up to 2**40; got {numel}")
+        ms = check_positive_float(f"{at}.ms", row.get("ms"))
+        floor = 1e3 * (nodes - 1) / nodes * numel * _BENCH[method][1] * 8 / (rate * 1e9)
+        if ms < _LINK_FLOOR * floor:
+            raise ValueError(
+                f"{at}.ms is {ms:g}, but a {rate:g} Gbit/s link takes {floor:g} ms for the bytes that must leave "
+                "a node: not a measurement"
+            )
+        for key in ("veth_tx_per_node", "accounted_inter_node_per_node"):
+            if row.get(key) is not None:
+                check_positive_float(f"{at}.{key}", row[key], allow_zero=True)
+        if "native_sum" in row and not isinstance(row["native_sum"], bool):
+            raise TypeError(f"{at}.native_sum must be true or false; got {row['native_sum']!r}")
+        lengths = row.get("hier_segments")
+        if lengths is not None:
+            ok = isinstance(lengths, list) and lengths
+            ok = ok and all(not isinstance(v, bool) and isinstance(v, int) and v > 0 for v in lengths)
+            if not ok or sum(lengths) != numel // world:
+                raise ValueError(
+                    f"{at}.hier_segments must be positive integers summing to a rank's shard "
+                    f"({numel // world} elements); got {lengths!r}"
+                )
+
+
 def _rows(data: dict) -> list[dict]:
-    return [r for r in data["rows"] if r.get("method") in _BENCH and r.get("rate", 0) > 0 and r.get("ms", 0) > 0]
+    check_benchmark(data)
+    return [r for r in data["rows"] if r["method"] in _BENCH]
 
 
 def model_ms(data: dict, row: dict, calib: Calibration) -> float:
@@ -452,12 +515,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _read_bench(flag: str, path: Path) -> dict:
+    # A FIFO or a device would block the read (or never end it): only a regular file is opened.
+    if not Path(path).is_file():
+        raise ValueError(f"{flag}: {str(path)!r} is not a regular file (give the JSON of bench_netns_fp32.py --json)")
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{flag}: cannot read {str(path)!r}: {exc}") from None
-    if not isinstance(data, dict) or not {"rows", "nodes", "per_node"} <= set(data):
-        raise ValueError(f"{flag}: not a bench_netns_fp32.py --json file (needs rows, nodes, per_node)")
+    except RecursionError:
+        raise ValueError(f"{flag}: {str(path)!r} holds JSON nested too deeply to be a benchmark file") from None
+    check_benchmark(data, f"{flag} {str(path)!r}")
     return data
 
 
