@@ -349,8 +349,9 @@ def round_to(
     if block_scaled:
         from mixprec.core import mx  # function-level: core.mx builds on this module
 
-        result = mx.fake_quantize(x, fmt, rounding, generator)
-        return result if out is None else out.copy_(result)
+        if out is None or out.dtype == torch.float32:
+            return mx.fake_quantize(x, fmt, rounding, generator, out=out)
+        return out.copy_(mx.fake_quantize(x, fmt, rounding, generator))
     if x.device.type == "meta":  # shape and dtype only, as torch's ops give on meta tensors
         return torch.empty_like(x, dtype=torch.float32) if out is None else out
     done = (
