@@ -361,6 +361,77 @@ def test_reduction_on_gloo_matches_the_references(monkeypatch, world: int, local
             assert torch.isfinite(residual).all()
 
 
+def _scatter(rank: int, world: int) -> list[torch.Tensor]:
+    """ZeRO-1's path: each rank's fp32 shard of the averaged bucket (the owner's fp32 sum, no re-encode)."""
+    torch.set_num_threads(1)
+    numel = _numel(world)
+    out = []
+    for name in ("mxfp8", "nvfp4"):
+        shard = torch.empty(numel // world)
+        make_reducer(name).reduce_scatter(shard, _bucket(rank, 0, 0, numel), None, average=True, key=0).wait()
+        out.append(shard)
+    return out
+
+
+def test_reduce_scatter_gives_each_owner_its_fp32_sum() -> None:
+    world = 3
+    per_rank = run_distributed(_scatter, world, timeout=300)
+    numel = _numel(world)
+    part = numel // world
+    rows = torch.stack([_bucket(r, 0, 0, numel) for r in range(world)]).numpy()
+    for i, wire in enumerate(("mxfp8_e4m3", "nvfp4")):
+        for p in range(world):
+            sl = slice(p * part, (p + 1) * part)
+            acc = ref_roundtrip(rows[0, sl], wire, 2048)
+            for r in range(1, world):
+                acc = _f32(acc + ref_roundtrip(rows[r, sl], wire, 2048))
+            assert _same(per_rank[p][i].numpy(), _f32(acc / np.float32(world))), (wire, p)
+
+
+def _hooked(rank: int, world: int) -> dict:
+    """Three SGD steps under torch DDP with mixprec's compress hook on the block-scaled wires, and under mixprec's
+    wrapper with the matching reducer: every step's gradients of both."""
+    from mixprec.hooks import Uint8HookState, uint8_compress_hook
+    from mixprec.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    out: dict = {}
+    for name, opts in (("mxfp8", {"wire": "mxfp8_e4m3"}), ("nvfp4", {"wire": "nvfp4", "error_feedback": True})):
+        opts = {"chunk_size": 64, **opts}
+        grads: dict[str, list] = {"torch": [], "mixprec": [], "plain": []}
+        for consumer in grads:
+            torch.manual_seed(0)
+            # one parameter of 768 elements, a multiple of lcm(P, 128): one bucket, the same layout in both
+            net = torch.nn.Sequential(torch.nn.Linear(6, 128, bias=False), torch.nn.Tanh())
+            if consumer == "plain":  # torch DDP without a hook: the uncompressed gradients
+                wrapped = torch.nn.parallel.DistributedDataParallel(net)
+            elif consumer == "torch":
+                wrapped = torch.nn.parallel.DistributedDataParallel(net)
+                wrapped.register_comm_hook(Uint8HookState(**opts), uint8_compress_hook)
+            else:
+                wrapped = DistributedDataParallel(net, reduce=name, reduce_options=opts)
+            opt = torch.optim.SGD(net.parameters(), lr=0.5)
+            for step in range(3):
+                g = torch.Generator().manual_seed(100 * step + rank)
+                x, y = torch.randn(8, 6, generator=g), torch.randn(8, 128, generator=g)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(wrapped(x), y).backward()
+                grads[consumer].append([p.grad.clone() for p in net.parameters()])
+                opt.step()
+        out[name] = grads
+    return out
+
+
+def test_torch_ddp_hook_gives_the_wrappers_bits() -> None:
+    results = run_distributed(_hooked, 2, timeout=300)
+    for name, grads in results[0].items():
+        for step, (hooked, wrapped) in enumerate(zip(grads["torch"], grads["mixprec"], strict=True)):
+            for a, b in zip(hooked, wrapped, strict=True):
+                assert torch.equal(a, b), (name, step)
+        # not vacuous: the wire changed the gradients
+        assert not torch.equal(grads["torch"][0][0], grads["plain"][0][0]), name
+
+
 # ---------------------------------------------------------------------------- convergence
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
