@@ -5,6 +5,9 @@ refused before any call, and the CLI."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import re
 
 import pytest
 import torch
@@ -137,6 +140,55 @@ def test_save_load_round_trip(tmp_path):
         Fingerprint.load(tmp_path / "other.json")
     with pytest.raises(ValueError, match="cannot read"):
         Fingerprint.load(tmp_path / "missing.json")
+
+
+@pytest.fixture(scope="module")
+def probed_fp16():
+    return fingerprint(_emulated("fp16/16"), torch.float16, m=16, n=16)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("k_group", 2**29, ValueError),
+        ("k_group", 0, ValueError),
+        ("k_group", 258, ValueError),
+        ("k_group", 16.0, TypeError),
+        ("promote_every", 1024, ValueError),  # the promotion scans stop below 2 k
+        ("split_k", 513, ValueError),
+        ("effective_bits", 31, ValueError),
+        ("align_bits", 30, ValueError),
+        ("k", 511, ValueError),
+        ("m", 1, ValueError),
+        ("bit_equal", 1.5, ValueError),
+        ("rounding", "up", ValueError),
+        ("products_exact", 1, TypeError),
+    ],
+)
+def test_loaded_fields_lie_in_the_probes_range(tmp_path, probed_fp16, field, value, error):
+    """A file may hold only what fingerprint() can report: k_group = 2**29 made one training step of a 23k-parameter
+    model run for over 600 s (every group padded to 2**29 products)."""
+    fp = probed_fp16
+    data = fp.to_dict()
+    assert Fingerprint.from_dict(dict(data)) == fp  # the probe's own result lies in the ranges
+    path = tmp_path / "fp.json"
+    path.write_text(json.dumps({"format": "mixprec-matmul-fingerprint", "version": 1, **data, field: value}))
+    with pytest.raises(error, match=f"{re.escape(repr(str(path)))}: fingerprint field {field} must"):
+        Fingerprint.load(path)
+    model = {**data["model"], "k_group": value} if field == "k_group" else None
+    if model is not None and error is ValueError and value > 0:
+        with pytest.raises(ValueError, match=re.escape("fingerprint field model.k_group must be in 1..257")):
+            Fingerprint.from_dict({**data, "model": model})
+
+
+def test_load_refuses_a_fifo_and_deep_json(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):  # open() would block: nothing writes to it
+        load_model(fifo)
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="JSON nested too deeply"):
+        load_model(tmp_path / "deep.json")
 
 
 def test_bad_input_refused_before_any_call():

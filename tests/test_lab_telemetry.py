@@ -151,7 +151,7 @@ def test_headroom_shows_underflow_at_a_tiny_scale(tmp_path) -> None:
 # ------------------------------------------------------------------------------------------ fingerprint as mode
 def _fingerprint_file(path, preset: str = "fp16/16") -> str:
     fp = Fingerprint(
-        inputs="fp16", output=None, m=64, n=64, k=256, products_exact=True, effective_bits=11, rounding="nearest",
+        inputs="fp16", output=None, m=64, n=64, k=512, products_exact=True, effective_bits=11, rounding="nearest",
         align_bits=None, k_group=16, promote_every=None, split_k=None, model=get_matmul_model(preset),
         preset=preset, closest_preset=preset, bit_equal=1.0, probe_agreement=1.0, label="test",
     )  # fmt: skip
@@ -175,6 +175,37 @@ def test_linear_mode_bad_file_exits_2_in_one_line(tmp_path, capsys, content) -> 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "linear_mode" in err and "Traceback" not in err
     assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        # each emulated matmul summed 2**29 products per group: one step of this model took over 600 s
+        (lambda d: d.update(k_group=2**29), "field k_group must be in 1..257 (what the probe can report)"),
+        (lambda d: d["model"].update(k_group=2**29), "field model.k_group must be in 1..257"),
+        (lambda d: d["model"].update(promote_every=2**30), "field model.promote_every must be in 1..1023"),
+        (lambda d: d.update(k="512"), "field k must be an integer; got str '512'"),
+    ],
+)
+def test_linear_mode_fingerprint_out_of_the_probes_range_exits_2(tmp_path, capsys, edit, message) -> None:
+    path = _fingerprint_file(tmp_path / "fp.json")
+    with open(path) as fh:
+        data = json.load(fh)
+    edit(data)
+    with open(path, "w") as fh:
+        json.dump(data, fh)
+    assert train(tmp_path / "run", "--linear-mode", path, "--steps", "1") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"linear_mode: {path!r}: fingerprint {message}" in err, err
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_linear_mode_deeply_nested_json_exits_2_in_one_line(tmp_path, capsys) -> None:
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    assert train(tmp_path / "run", "--linear-mode", str(path), "--steps", "1") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "JSON nested too deeply" in err and str(path) in err, err
 
 
 # ------------------------------------------------------------------------------------------------ mixprec report

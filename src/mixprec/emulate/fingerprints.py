@@ -52,6 +52,11 @@ _FILE_VERSION = 1
 # final -B beyond them, hence the minimum k.
 _MAX_GROUP = 256
 _MIN_K = 2 * _MAX_GROUP
+# What the probe can report, and so what a fingerprint file may hold: the group scan tries positions 2 ..
+# _MAX_GROUP + 1, the promotion scans lie below 2 k, the effective-bits and alignment scans reach 2**-30.
+_MAX_K_GROUP = _MAX_GROUP + 1
+_BITS_SCAN = 30
+_ROUNDINGS = ("nearest", "toward_zero", "other")
 
 Term = tuple[int, float, float]  # (position in K, a value, b value): the product a * b at that position
 Probe = list[Term]
@@ -136,6 +141,10 @@ class Fingerprint:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Fingerprint:
+        """The inverse of :meth:`to_dict`. Every field must lie in the range :func:`fingerprint` can report
+        (ValueError or TypeError naming the field): ``k_group`` in 1..257, ``promote_every`` and ``split_k`` below
+        ``2 k``, and so on; a hand-edited ``k_group = 2**29`` would otherwise make each emulated matmul sum
+        hundreds of millions of padding products."""
         if not isinstance(data, dict):
             raise TypeError(f"a fingerprint must be a dict; got {type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
@@ -143,7 +152,12 @@ class Fingerprint:
         if missing:
             raise ValueError(f"fingerprint is missing {', '.join(missing)}")
         kwargs = {k: v for k, v in data.items() if k in names}
+        _check_probe_ranges(kwargs)
         kwargs["model"] = model_from_dict(data["model"])
+        k = kwargs["k"]
+        _check_range("model.k_group", kwargs["model"].k_group, 1, _MAX_K_GROUP)
+        if kwargs["model"].promote_every is not None:
+            _check_range("model.promote_every", kwargs["model"].promote_every, 1, 2 * k - 1)
         kwargs["notes"] = tuple(data.get("notes", ()))
         return cls(**kwargs)
 
@@ -160,18 +174,58 @@ class Fingerprint:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Fingerprint:
-        """Read a file written by :meth:`save` (ValueError naming the path if it is not one)."""
+        """Read a file written by :meth:`save` (ValueError or TypeError naming the path if it is not one: not a
+        regular file, not JSON, or a field out of :meth:`from_dict`'s ranges)."""
         path = os.fspath(path)
+        if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block the read
+            raise ValueError(f"cannot read a fingerprint from {path!r}: not a regular file")
         try:
-            with open(path) as fh:
+            with open(path, encoding="utf-8") as fh:
                 data = json.load(fh)
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"cannot read a fingerprint from {path!r}: {exc}") from None
+        except RecursionError:
+            raise ValueError(f"cannot read a fingerprint from {path!r}: JSON nested too deeply") from None
         if not isinstance(data, dict) or data.get("format") != _FILE_FORMAT:
             raise ValueError(f"{path!r} is not a matmul fingerprint (no 'format': {_FILE_FORMAT!r})")
         if data.get("version") != _FILE_VERSION:
             raise ValueError(f"{path!r} has fingerprint version {data.get('version')!r}; this mixprec reads 1")
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except (ValueError, TypeError) as exc:  # the file's fields, checked by from_dict: name the file too
+            raise type(exc)(f"{path!r}: {exc}") from None
+
+
+def _check_range(name: str, value: Any, low: int, high: int | None = None, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        none = " or null" if optional else ""
+        raise TypeError(f"fingerprint field {name} must be an integer{none}; got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"{low}..{high}" if high is not None else f">= {low}"
+        raise ValueError(f"fingerprint field {name} must be in {bound} (what the probe can report); got {value}")
+
+
+def _check_probe_ranges(fields: dict[str, Any]) -> None:
+    """The ranges of :func:`_fingerprint`'s results (``m``, ``n``, ``k`` as ``fingerprint`` accepts them)."""
+    _check_range("m", fields["m"], 2)
+    _check_range("n", fields["n"], 2)
+    _check_range("k", fields["k"], _MIN_K)
+    k = fields["k"]
+    _check_range("k_group", fields["k_group"], 1, _MAX_K_GROUP)
+    _check_range("promote_every", fields["promote_every"], 1, 2 * k - 1, optional=True)
+    _check_range("split_k", fields["split_k"], 1, k, optional=True)
+    _check_range("effective_bits", fields["effective_bits"], 2, _BITS_SCAN, optional=True)
+    _check_range("align_bits", fields["align_bits"], 1, _BITS_SCAN - 1, optional=True)
+    if not isinstance(fields["products_exact"], bool):
+        raise TypeError(f"fingerprint field products_exact must be true or false; got {fields['products_exact']!r}")
+    if fields["rounding"] not in _ROUNDINGS:
+        raise ValueError(f"fingerprint field rounding must be one of {', '.join(map(repr, _ROUNDINGS))}")
+    for name in ("bit_equal", "probe_agreement"):
+        value = fields[name]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+            raise ValueError(f"fingerprint field {name} must be a fraction in [0, 1]; got {value!r}")
 
 
 def load_model(path: str | os.PathLike[str]) -> MatmulModel:
@@ -408,7 +462,7 @@ def _fingerprint(
     # B and the range of exponents j of the small addends B * 2**-j: B a product of two inputs, every addend too
     prod_max, prod_min = 2 * fin.emax, 2 * (fin.emin - fin.man_bits)
     b_exp = min(12, prod_max - 2)
-    j_max = min(30, b_exp - prod_min - 2)
+    j_max = min(_BITS_SCAN, b_exp - prod_min - 2)
     # B = 1.5 * 2**b: numbers just below B have B's spacing, so -B cancels B without finer rounding nearby
     base = math.ldexp(1.0, b_exp)
     big = 1.5 * base
