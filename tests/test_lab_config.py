@@ -141,6 +141,45 @@ def test_gbs_not_divisible_exits_2(tmp_path, capsys) -> None:
     assert "global_batch_size 10 is not a multiple of micro_batch_size x data_parallel_size = 4 x 2 = 8" in err
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        # accepted before, and ignored: native reductions have no nodes
+        (
+            ["--reduce", "native", "--nproc", "2", "--ranks-per-node", "3"],
+            "ranks_per_node applies to the hierarchical reductions only (fp32_accumulate_hierarchical, "
+            "uint8_hierarchical, fp8_hierarchical); reduce is 'native'",
+        ),
+        (
+            ["--reduce", "uint8", "--nproc", "2", "--ranks-per-node", "1"],
+            "ranks_per_node applies to the hierarchical reductions only",
+        ),
+        (
+            ["--reduce", "fp32_accumulate", "--nproc", "2", "--link-gbps", "5"],
+            "link_gbps applies to the adaptive reduction only (auto); reduce is 'fp32_accumulate'",
+        ),
+        (
+            ["--reduce", "native", "--nproc", "2", "--error-feedback"],
+            "error_feedback applies to the compressed reductions only (uint8, uint8_hierarchical, fp8, "
+            "fp8_hierarchical, auto); reduce is 'native'",
+        ),
+        (["--reduce", "native", "--nproc", "2", "--link-gbps", "-5"], "link_gbps must be a finite number >= 0"),
+    ],
+)
+def test_a_parallel_field_the_reduction_ignores_exits_2(tmp_path, capsys, flags, message) -> None:
+    """A field that only other reductions read would change nothing: refused, as --link-gbps -5 is."""
+    assert _train(tmp_path, *flags) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_parallel_fields_of_the_chosen_reduction_are_accepted() -> None:
+    assert ParallelConfig(reduce="uint8_hierarchical", nproc=4, ranks_per_node=2).ranks_per_node == 2
+    assert ParallelConfig(reduce="auto", nproc=2, link_gbps=5, error_feedback=True).link_gbps == 5.0
+    assert ParallelConfig(reduce="fp8_hierarchical", nproc=4, ranks_per_node=2, error_feedback=True).error_feedback
+
+
 def test_missing_corpus_exits_2(tmp_path, capsys) -> None:
     assert _train(tmp_path, "--corpus", str(tmp_path / "nope.txt")) == 2
     err = capsys.readouterr().err

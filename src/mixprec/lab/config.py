@@ -67,6 +67,15 @@ REDUCTIONS = (
 )
 # The reductions that quantize to 8 bits (mixprec.compress): error feedback and stochastic quantization apply.
 COMPRESSED_REDUCTIONS = ("uint8", "uint8_hierarchical", "fp8", "fp8_hierarchical", "auto")
+# The two-stage reductions: inside each node, then across nodes (they need a Topology).
+HIERARCHICAL_REDUCTIONS = tuple(r for r in REDUCTIONS if r.endswith("_hierarchical"))
+# [parallel] fields that only some reductions read -> (those reductions, in words and by name). Set with another
+# reduce, the field would change nothing: it is refused, as a mistaken belief about the run.
+_REDUCE_ONLY_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "error_feedback": ("the compressed reductions", COMPRESSED_REDUCTIONS),
+    "ranks_per_node": ("the hierarchical reductions", HIERARCHICAL_REDUCTIONS),
+    "link_gbps": ("the adaptive reduction", ("auto",)),
+}
 FP8_FORMATS = ("e4m3", "e5m2")
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "warmup_cosine")
@@ -329,10 +338,11 @@ class ParallelConfig:
     fp8_format: str = "e4m3"
     """'fp8' / 'fp8_hierarchical': the fp8 format on the wire, 'e4m3' (more precision) or 'e5m2' (more range)."""
     link_gbps: float = 0.0
-    """'auto': the inter-rank link rate in Gbit/s that the cost model assumes; 0 = measure it at the start."""
+    """'auto' only (refused with another reduce): the inter-rank link rate in Gbit/s that the cost model assumes;
+    0 = measure it at the start."""
     ranks_per_node: int = 0
-    """Ranks per node for the hierarchical reductions; 0 = LOCAL_WORLD_SIZE under torchrun, else nproc // 2 (two
-    simulated nodes on one machine)."""
+    """The hierarchical reductions only (refused with another reduce): ranks per node; 0 = LOCAL_WORLD_SIZE under
+    torchrun, else nproc // 2 (two simulated nodes on one machine)."""
     sharded_optimizer: bool = False
     """ZeRO-1: each rank keeps master weights and optimizer state for its shard only."""
     timeout: float = 300.0
@@ -356,8 +366,12 @@ class ParallelConfig:
         check_positive_float("timeout", self.timeout)
         if self.reduce == "native" and self.rounding != "nearest":
             raise ValueError("rounding='stochastic' needs reduce 'fp32_accumulate' or a compressed reduction")
-        if self.error_feedback and self.reduce not in COMPRESSED_REDUCTIONS:
-            raise ValueError(f"error_feedback applies to the compressed reductions only; reduce is {self.reduce!r}")
+        for name, (users, reductions) in _REDUCE_ONLY_FIELDS.items():
+            if getattr(self, name) and self.reduce not in reductions:
+                raise ValueError(
+                    f"{name} applies to {users} only ({', '.join(reductions)}); reduce is {self.reduce!r} "
+                    f"(leave {name} unset)"
+                )
         if self.sharded_optimizer and self.ranks == 1:
             raise ValueError("sharded_optimizer needs nproc >= 2 (with one rank there is nothing to shard)")
         if self.reduce.endswith("_hierarchical") and self.ranks_per_node and self.ranks % self.ranks_per_node:
