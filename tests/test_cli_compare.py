@@ -197,6 +197,17 @@ def test_internal_error_exits_1_with_a_traceback(runs) -> None:
     assert "Traceback (most recent call last)" in proc.stderr and "TypeError: an internal bug" in proc.stderr
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("plot", ["/proc/cmp.png", "/proc/new/cmp.png", "/proc/version"])
+def test_plot_on_a_file_system_that_refuses_writes_is_refused_before_the_table(runs, capsys, plot) -> None:
+    """/proc refuses new files even to root, whom os.access lets through: the check creates a file to know
+    (before, root got the table and then a FileNotFoundError traceback from savefig)."""
+    assert main(["compare", runs[0], runs[1], "--plot", plot]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "--plot '/proc" in err and "creating a file there failed" in err, err
+
+
 def test_bad_plot_path_is_refused_before_the_table(runs, tmp_path, capsys) -> None:
     assert main(["compare", runs[0], runs[1], "--plot", str(tmp_path)]) == 2
     out, err = capsys.readouterr()

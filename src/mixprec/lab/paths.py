@@ -7,6 +7,7 @@ One implementation for every command: ``mixprec train``'s run directory, the dem
 from __future__ import annotations
 
 import os
+import tempfile
 
 __all__ = ["check_output_dir", "check_output_file"]
 
@@ -26,6 +27,12 @@ def check_output_file(name: str, path: str | os.PathLike[str]) -> None:
     if os.path.isdir(path):
         raise ValueError(f"{name} {path!r} is a folder; name the file to write")
     _check_writable(name, os.path.dirname(os.path.abspath(path)))
+    if os.path.isfile(path):  # a file that will be replaced: opened for appending, it is left as it is
+        try:
+            with open(path, "ab"):
+                pass
+        except OSError as exc:
+            raise ValueError(f"{name} {path!r} cannot be written ({exc.strerror})") from None
 
 
 def _check_writable(name: str, folder: str) -> None:
@@ -34,6 +41,14 @@ def _check_writable(name: str, folder: str) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise ValueError(f"cannot create {name} {folder!r}: {existing!r} is a file, not a directory")
+    what = "is not writable" if existing == os.path.abspath(folder) else f"cannot be created in {existing!r}"
     if not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not writable" if existing == os.path.abspath(folder) else f"cannot be created in {existing!r}"
         raise ValueError(f"{name} {folder!r} {what} (permission denied or a read-only file system)")
+    # os.access says yes to root everywhere, also where the file system refuses the write itself (a read-only
+    # mount, /proc, /sys): create and remove one file to know.
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".mixprec-write-check-", dir=existing)
+    except OSError as exc:
+        raise ValueError(f"{name} {folder!r} {what}: creating a file there failed ({exc.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
