@@ -352,14 +352,23 @@ def test_demo_report_cites_the_machines_audit(tmp_path, capsys) -> None:
 
 @pytest.mark.parametrize(
     ("content", "message"),
-    [(None, "cannot read an audit"), ("[1, 2]", "no list of verdicts"), ('{"verdicts": []}', "no list of verdicts")],
+    [
+        (None, "--audit: no such file"),
+        ("fifo", "--audit: {path!r} is not a regular file"),  # the read blocked until something wrote to it
+        ("{not json", "cannot read an audit"),
+        ("[1, 2]", "no list of verdicts"),
+        ('{"verdicts": []}', "no list of verdicts"),
+    ],
 )
 def test_demo_audit_bad_file_exits_2_before_any_run(tmp_path, monkeypatch, capsys, content, message) -> None:
     from mixprec.lab import demo
 
     monkeypatch.setattr(demo, "launch", lambda *a, **k: pytest.fail("a run started"))
     path = tmp_path / "audit.json"
-    if content is not None:
+    message = message.format(path=str(path))
+    if content == "fifo":
+        os.mkfifo(path)
+    elif content is not None:
         path.write_text(content)
     assert main(["demo", "--quick", "--out-dir", str(tmp_path / "d"), "--audit", str(path)]) == 2
     err = capsys.readouterr().err

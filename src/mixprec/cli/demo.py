@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from mixprec.cli.args import check_matplotlib, check_output_dir
+from mixprec.cli.args import check_input_file, check_matplotlib, check_output_dir
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -71,6 +71,8 @@ def prepare(args: argparse.Namespace) -> Callable[[], int]:
         overrides["nproc"] = args.nproc
     check_output_dir("--out-dir", args.out_dir)
     check_matplotlib()
+    if args.audit:
+        check_input_file("--audit", args.audit)
     audit_lines = audit_citation(args.audit) if args.audit else []
     plan_demo(out_dir=args.out_dir, seed=args.seed, overrides=overrides, threshold=args.threshold)
     if args.quick and args.full:

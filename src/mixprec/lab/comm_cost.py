@@ -23,6 +23,7 @@ from pathlib import Path
 
 from mixprec.comm.hierarchical_fp32 import segment_bounds
 from mixprec.core.validate import check_choice, check_positive_float, check_positive_int
+from mixprec.lab.paths import check_input_file
 
 __all__ = [
     "SCHEMES",
@@ -515,9 +516,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _read_bench(flag: str, path: Path) -> dict:
-    # A FIFO or a device would block the read (or never end it): only a regular file is opened.
-    if not Path(path).is_file():
-        raise ValueError(f"{flag}: {str(path)!r} is not a regular file (give the JSON of bench_netns_fp32.py --json)")
+    check_input_file(flag, path)
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

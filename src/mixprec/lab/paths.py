@@ -1,7 +1,8 @@
-"""Checks of the folders and files the lab writes, made before any work starts.
+"""Checks of the folders and files the lab writes, and of the files it reads, made before any work starts.
 
 One implementation for every command: ``mixprec train``'s run directory, the demo's and the studies'
-``--out-dir``, ``compare --plot``. Each error names the argument and says what is wrong.
+``--out-dir``, ``compare --plot``; ``study comm-cost --calibration``, ``demo --audit``. Each error names the
+argument and says what is wrong.
 """
 
 from __future__ import annotations
@@ -9,7 +10,17 @@ from __future__ import annotations
 import os
 import tempfile
 
-__all__ = ["check_output_dir", "check_output_file"]
+__all__ = ["check_input_file", "check_output_dir", "check_output_file"]
+
+
+def check_input_file(name: str, path: str | os.PathLike[str]) -> None:
+    """Refuse a file to read that does not exist or is not a regular file, before it is opened: a FIFO would
+    block the read until something writes to it, a device might never end it (ValueError naming ``name``)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ValueError(f"{name}: no such file: {path!r}")
+    if not os.path.isfile(path):
+        raise ValueError(f"{name}: {path!r} is not a regular file")
 
 
 def check_output_dir(name: str, path: str | os.PathLike[str]) -> None:
