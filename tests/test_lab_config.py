@@ -135,6 +135,14 @@ def test_invalid_toml_exits_2(tmp_path, capsys) -> None:
     assert "not valid TOML" in capsys.readouterr().err
 
 
+def test_deeply_nested_toml_exits_2_in_one_line(tmp_path, capsys) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("steps = " + "[" * 5000 + "]" * 5000 + "\n")
+    assert _train(tmp_path, "--config", str(path)) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "nests arrays or tables too deeply" in err and "Traceback" not in err
+
+
 def test_gbs_not_divisible_exits_2(tmp_path, capsys) -> None:
     assert _train(tmp_path, "--global-batch-size", "10", "--micro-batch-size", "4", "--nproc", "2") == 2
     err = capsys.readouterr().err

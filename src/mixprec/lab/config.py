@@ -663,6 +663,8 @@ def config_from_toml(path: str) -> dict[str, dict[str, Any]]:
         raise ValueError(f"config file not found: {path!r}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"config file {path!r} is not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib parses nested arrays and tables recursively
+        raise ValueError(f"config file {path!r} nests arrays or tables too deeply to be a configuration") from None
     return nest_flat_keys(data, f"config file {path!r}")
 
 
