@@ -102,6 +102,11 @@ def main() -> None:
                 args.out,
             )
         print("hf_trainer_accelerate example: OK")
+    # Drop the DDP model before the process group goes, as in train_accelerate.py.
+    accelerator = trainer.accelerator
+    del trainer
+    accelerator.free_memory()
+    accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -93,6 +93,11 @@ def main() -> None:
             args.out,
         )
     accelerator.print("train_accelerate example: OK")
+    # Drop the DDP model before the process group goes (here or at exit): torch 2.13 sometimes aborts a rank
+    # ("terminate called without an active exception") when a gloo group is destroyed under a live DDP module.
+    del model
+    accelerator.free_memory()  # the accelerator's own references to the prepared model, then gc
+    accelerator.end_training()
 
 
 if __name__ == "__main__":
