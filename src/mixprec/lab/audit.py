@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec.comm import all_reduce_fp32_accumulate, reduce_scatter_fp32_accumulate
+from mixprec.core.progress import progress_bar
 from mixprec.emulate import round_to
 from mixprec.testing import run_distributed
 
@@ -212,9 +213,8 @@ def audit_rank(
     sizes = config.sizes()
     bar = None
     if progress and rank == 0:
-        from tqdm.auto import tqdm  # a dependency of mixprec; imported where the bar is drawn
-
-        bar = tqdm(total=len(config.dtypes) * len(sizes) * len(config.ops), desc="audit", unit="case")
+        # the one bar rule of mixprec: drawn on a terminal only, never into a log
+        bar = progress_bar(total=len(config.dtypes) * len(sizes) * len(config.ops), desc="audit", unit="case")
     rows: list[AuditRow] = []
     try:
         for d_index, dtype_name in enumerate(config.dtypes):
