@@ -9,7 +9,6 @@ scaler, its skips, scale and learning rate the same (the prepared scheduler does
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from integration_reference import load_example, wrapper_run
 from mixprec.testing import run_distributed
 
 accelerate = pytest.importorskip("accelerate")
@@ -26,40 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "integrations" / "train_accelerate.py"
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("train_accelerate", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _wrapper(rank: int, world: int, reduce: str, schedule_steps: int | None = None) -> dict:
     """The same run under mixprec's own DistributedDataParallel, SkipAwareLR stepping as Accelerate's
     prepared scheduler does (num_processes steps per optimizer step that ran) or ``schedule_steps`` times."""
-    from mixprec.parallel import DistributedDataParallel
-    from mixprec.scaling import SkipAwareLR
-
-    torch.set_num_threads(1)
-    ex = _example()
-    net = ex.make_model()
-    ddp = DistributedDataParallel(net, reduce=reduce, reduce_options=ex.UINT8 if reduce == "uint8" else {})
-    opt = torch.optim.SGD(net.parameters(), lr=0.5)
-    scaler = ex.make_scaler()
-    sched = SkipAwareLR(ex.make_schedule(opt), scaler)
-    for step in range(ex.STEPS):
-        x, y = ex.batch(step, rank)
-        opt.zero_grad()
-        scaler.scale(torch.nn.functional.mse_loss(ddp(x), y)).backward()
-        scaler.step(opt)
-        scaler.update()
-        for _ in range(world if schedule_steps is None else schedule_steps):
-            sched.step()
-    return {
-        "weight": net[0].weight.detach().clone(),
-        "skipped": scaler.steps_skipped,
-        "scale": scaler.get_scale(),
-        "lr": sched.get_last_lr()[0],
-    }
+    steps = world if schedule_steps is None else schedule_steps
+    return wrapper_run(load_example("train_accelerate"), rank, reduce=reduce, schedule_steps=steps)
 
 
 def _torchrun(tmp_path: Path, *args: str, script: Path = SCRIPT) -> tuple[str, dict]:

@@ -10,7 +10,6 @@ rate the same (the step-interval scheduler does not advance on the skipped step)
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from integration_reference import load_example, wrapper_run
 from mixprec.testing import run_distributed
 
 pytest.importorskip("lightning")
@@ -27,37 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "integrations" / "train_lightning.py"
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("train_lightning", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _wrapper(rank: int, world: int, reduce: str) -> dict:
-    from mixprec.parallel import DistributedDataParallel
-    from mixprec.scaling import SkipAwareLR
-
-    torch.set_num_threads(1)
-    ex = _example()
-    net = ex.make_model()
-    ddp = DistributedDataParallel(net, reduce=reduce, reduce_options=ex.UINT8 if reduce == "uint8" else {})
-    opt = torch.optim.SGD(net.parameters(), lr=0.5)
-    scaler = ex.make_scaler()
-    sched = SkipAwareLR(ex.make_schedule(opt), scaler)
-    for step in range(ex.STEPS):
-        x, y = ex.batch(step, rank)
-        opt.zero_grad()
-        scaler.scale(torch.nn.functional.mse_loss(ddp(x), y)).backward()
-        scaler.step(opt)
-        scaler.update()
-        sched.step()
-    return {
-        "weight": net[0].weight.detach().clone(),
-        "skipped": scaler.steps_skipped,
-        "scale": scaler.get_scale(),
-        "lr": sched.get_last_lr()[0],
-    }
+    """The same run under mixprec's own DistributedDataParallel (one scheduler step per optimizer step)."""
+    return wrapper_run(load_example("train_lightning"), rank, reduce=reduce)
 
 
 @pytest.mark.slow

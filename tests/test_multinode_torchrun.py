@@ -242,32 +242,13 @@ def test_a_killed_node_stops_the_other_within_the_timeout_naming_it(nodes, tmp_p
 # ------------------------------------------------------------------------------------- an adapter example
 def _wrapper_rank(rank: int, world: int) -> dict:
     """examples/integrations/train_accelerate.py's run under mixprec's own DistributedDataParallel, 2 x 2."""
-    import importlib.util
+    from integration_reference import load_example, wrapper_run
 
-    from mixprec.parallel import DistributedDataParallel
-    from mixprec.scaling import SkipAwareLR
-
-    torch.set_num_threads(1)
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # what torchrun sets: the reducer's topology, 2 nodes x 2
-    spec = importlib.util.spec_from_file_location(
-        "train_accelerate", ROOT / "examples/integrations/train_accelerate.py"
+    run = wrapper_run(
+        load_example("train_accelerate"), rank, reduce="fp32_accumulate_hierarchical", schedule_steps=world
     )
-    ex = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ex)
-    net = ex.make_model()
-    ddp = DistributedDataParallel(net, reduce="fp32_accumulate_hierarchical")
-    opt = torch.optim.SGD(net.parameters(), lr=0.5)
-    scaler = ex.make_scaler()
-    sched = SkipAwareLR(ex.make_schedule(opt), scaler)
-    for step in range(ex.STEPS):
-        x, y = ex.batch(step, rank)
-        opt.zero_grad()
-        scaler.scale(torch.nn.functional.mse_loss(ddp(x), y)).backward()
-        scaler.step(opt)
-        scaler.update()
-        for _ in range(world):
-            sched.step()
-    return {"weight": net[0].weight.detach().clone(), "skipped": scaler.steps_skipped, "scale": scaler.get_scale()}
+    return {key: run[key] for key in ("weight", "skipped", "scale")}
 
 
 @pytest.mark.slow
