@@ -21,9 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def _case(rank: int, world: int, buckets: int, numel: int) -> dict[str, int]:
     import torch
 
-    from mixprec.comm import wait_all
+    from mixprec.comm import Topology, wait_all
     from mixprec.comm.memory import measure_peak_allocated
-    from mixprec.compress import Topology
     from mixprec.parallel import FP32AccumulateReducer
 
     torch.set_num_threads(1)

@@ -177,8 +177,8 @@ def worker(cfg: dict) -> None:
     torch.set_num_threads(1)
     from datetime import timedelta
 
-    from mixprec.comm import all_reduce_fp32_accumulate
-    from mixprec.compress import MinMaxUInt8, Topology, compressed_all_reduce
+    from mixprec.comm import Topology, all_reduce_fp32_accumulate
+    from mixprec.compress import MinMaxUInt8, compressed_all_reduce
     from mixprec.compress.collectives import CompressionWorkspace
 
     rank, world, per_node = cfg["rank"], cfg["world"], cfg["per_node"]

@@ -56,10 +56,9 @@ def worker(cfg: dict) -> None:
 
     torch.set_num_threads(1)
     from mixprec import native
-    from mixprec.comm import all_reduce_fp32_accumulate, reduce_scatter_fp32_accumulate
+    from mixprec.comm import Topology, all_reduce_fp32_accumulate, reduce_scatter_fp32_accumulate
     from mixprec.comm.compat import reduce_scatter_flat
     from mixprec.comm.hierarchical_fp32 import area_elements, segment_bounds, segment_length
-    from mixprec.compress import Topology
 
     rank, world, per_node = cfg["rank"], cfg["world"], cfg["per_node"]
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=cfg["timeout"]))

@@ -18,7 +18,8 @@ import torch
 
 import mixprec
 import mixprec.hooks
-from mixprec.compress import ErrorFeedback, Topology
+from mixprec.comm import Topology
+from mixprec.compress import ErrorFeedback
 from mixprec.testing import run_distributed
 
 WORLD_SIZE = 4

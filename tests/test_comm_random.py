@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from mixprec.comm import rank_generator
+from mixprec.comm import DEFAULT_STOCHASTIC_SEED, rank_generator
+from mixprec.core.random import rank_stream, rounding_generator
 
 
 def _first_draws(seed: int, n: int = 8) -> torch.Tensor:
@@ -63,3 +67,39 @@ def test_each_rank_and_each_forked_child_gets_its_own_seeded_stream(dist_run) ->
     assert results[0]["group_seed_draw"] is None
     assert torch.equal(results[1]["group_seed_draw"], _first_draws(seed + 0))
     assert torch.equal(results[2]["group_seed_draw"], _first_draws(seed + 1))
+
+
+def test_rounding_generator_is_the_given_stream_else_the_ranks() -> None:
+    given = torch.Generator().manual_seed(5)
+    assert rounding_generator("nearest", None, "cpu") is None  # nothing drawn: no stream created
+    assert rounding_generator("nearest", given, "cpu") is given
+    assert rounding_generator("stochastic", given, "cpu", 77) is given
+    assert rounding_generator("stochastic", None, "cpu") is rank_generator(DEFAULT_STOCHASTIC_SEED, "cpu")
+    assert rounding_generator("stochastic", None, torch.device("cpu"), 31_337) is rank_generator(31_337)
+
+
+def test_rank_stream_is_the_seeding_rule_of_rank_generator() -> None:
+    # Rank 0 outside a distributed run: a fresh rank_generator and rank_stream(seed, dev, 0) draw alike, and
+    # rank r's stream starts where a generator seeded seed + r does (what each forked rank checks above).
+    assert torch.equal(
+        torch.rand(8, generator=rank_stream(55_555, "cpu", 0)), torch.rand(8, generator=rank_generator(55_555))
+    )
+    assert torch.equal(torch.rand(8, generator=rank_stream(55_555, None, 3), dtype=torch.float64), _first_draws(55_558))
+    assert rank_stream(1, "cpu", 0) is not rank_stream(1, "cpu", 0)  # fresh each time, unlike rank_generator
+
+
+def test_only_core_random_resolves_a_rank_stream() -> None:
+    """Every stochastic-rounding path of mixprec asks rounding_generator (a real rank) or rank_stream (a model of
+    P ranks): no other module calls rank_generator itself."""
+    src = Path(__file__).resolve().parents[1] / "src" / "mixprec"
+    calls = []
+    for path in src.rglob("*.py"):
+        if path == src / "core" / "random.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+                if name == "rank_generator":
+                    calls.append(f"{path.relative_to(src)}:{node.lineno}")
+    assert not calls, calls

@@ -21,7 +21,7 @@ import torch
 import mixprec  # noqa: F401  (registers the reducers)
 from mixprec.comm import make_reducer
 from mixprec.comm.reducer import bucket_multiple
-from mixprec.compress import BlockScaledWire, NonFiniteError, Uint8Options
+from mixprec.compress import BlockScaledWire, CompressionOptions, NonFiniteError
 from mixprec.core.mx import mx_quantize, round_elements
 from mixprec.testing import run_distributed
 
@@ -267,7 +267,7 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="scale_mode"):
         BlockScaledWire("nvfp4", scale_mode="floor")
     with pytest.raises(ValueError, match="chunk_size must be a multiple of mxfp8_e4m3's block size 32"):
-        Uint8Options(wire="mxfp8_e4m3", chunk_size=48)
+        CompressionOptions(wire="mxfp8_e4m3", chunk_size=48)
     with pytest.raises(ValueError, match="wire must be one of"):
         make_reducer("mxfp8", wire="nvfp4")
 

@@ -19,12 +19,12 @@ from compress_reference import (
     ref_hierarchical_all_reduce,
     ref_hierarchical_reduce_scatter,
 )
+from mixprec.comm import Topology
 from mixprec.compress import (
+    CompressedReducer,
     ErrorFeedback,
     MinMaxUInt8,
     NonFiniteError,
-    Topology,
-    Uint8Reducer,
     compressed_all_reduce,
     compressed_reduce_scatter,
     start_compressed_all_reduce,
@@ -646,7 +646,7 @@ def test_bad_arguments(dist_run) -> None:
         "TypeError: compressor must be a mixprec.compress.MinMaxUInt8",
         "TypeError: average must be a bool",
         "ValueError: topology has 3 nodes x 1 ranks = 3 ranks but the group has 2",
-        "TypeError: topology must be a mixprec.compress.Topology",
+        "TypeError: topology must be a mixprec.comm.Topology",
         "TypeError: error_feedback must be a mixprec.compress.ErrorFeedback",
         "ValueError: output must be contiguous with tensor.numel() / group size = 4 elements",
         "ValueError: tensor.numel() = 7 is not divisible by the group size 2",
@@ -700,7 +700,7 @@ def _worker_hostile_args(rank: int, world: int) -> dict:
         lambda: compressed_reduce_scatter(None, torch.randn(8), compressor=comp),
         lambda: compressed_all_reduce(torch.empty(8, device="meta"), compressor=comp),
         lambda: compressed_reduce_scatter(torch.empty(4, device="meta"), torch.randn(8), compressor=comp),
-        lambda: Uint8Reducer().all_reduce(torch.randn(256), "x", average=True, key=0),
+        lambda: CompressedReducer().all_reduce(torch.randn(256), "x", average=True, key=0),
         lambda: compressed_all_reduce(torch.randn(8).to(torch.float8_e4m3fn), compressor=comp),
         lambda: compressed_all_reduce(torch.randn(8, dtype=torch.complex64), compressor=comp),
         lambda: compressed_all_reduce(torch.randn(8), compressor=comp, average="False"),

@@ -20,8 +20,8 @@ from compress_reference import (
     ref_hierarchical_all_reduce,
     ref_hierarchical_reduce_scatter,
 )
-from mixprec.comm import make_reducer
-from mixprec.compress import ErrorFeedback, Topology, Uint8Options, Uint8Reducer
+from mixprec.comm import Topology, make_reducer
+from mixprec.compress import CompressedReducer, CompressionOptions, ErrorFeedback
 from mixprec.integrations.ddp_uint8 import uint8_compress_hook
 from mixprec.parallel import DistributedDataParallel
 
@@ -71,7 +71,7 @@ def test_registered_reducers_match_the_reference(dist_run, world: int, name: str
 
 
 def _worker_state(rank: int, world: int) -> dict:
-    def run(reducer: Uint8Reducer, steps: range) -> list[torch.Tensor]:
+    def run(reducer: CompressedReducer, steps: range) -> list[torch.Tensor]:
         outs = []
         for t in steps:
             b = _bucket(rank, 0, step=t)
@@ -80,27 +80,30 @@ def _worker_state(rank: int, world: int) -> dict:
         return outs
 
     opts = {"chunk_size": CHUNK, "error_feedback": True, "rounding": "stochastic"}
-    first = Uint8Reducer(**opts)
+    first = CompressedReducer(**opts)
     run(first, range(2))
     buf = io.BytesIO()
     torch.save(first.state_dict(), buf)
     straight = run(first, range(2, 4))
     buf.seek(0)
     # Same seed, same process: both reducers draw from one rank_generator stream; loading rewinds it.
-    resumed = Uint8Reducer(**opts)
+    resumed = CompressedReducer(**opts)
     resumed.load_state_dict(torch.load(buf, weights_only=True))
     errors = []
     for bad_state, reducer in [
-        ({"rounding": "nearest"}, Uint8Reducer(**opts)),
-        ({"error_feedback": {0: {}}}, Uint8Reducer(chunk_size=CHUNK)),
-        ({"error_feedback": {0: {"worker": torch.zeros(3, dtype=torch.float64)}}}, Uint8Reducer(**opts)),
-        ({"generator_state": [1, 2]}, Uint8Reducer(**opts)),
-        ({"generator_state": torch.zeros(4)}, Uint8Reducer(**opts)),
-        ({"check_finite": "raise"}, Uint8Reducer(**opts)),
-        ({"topology": [2, 1]}, Uint8Reducer(**opts)),
-        ({"error_feedback": [0]}, Uint8Reducer(**opts)),
-        ({"generator_state": torch.zeros(8, dtype=torch.uint8), "generator_device": "cuda:0"}, Uint8Reducer(**opts)),
-        ({"generator_state": torch.zeros(8, dtype=torch.uint8)}, Uint8Reducer(chunk_size=CHUNK)),
+        ({"rounding": "nearest"}, CompressedReducer(**opts)),
+        ({"error_feedback": {0: {}}}, CompressedReducer(chunk_size=CHUNK)),
+        ({"error_feedback": {0: {"worker": torch.zeros(3, dtype=torch.float64)}}}, CompressedReducer(**opts)),
+        ({"generator_state": [1, 2]}, CompressedReducer(**opts)),
+        ({"generator_state": torch.zeros(4)}, CompressedReducer(**opts)),
+        ({"check_finite": "raise"}, CompressedReducer(**opts)),
+        ({"topology": [2, 1]}, CompressedReducer(**opts)),
+        ({"error_feedback": [0]}, CompressedReducer(**opts)),
+        (
+            {"generator_state": torch.zeros(8, dtype=torch.uint8), "generator_device": "cuda:0"},
+            CompressedReducer(**opts),
+        ),
+        ({"generator_state": torch.zeros(8, dtype=torch.uint8)}, CompressedReducer(chunk_size=CHUNK)),
     ]:
         try:
             reducer.load_state_dict(bad_state)
@@ -108,7 +111,7 @@ def _worker_state(rank: int, world: int) -> dict:
         except (TypeError, ValueError) as exc:
             errors.append(str(exc))
     # A state saved on CUDA is refused when the first reduction (on CPU) would apply it.
-    cuda_state = Uint8Reducer(**opts)
+    cuda_state = CompressedReducer(**opts)
     cuda_state.load_state_dict({"generator_state": first.state_dict()["generator_state"], "generator_device": "cuda"})
     try:
         cuda_state.all_reduce(_bucket(rank, 0), None, average=True, key=0).wait()
@@ -146,7 +149,7 @@ def test_reducer_state_dict_resumes_error_feedback_and_stochastic_stream(dist_ru
 def _worker_failed_wait(rank: int, world: int) -> dict:
     from mixprec.compress import NonFiniteError
 
-    reducer = Uint8Reducer(chunk_size=CHUNK, check_finite="raise")
+    reducer = CompressedReducer(chunk_size=CHUNK, check_finite="raise")
     bucket = _bucket(rank, 0)
     bucket[7] = float("nan") if rank == 0 else bucket[7]
     handle = reducer.all_reduce(bucket, None, average=True, key=0)
@@ -178,9 +181,9 @@ def test_factories_validate_options() -> None:
     with pytest.raises(TypeError, match="rejected its options"):
         make_reducer("uint8", bogus=1)
     with pytest.raises(ValueError, match="check_finite must be one of"):
-        Uint8Reducer(check_finite="warn")
+        CompressedReducer(check_finite="warn")
     with pytest.raises(TypeError, match="error_feedback must be a bool"):
-        Uint8Reducer(error_feedback=1)
+        CompressedReducer(error_feedback=1)
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE is not set"):
         make_reducer("uint8_hierarchical")
@@ -191,14 +194,14 @@ def test_factories_validate_options() -> None:
         ({"rounding": "up"}, ValueError, "rounding must be one of"),
         ({"error_feedback": "yes"}, TypeError, "error_feedback must be a bool"),
         ({"check_finite": "warn"}, ValueError, "check_finite must be one of"),
-        ({"topology": (2, 2)}, TypeError, "topology must be a mixprec.compress.Topology"),
+        ({"topology": (2, 2)}, TypeError, "topology must be a mixprec.comm.Topology"),
         ({"seed": 1.5}, TypeError, "seed must be an int"),
     ]:
         with pytest.raises(exc, match=match):
-            Uint8Options(**kwargs)
+            CompressionOptions(**kwargs)
         with pytest.raises(exc, match=match):
-            Uint8Reducer(**kwargs)
-    assert Uint8Options(topology=Topology(2, 2)).saved()["topology"] == [2, 2]
+            CompressedReducer(**kwargs)
+    assert CompressionOptions(topology=Topology(2, 2)).saved()["topology"] == [2, 2]
 
 
 def _worker_rank_streams(rank: int, world: int) -> dict:
@@ -356,13 +359,13 @@ def test_seed_outside_torchs_range_is_refused_at_construction() -> None:
     # Not first at the first reduction, inside a backward hook.
     for seed in (2**64, -(2**63) - 1):
         with pytest.raises(ValueError, match=r"seed must lie in torch's seed range \[-2\*\*63, 2\*\*64\)"):
-            Uint8Options(seed=seed)
-    assert Uint8Options(seed=2**64 - 1).seed == 2**64 - 1
+            CompressionOptions(seed=seed)
+    assert CompressionOptions(seed=2**64 - 1).seed == 2**64 - 1
 
 
 def _worker_nan_does_not_stick(rank: int, world: int, topology: Topology | None) -> dict:
-    def reducer() -> Uint8Reducer:
-        return Uint8Reducer(chunk_size=CHUNK, error_feedback=True, rounding="stochastic", topology=topology)
+    def reducer() -> CompressedReducer:
+        return CompressedReducer(chunk_size=CHUNK, error_feedback=True, rounding="stochastic", topology=topology)
 
     used = reducer()
     for step in range(2):  # residuals hold something before the bad step

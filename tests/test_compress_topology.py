@@ -10,9 +10,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from mixprec.comm import Topology
 from mixprec.comm.groups import group_timeout
 from mixprec.comm.topology import resolve_topology
-from mixprec.compress import MinMaxUInt8, Topology, compressed_all_reduce
+from mixprec.compress import MinMaxUInt8, compressed_all_reduce
 
 
 def _subgroup_timeouts(rank: int, world: int) -> list[timedelta | None]:

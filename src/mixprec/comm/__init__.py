@@ -6,6 +6,8 @@
 * :class:`PendingReduction` / :func:`wait_all`: the one handle type of every asynchronous collective here.
 * :class:`GradReducer`, :func:`make_reducer`, :func:`register_reducer`: how a data-parallel wrapper reduces a
   bucket, and the registry of named reducers (``mixprec.parallel`` and ``mixprec.compress`` fill it).
+* :class:`Topology`: nodes x ranks per node, for the hierarchical (two-stage) schemes here and in
+  :mod:`mixprec.compress`.
 * :func:`rank_generator`, :func:`stochastic_round`: per-rank random streams and unbiased rounding.
 """
 
@@ -13,6 +15,7 @@ from mixprec.comm.agree import agree_any, is_distributed
 from mixprec.comm.fp32_accumulate import all_reduce_fp32_accumulate, reduce_scatter_fp32_accumulate
 from mixprec.comm.handles import PendingReduction, wait_all
 from mixprec.comm.reducer import GradReducer, ReductionHandle, make_reducer, register_reducer, registered_reducers
+from mixprec.comm.topology import Topology
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rank_generator
 from mixprec.core.stochastic import stochastic_round
 
@@ -21,6 +24,7 @@ __all__ = [
     "GradReducer",
     "PendingReduction",
     "ReductionHandle",
+    "Topology",
     "agree_any",
     "all_reduce_fp32_accumulate",
     "is_distributed",

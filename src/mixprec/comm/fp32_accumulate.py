@@ -28,7 +28,7 @@ from mixprec.comm.handles import PendingReduction
 from mixprec.comm.padding import round_up
 from mixprec.comm.topology import Topology, check_topology, resolve_topology
 from mixprec.core.dtypes import LOW_PRECISION_DTYPES, ROUNDINGS, WIRE_DTYPES, Rounding
-from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rank_generator
+from mixprec.core.random import rounding_generator
 from mixprec.core.validate import check_bool, check_choice, check_group, check_tensor
 
 __all__ = [
@@ -116,14 +116,6 @@ def _area(
     return area, hierarchical_fp32.segment_length(shard, world_size, area.numel(), nodes, all_reduce)
 
 
-def _default_generator(
-    rounding: Rounding, generator: torch.Generator | None, like: torch.Tensor
-) -> torch.Generator | None:
-    if rounding == "stochastic" and generator is None:
-        return rank_generator(DEFAULT_STOCHASTIC_SEED, like.device)
-    return generator
-
-
 def _finish_or_return(pending: PendingReduction, async_op: bool) -> PendingReduction | None:
     if async_op:
         return pending
@@ -173,7 +165,7 @@ def reduce_scatter_fp32_accumulate(
             elements, not overlapping ``input`` or ``output``.
         generator: random stream for ``rounding="stochastic"``; None = a per-process generator seeded
             with ``DEFAULT_STOCHASTIC_SEED + global rank``.
-        topology: None (the flat scheme above), or a :class:`mixprec.compress.Topology` / 2-D DeviceMesh
+        topology: None (the flat scheme above), or a :class:`mixprec.comm.Topology` / 2-D DeviceMesh
             with dims ("node", "local") for the two-stage scheme of :mod:`mixprec.comm.hierarchical_fp32`
             (``group`` must then span the default group in rank order). Each node sends ``(m-1)/m N``
             elements to other nodes (a ring: ``(W-1)/W N``; the flat all-to-all ``n (m-1)/m N``); the stages
@@ -260,7 +252,7 @@ def reduce_scatter_scaled(
             average=average,
             factor=factor,
             rounding=rounding,
-            generator=_default_generator(rounding, generator, output),
+            generator=rounding_generator(rounding, generator, output.device),
         )
         return _finish_or_return(pending, async_op)
     _check_flat_dtype(inter_node_dtype)
@@ -360,7 +352,7 @@ def all_reduce_fp32_accumulate(
             inter_dtype=inter,
             average=average,
             rounding=rounding,
-            generator=_default_generator(rounding, generator, tensor),
+            generator=rounding_generator(rounding, generator, tensor.device),
         )
         return _finish_or_return(pending, async_op)
     _check_flat_dtype(inter_node_dtype)

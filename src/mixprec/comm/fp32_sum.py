@@ -14,7 +14,7 @@ import ctypes
 import torch
 
 from mixprec.core.dtypes import Rounding
-from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rank_generator
+from mixprec.core.random import rounding_generator
 from mixprec.core.stochastic import round_into_
 from mixprec.native import can_run, library, num_threads
 
@@ -93,8 +93,8 @@ def sum_shards_into(
     first: on CPU, an in-place fp32 add of an fp16/bf16 operand makes torch allocate an fp32 copy of it.
     Extra memory: two blocks of fp32 (512 KiB); about 3x faster here than whole-shard passes.
     """
-    if rounding == "stochastic" and generator is None and output.dtype != torch.float32:
-        generator = rank_generator(DEFAULT_STOCHASTIC_SEED, output.device)
+    if output.dtype != torch.float32:  # an fp32 output is not rounded: no stream is created
+        generator = rounding_generator(rounding, generator, output.device)
     world_size, shard = shards.shape
     if world_size == 0:
         raise ValueError("shards must have at least one row (one per rank); got 0 rows")

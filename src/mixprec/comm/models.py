@@ -24,6 +24,7 @@ import torch
 from mixprec.comm.fp32_sum import round_blocks_into, sum_shards_into
 from mixprec.comm.topology import Topology
 from mixprec.core.dtypes import WIRE_DTYPES, Rounding
+from mixprec.core.random import rank_stream
 from mixprec.core.validate import check_tensor
 
 __all__ = [
@@ -211,7 +212,7 @@ class GroupState:
         if self.world is None:
             raise RuntimeError("internal error: streams asked before the group size is known")
         if self.generators is None:
-            gens = [torch.Generator(device=device).manual_seed(seed + r) for r in range(self.world)]
+            gens = [rank_stream(seed, device, r) for r in range(self.world)]
             if self._loaded_streams is not None:
                 if len(self._loaded_streams) != self.world:
                     raise ValueError(

@@ -124,7 +124,7 @@ def check_topology(topology: object, group: dist.ProcessGroup | None = None) -> 
         size = topology.world_size
     else:
         raise TypeError(
-            "topology must be a mixprec.compress.Topology, a 2-D DeviceMesh with dims ('node', 'local'), or "
+            "topology must be a mixprec.comm.Topology, a 2-D DeviceMesh with dims ('node', 'local'), or "
             f"None; got {type(topology).__name__}"
         )
     if dist.is_available() and dist.is_initialized():
@@ -153,7 +153,7 @@ def resolve_topology(topology: object, group: dist.ProcessGroup | None) -> Hiera
     if _is_device_mesh(topology):
         return _from_mesh(topology)
     if not isinstance(topology, Topology):  # check_topology raised already; for the type checker
-        raise TypeError(f"topology must be a mixprec.compress.Topology; got {type(topology).__name__}")
+        raise TypeError(f"topology must be a mixprec.comm.Topology; got {type(topology).__name__}")
     parent = dist.group.WORLD
     key = (id(parent), topology.nodes, topology.ranks_per_node)
     cached = _CACHE.get(key)

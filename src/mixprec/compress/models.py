@@ -1,6 +1,6 @@
 """One-process models of the compressed all-reduce (flat and hierarchical ByteGrad pipelines), bit for bit.
 
-What :meth:`mixprec.compress.Uint8Reducer.model` computes: the P ranks' buckets in, every rank's result
+What :meth:`mixprec.compress.CompressedReducer.model` computes: the P ranks' buckets in, every rank's result
 out, with the real pipelines' arithmetic (:mod:`mixprec.compress.flat`, :mod:`mixprec.compress.hierarchical`)
 replayed sender by sender:
 

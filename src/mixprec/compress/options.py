@@ -1,4 +1,4 @@
-"""What :class:`~mixprec.compress.Uint8Reducer` (mixprec's DDP) and :class:`~mixprec.compress.Uint8HookState`
+"""What :class:`~mixprec.compress.CompressedReducer` (mixprec's DDP) and :class:`~mixprec.hooks.Uint8HookState`
 (torch DDP) share: their validated options, the per-device compressors with their rank-seeded streams, and
 the checks of the state they save.
 """
@@ -17,10 +17,10 @@ from mixprec.compress.fp8 import FP8_FORMATS, Compressor, ScaledFP8
 from mixprec.compress.quantize import CHECK_FINITE, MinMaxUInt8
 from mixprec.compress.state import ErrorFeedback
 from mixprec.core.dtypes import ROUNDINGS
-from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rank_generator
+from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rounding_generator
 from mixprec.core.validate import check_bool, check_choice, check_positive_int
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "WIRES", "Uint8Options", "build_compressor"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "WIRES", "CompressionOptions", "build_compressor"]
 
 # Elements per chunk (one header entry) of the data-parallel compressors: ByteGrad's block, 0.4% of header bytes.
 DEFAULT_CHUNK_SIZE = 2048
@@ -31,8 +31,10 @@ WIRES: tuple[str, ...] = ("uint8", *FP8_FORMATS, *BLOCK_WIRES, "auto")
 
 
 @dataclass(frozen=True)
-class Uint8Options:
-    """Options of 8-bit gradient compression in data parallelism, validated at construction.
+class CompressionOptions:
+    """Options of compressed gradient reduction in data parallelism (every wire), validated at construction.
+
+    Formerly ``Uint8Options`` (still importable from :mod:`mixprec.compress` with a DeprecationWarning).
 
     Attributes:
         chunk_size: elements per chunk (one header entry), int >= 1.
@@ -138,7 +140,7 @@ def load_feedback(entry: dict[str, Any]) -> ErrorFeedback:
     return feedback
 
 
-def build_compressor(options: Uint8Options, wire: str, generator: torch.Generator | None) -> Compressor:
+def build_compressor(options: CompressionOptions, wire: str, generator: torch.Generator | None) -> Compressor:
     """The compressor of ``wire`` (``"uint8"``, ``"e4m3"``, ``"e5m2"``) with ``options``' chunk size, rounding
     and check_finite, drawing stochastic keys from ``generator``."""
     kwargs: dict[str, Any] = {
@@ -161,7 +163,7 @@ class RankCompressors:
     ``rank_generator(options.seed, device)``, created at first use (when the process group is up). A
     generator state loaded before that is applied then."""
 
-    def __init__(self, options: Uint8Options) -> None:
+    def __init__(self, options: CompressionOptions) -> None:
         self.options = options
         self._by_device: dict[tuple[torch.device, str], Compressor] = {}
         self._generator: torch.Generator | None = None  # the stream last drawn from
@@ -174,12 +176,12 @@ class RankCompressors:
         comp = self._by_device.get((device, wire))
         if comp is None:
             opts = self.options
-            generator = next((c.generator for (d, _), c in self._by_device.items() if d == device), None)
-            if opts.rounding == "stochastic" and generator is None:
-                generator = rank_generator(opts.seed, device)
-                if self._pending is not None:
-                    _apply(generator, *self._pending)
-                    self._pending = None
+            shared = next((c.generator for (d, _), c in self._by_device.items() if d == device), None)
+            generator = rounding_generator(opts.rounding, shared, device, opts.seed)
+            # The device's first stochastic compressor: a generator state loaded before now applies to its stream.
+            if generator is not shared and self._pending is not None:
+                _apply(generator, *self._pending)
+                self._pending = None
             comp = self._by_device[device, wire] = build_compressor(opts, wire, generator)
         self._generator = comp.generator
         return comp

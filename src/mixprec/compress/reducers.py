@@ -37,8 +37,8 @@ from mixprec.compress.collectives import start_compressed_all_reduce, start_comp
 from mixprec.compress.models import compressed_all_reduce_rows, feedback_shapes
 from mixprec.compress.options import (
     DEFAULT_CHUNK_SIZE,
+    CompressionOptions,
     RankCompressors,
-    Uint8Options,
     build_compressor,
     check_feedback_entry,
     load_feedback,
@@ -49,15 +49,19 @@ from mixprec.core.philox import draw_key
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED
 from mixprec.core.validate import check_positive_int
 
-__all__ = ["Uint8Reducer"]
+__all__ = ["CompressedReducer"]
 
 
-class Uint8Reducer:
-    """GradReducer with 8-bit compression on the wire (uint8 min-max, fp8, or chosen per bucket) and fp32 sums.
+class CompressedReducer:
+    """GradReducer with a compressed wire (uint8, fp8, MX / NVFP4, or chosen per bucket) and fp32 sums.
+
+    One class for every compressed reducer of the registry (``"uint8"``, ``"fp8"``, ``"mxfp8"``, ``"nvfp4"``,
+    their ``"_hierarchical"`` forms, ``"auto"``): the wire is an option, not the class (formerly
+    ``Uint8Reducer``, still importable from :mod:`mixprec.compress` with a DeprecationWarning).
 
     Args:
         chunk_size, rounding, error_feedback, check_finite, topology, seed, wire, link_gbps: see
-            :class:`mixprec.compress.Uint8Options` (validated there; kept as :attr:`options`). With
+            :class:`mixprec.compress.CompressionOptions` (validated there; kept as :attr:`options`). With
             ``check_finite="flag"`` (default) :attr:`last_stats` reports non-finite buckets; ``"raise"``
             raises :class:`mixprec.compress.NonFiniteError` from ``wait()`` on every rank.
         max_in_flight: reductions whose buffers are kept while pending, int >= 1; starting one more first
@@ -82,7 +86,7 @@ class Uint8Reducer:
         link_gbps: float | None = None,
     ) -> None:
         # Validated here, not first inside a backward hook (topology sizes too, once the group is initialised).
-        self.options = Uint8Options(
+        self.options = CompressionOptions(
             chunk_size=chunk_size,
             rounding=rounding,
             error_feedback=error_feedback,
@@ -369,7 +373,7 @@ class Uint8Reducer:
         opts = self.options
         kind = "flat" if opts.topology is None else f"hierarchical {opts.topology!r}"
         return (
-            f"Uint8Reducer({kind}, wire={opts.wire!r}, chunk_size={opts.chunk_size}, rounding={opts.rounding!r}, "
+            f"CompressedReducer({kind}, wire={opts.wire!r}, chunk_size={opts.chunk_size}, rounding={opts.rounding!r}, "
             f"error_feedback={opts.error_feedback}, check_finite={opts.check_finite!r})"
         )
 
@@ -383,7 +387,7 @@ class _PendingBucket(PendingReduction):
     """
 
     def __init__(
-        self, reduction: PendingReduction, workspace: CompressionWorkspace, key: int, owner: Uint8Reducer
+        self, reduction: PendingReduction, workspace: CompressionWorkspace, key: int, owner: CompressedReducer
     ) -> None:
         self.workspace = workspace
         self.key = key
@@ -399,11 +403,11 @@ class _PendingBucket(PendingReduction):
         super().__init__(finish)
 
 
-def _factory(name: str, wires: tuple[str, ...], hierarchical: bool) -> Callable[..., Uint8Reducer]:
+def _factory(name: str, wires: tuple[str, ...], hierarchical: bool) -> Callable[..., CompressedReducer]:
     """A registry factory: ``wire`` defaults to ``wires[0]`` and must be one of ``wires``; a flat reducer
     refuses a topology, a hierarchical one takes it from the options, else from ``LOCAL_WORLD_SIZE``."""
 
-    def make(**options: Any) -> Uint8Reducer:
+    def make(**options: Any) -> CompressedReducer:
         wire = options.setdefault("wire", wires[0])
         if wire not in wires:
             raise ValueError(f"reducer {name!r}: wire must be one of {', '.join(map(repr, wires))}; got {wire!r}")
@@ -416,13 +420,13 @@ def _factory(name: str, wires: tuple[str, ...], hierarchical: bool) -> Callable[
                 deferred = True
         elif not hierarchical and options.get("topology") is not None:
             raise ValueError(f"reducer {name!r} is flat; for a topology use reduce={name + '_hierarchical'!r}")
-        reducer = Uint8Reducer(**options)
+        reducer = CompressedReducer(**options)
         reducer._nodes_from_world = deferred
         return reducer
 
-    # The factory takes Uint8Reducer's keywords; its signature says so, so that make_reducer can name a
+    # The factory takes CompressedReducer's keywords; its signature says so, so that make_reducer can name a
     # wrong option before any reducer is built.
-    make.__signature__ = inspect.signature(Uint8Reducer)  # type: ignore[attr-defined]
+    make.__signature__ = inspect.signature(CompressedReducer)  # type: ignore[attr-defined]
     make.__name__ = make.__qualname__ = f"make_{name}_reducer"
     return make
 

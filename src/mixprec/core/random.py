@@ -9,6 +9,11 @@ Sharing: callers that ask for the same seed on the same device in one process ge
 their draws interleave in one stream (never two copies of one stream, which would correlate them). Give
 distinct seeds for independent streams.
 
+Resolution: :func:`rounding_generator` is the one rule for "which stream does stochastic rounding draw
+from": the caller's generator when one is given, else this rank's :func:`rank_generator`; the collectives,
+their fp32 sums, the reducers and the compressors all ask it. :func:`rank_stream` is the seeding rule itself
+(``seed + rank``), which a one-process model of P ranks uses for each simulated rank.
+
 Fork safety: the cache is keyed by the process id. A generator created in a parent process is never
 handed to a forked child (which would otherwise draw the parent's numbers, the same in every child); the
 child creates and seeds its own.
@@ -23,7 +28,7 @@ import torch.distributed as dist
 
 from mixprec.core.validate import check_group
 
-__all__ = ["DEFAULT_STOCHASTIC_SEED", "rank_generator"]
+__all__ = ["DEFAULT_STOCHASTIC_SEED", "rank_generator", "rank_stream", "rounding_generator"]
 
 # Seed of the per-process default generator for rounding="stochastic" (plus the global rank), so runs
 # are reproducible when the caller passes no generator.
@@ -88,7 +93,31 @@ def rank_generator(
             pid = os.getpid()
             for stale in [k for k in _GENERATORS if k[0] != pid]:
                 del _GENERATORS[stale]
-        generator = torch.Generator(device=dev)
-        generator.manual_seed(full_seed)
-        _GENERATORS[key] = generator
+        generator = _GENERATORS[key] = rank_stream(seed, dev, rank)
     return generator
+
+
+def rank_stream(seed: int, device: torch.device | str | None, rank: int) -> torch.Generator:
+    """A fresh generator on ``device`` seeded as :func:`rank_generator` seeds rank ``rank``'s: ``seed + rank``.
+
+    For a model of P ranks in one process (rank r's stream, r < P); a real rank uses :func:`rank_generator`,
+    which caches the one object per (seed, device, rank)."""
+    generator = torch.Generator(device=torch.device("cpu") if device is None else device)
+    generator.manual_seed(seed + rank)
+    return generator
+
+
+def rounding_generator(
+    rounding: str,
+    generator: torch.Generator | None,
+    device: torch.device | str | None,
+    seed: int = DEFAULT_STOCHASTIC_SEED,
+) -> torch.Generator | None:
+    """The stream that rounding ``rounding`` draws from on ``device``.
+
+    ``"stochastic"`` with no ``generator``: this rank's :func:`rank_generator` (``seed``, ``device``), created on
+    first use; otherwise ``generator`` itself, as given (None for round to nearest, which draws nothing).
+    """
+    if rounding != "stochastic" or generator is not None:
+        return generator
+    return rank_generator(seed, device)

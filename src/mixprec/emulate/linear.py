@@ -231,6 +231,41 @@ def _declared_type(module: nn.Module) -> type:
     return cls.__bases__[0] if parametrize.is_parametrized(module) else cls
 
 
+def _select_layers(
+    model: nn.Module, swap_types: tuple[type, ...], recipe: BlockScaledRecipe | None
+) -> tuple[list[tuple[str, nn.Module]], list[str], list[str], list[str]]:
+    """Sort ``model``'s linear layers for :func:`emulate_linear_layers`: (layers to swap as (name, module),
+    names skipped, names kept in their precision by ``recipe``, kept ones described as "name (in->out)" because
+    their shapes are not whole blocks). ValueError for a layer to swap that has parametrizations."""
+    targets: list[tuple[str, nn.Module]] = []
+    skipped: list[str] = []
+    kept: list[str] = []
+    misfit: list[str] = []
+    for name, module in model.named_modules():
+        if not name or not isinstance(module, nn.Linear) or isinstance(module, EmulatedLinear):
+            continue
+        if _declared_type(module) not in swap_types:
+            skipped.append(name)  # keeps its own forward, parametrized or not
+            continue
+        if recipe is not None:
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in recipe.high_precision):
+                kept.append(name)
+                continue
+            try:
+                check_shapes(recipe, module.in_features, module.out_features)
+            except ValueError:
+                kept.append(name)
+                misfit.append(f"{name} ({module.in_features}->{module.out_features})")
+                continue
+        if parametrize.is_parametrized(module):
+            raise ValueError(
+                f"module {name!r} ({type(module).__name__}) has parametrizations: an EmulatedLinear would hold a "
+                "frozen snapshot of its weight; remove them first (torch.nn.utils.parametrize.remove_parametrizations)"
+            )
+        targets.append((name, module))
+    return targets, skipped, kept, misfit
+
+
 def emulate_linear_layers(
     model: nn.Module,
     mode: MatmulModel | BlockScaledRecipe | str,
@@ -268,34 +303,8 @@ def emulate_linear_layers(
     _check_generator(generator)
     if isinstance(model, nn.Linear):
         raise ValueError("model is itself an nn.Linear: wrap it (e.g. nn.Sequential(layer)) so it can be swapped")
-    swap_types = (nn.Linear, *include)
-    targets: list[tuple[str, nn.Module]] = []
-    skipped: list[str] = []
-    kept: list[str] = []
-    misfit: list[str] = []
     recipe = matmul_model if isinstance(matmul_model, BlockScaledRecipe) else None
-    for name, module in model.named_modules():
-        if not name or not isinstance(module, nn.Linear) or isinstance(module, EmulatedLinear):
-            continue
-        if _declared_type(module) not in swap_types:
-            skipped.append(name)  # keeps its own forward, parametrized or not
-            continue
-        if recipe is not None:
-            if any(fnmatch.fnmatchcase(name, pattern) for pattern in recipe.high_precision):
-                kept.append(name)
-                continue
-            try:
-                check_shapes(recipe, module.in_features, module.out_features)
-            except ValueError:
-                kept.append(name)
-                misfit.append(f"{name} ({module.in_features}->{module.out_features})")
-                continue
-        if parametrize.is_parametrized(module):
-            raise ValueError(
-                f"module {name!r} ({type(module).__name__}) has parametrizations: an EmulatedLinear would hold a "
-                "frozen snapshot of its weight; remove them first (torch.nn.utils.parametrize.remove_parametrizations)"
-            )
-        targets.append((name, module))
+    targets, skipped, kept, misfit = _select_layers(model, (nn.Linear, *include), recipe)
     quiet = nn.modules.linear.NonDynamicallyQuantizableLinear
     loud = [name for name in skipped if type(model.get_submodule(name)) is not quiet]
     if loud:

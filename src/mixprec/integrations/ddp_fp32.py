@@ -8,7 +8,7 @@ FSDP2 counterpart is in :mod:`mixprec.integrations.fsdp2`.
 The hook starts the all-to-all and returns; a callback sums, rounds and starts the all-gather on a second
 process group (created on the first call with the default group's timeout), where the all-gathers are
 issued in bucket order on every rank. Why, and the rules for subgroups: ``docs/comm.md``. With a
-:class:`mixprec.compress.Topology` (or 2-D DeviceMesh) as ``state``, the two-stage multi-node scheme of
+:class:`mixprec.comm.Topology` (or 2-D DeviceMesh) as ``state``, the two-stage multi-node scheme of
 :mod:`mixprec.comm.hierarchical_fp32` runs instead, on one background thread per topology that takes the
 buckets in hook order (so every rank issues the same collectives in the same order).
 
@@ -44,7 +44,7 @@ class FP32HookState:
 
     Args:
         process_group: the DDP process group (None = the default group), or for the two-stage scheme a
-            :class:`mixprec.compress.Topology` / 2-D DeviceMesh (as the hook's plain ``state``).
+            :class:`mixprec.comm.Topology` / 2-D DeviceMesh (as the hook's plain ``state``).
         audit_every: None, or an int N >= 1: at synced steps N, 2N, ... one bucket (bucket index
             ``(step // N - 1) mod buckets``) is also reduced exactly, and the error of the fp32-accumulated
             reduction and of the backend's own all-reduce recorded in :attr:`audit_results`
@@ -227,7 +227,7 @@ def fp32_accumulate_hook(
 
     ``model.register_comm_hook(state=None, hook=fp32_accumulate_hook)``; ``state`` is the process group
     (None = the default group), an :class:`FP32HookState` (the group plus ``audit_every``), or a
-    :class:`mixprec.compress.Topology` / 2-D DeviceMesh with dims ("node", "local") over the default group
+    :class:`mixprec.comm.Topology` / 2-D DeviceMesh with dims ("node", "local") over the default group
     for the two-stage multi-node scheme (node partials rounded to the bucket dtype, then summed across nodes
     in fp32: see
     :func:`mixprec.comm.reduce_scatter_fp32_accumulate` for the bound). It reduces the buckets on a
@@ -261,7 +261,7 @@ def fp32_accumulate_hook(
         except TypeError:
             raise TypeError(
                 "state must be a torch.distributed ProcessGroup or None (or, for the two-stage scheme, a "
-                f"mixprec.compress.Topology or 2-D DeviceMesh with dims ('node', 'local')); got {type(state).__name__}"
+                f"mixprec.comm.Topology or 2-D DeviceMesh with dims ('node', 'local')); got {type(state).__name__}"
             ) from None
     group = None if topology is not None else check_group("state", state)
     buffer = bucket.buffer()

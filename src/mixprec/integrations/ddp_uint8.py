@@ -24,8 +24,8 @@ from mixprec.comm.live_audit import AuditResult, LiveAudit
 from mixprec.comm.topology import check_topology
 from mixprec.compress import auto
 from mixprec.compress.fp8 import Compressor
-from mixprec.compress.options import DEFAULT_CHUNK_SIZE, Uint8Options, check_feedback_entry
-from mixprec.compress.reducers import Uint8Reducer
+from mixprec.compress.options import DEFAULT_CHUNK_SIZE, CompressionOptions, check_feedback_entry
+from mixprec.compress.reducers import CompressedReducer
 from mixprec.compress.state import CompressionStats, ErrorFeedback
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED
 from mixprec.core.validate import check_group, check_positive_int
@@ -34,14 +34,14 @@ __all__ = ["Uint8HookState", "uint8_compress_hook"]
 
 
 class Uint8HookState:
-    """State of :func:`uint8_compress_hook`: a :class:`mixprec.compress.Uint8Reducer` (options, per-bucket error
+    """State of :func:`uint8_compress_hook`: a :class:`mixprec.compress.CompressedReducer` (options, per-bucket error
     feedback, streams, buffers, stats) and the size of each torch DDP bucket it has seen.
 
     Create it after ``torch.distributed.init_process_group`` (RuntimeError otherwise), like the DDP model.
 
     Args:
         process_group: the DDP process group; None = the default group.
-        chunk_size, rounding, check_finite, topology: as for :class:`mixprec.compress.Uint8Reducer`
+        chunk_size, rounding, check_finite, topology: as for :class:`mixprec.compress.CompressedReducer`
             (``check_finite="flag"`` by default: NaN/Inf reach the gradients, never a finite value).
         error_feedback: keep per-bucket residuals. DDP rebuilds its buckets after the first iteration;
             a bucket index whose size changed starts again from zero residuals.
@@ -49,7 +49,7 @@ class Uint8HookState:
             with ``seed + global rank``, on the gradients' device, created at the first hook call; each
             reduction draws one 64-bit Philox key from it (``docs/compress.md``).
         wire, link_gbps: ``"uint8"``, ``"e4m3"``, ``"e5m2"`` or ``"auto"`` (see
-            :class:`mixprec.compress.Uint8Options`); with ``"auto"`` the choice of each bucket index is
+            :class:`mixprec.compress.CompressionOptions`); with ``"auto"`` the choice of each bucket index is
             made at its first call and kept (:attr:`choices`).
         audit_every: None, or an int N >= 1: at synced steps N, 2N, ... one bucket (bucket index
             ``(step // N - 1) mod buckets``) is also reduced exactly and the error of the compressed
@@ -82,7 +82,7 @@ class Uint8HookState:
                 "first (as for torch's DistributedDataParallel)"
             )
         self.process_group = check_group("process_group", process_group)
-        self.reducer = Uint8Reducer(
+        self.reducer = CompressedReducer(
             chunk_size=chunk_size,
             rounding=rounding,
             error_feedback=error_feedback,
@@ -106,7 +106,7 @@ class Uint8HookState:
         return self.audit.results
 
     @property
-    def options(self) -> Uint8Options:
+    def options(self) -> CompressionOptions:
         return self.reducer.options
 
     @property
@@ -185,7 +185,7 @@ def uint8_compress_hook(state: Uint8HookState, bucket: dist.GradBucket) -> torch
     """DDP comm hook: average ``bucket`` over ``state.process_group`` with uint8 min-max compression.
 
     A thin adapter: ``state.reducer.all_reduce_any_length(buffer, group, average=True, key=bucket.index())``
-    (:class:`mixprec.compress.Uint8Reducer`, so the same bits as mixprec's wrapper on the same bucket).
+    (:class:`mixprec.compress.CompressedReducer`, so the same bits as mixprec's wrapper on the same bucket).
     Wire: uint8 codes + fp32 per-chunk headers (~1/4 of fp32's bytes); accumulation: fp32 in rank order;
     extra memory: the reducer's buffers (~3 bytes per bucket element) and, with error feedback, fp32
     residuals per bucket. Returns a completed future holding the reduced bucket buffer. With

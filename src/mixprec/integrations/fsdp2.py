@@ -64,7 +64,7 @@ class FP32AccumulateReduceScatter(_fsdp_base()):  # type: ignore[misc]
     Args:
         rounding: ``"nearest"`` or ``"stochastic"`` for the single rounding to the reduce dtype.
         generator: random stream for stochastic rounding (None = mixprec's seeded per-process default).
-        topology: None (flat), or a :class:`mixprec.compress.Topology` / 2-D DeviceMesh with dims ("node",
+        topology: None (flat), or a :class:`mixprec.comm.Topology` / 2-D DeviceMesh with dims ("node",
             "local"): the two-stage multi-node scheme of :mod:`mixprec.comm.hierarchical_fp32` (the FSDP
             shard group must then hold every rank in global order; the receive buffer becomes its area).
         inter_node_dtype: with a topology: None (node partials rounded to the reduce dtype) or torch.float32.

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mixprec.core.random import rank_stream
 from mixprec.core.validate import check_choice
 
 __all__ = ["ReduceScatterConfig", "install", "with_mixprec_reduce", "wrap_parallelize"]
@@ -103,7 +104,7 @@ def install(model: torch.nn.Module, config: ReduceScatterConfig) -> int:
     generator = None
     if config.rounding == "stochastic" and config.seed is not None:
         rank = dist.get_rank() if dist.is_initialized() else 0
-        generator = torch.Generator(config.device).manual_seed(config.seed + rank)
+        generator = rank_stream(config.seed, config.device, rank)  # its own object, not the cached one
     topology = None
     if config.hierarchical:
         from mixprec.comm.topology import Topology

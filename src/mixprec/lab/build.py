@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mixprec.compress import Topology
+from mixprec.comm import Topology
 from mixprec.emulate import Fingerprint, emulate_linear_layers
 from mixprec.lab.band import perturb_weights
 from mixprec.lab.config import LINEAR_MODES, TrainConfig

@@ -53,7 +53,7 @@ from mixprec.comm.reducer import (
 )
 from mixprec.comm.topology import Topology, check_topology, local_world_size_from_env
 from mixprec.core.dtypes import ROUNDINGS, Rounding
-from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rank_generator
+from mixprec.core.random import DEFAULT_STOCHASTIC_SEED, rounding_generator
 from mixprec.core.validate import check_choice, check_positive_int
 
 __all__ = ["NATIVE_ALGORITHMS", "FP32AccumulateReducer", "NativeReducer"]
@@ -139,7 +139,7 @@ class FP32AccumulateReducer:
             finishes the oldest still pending (blocking on it), so the extra memory stays at
             ``max_in_flight`` buckets however many buckets a backward pass starts.
 
-        topology: None (the flat scheme), or a :class:`mixprec.compress.Topology` / 2-D DeviceMesh with dims
+        topology: None (the flat scheme), or a :class:`mixprec.comm.Topology` / 2-D DeviceMesh with dims
             ("node", "local"): the two-stage scheme of :mod:`mixprec.comm.hierarchical_fp32` (the group must
             be the default group).
         inter_node_dtype: with a topology: None (node partials rounded to the bucket dtype before they
@@ -267,7 +267,7 @@ class FP32AccumulateReducer:
     def _rng(self, device: torch.device) -> torch.Generator | None:
         if self.rounding != "stochastic":
             return None
-        self._generator = self.generator if self.generator is not None else rank_generator(self.seed, device)
+        self._generator = rounding_generator(self.rounding, self.generator, device, self.seed)
         if self._generator_state is not None:  # a state loaded before the first reduction
             self._generator.set_state(self._generator_state)
             self._generator_state = None

@@ -80,19 +80,7 @@ class ShardedOptimizer:
         self.buffer = buffer
         layout = buffer.layout
         rank = buffer.rank
-        index_of = {id(p): i for i, p in enumerate(buffer.params)}
-        group_of: dict[int, int] = {}
-        for g, group in enumerate(param_groups):
-            if not isinstance(group, dict) or "params" not in group:
-                raise TypeError("param_groups must be dicts with a 'params' entry")
-            params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
-            for p in params:
-                i = index_of.get(id(p))
-                if i is None:
-                    raise ValueError("param_groups holds a tensor that is not a trainable parameter of the module")
-                if i in group_of:
-                    raise ValueError(f"parameter {buffer.names[i]} appears in more than one param group")
-                group_of[i] = g
+        group_of = _group_of(buffer, param_groups)
         members: list[list[int]] = [[] for _ in param_groups]
         for i, g in sorted(group_of.items()):
             members[g].append(i)
@@ -417,3 +405,23 @@ class ShardedOptimizer:
             f"ShardedOptimizer({type(self.optimizer).__name__}, rank={self.buffer.rank}/{self.buffer.world_size}, "
             f"shard_elements={self.master.numel()})"
         )
+
+
+def _group_of(buffer: GradBuffer, param_groups: list[dict[str, Any]]) -> dict[int, int]:
+    """{index of a parameter in ``buffer.params``: index of its group} for the parameters ``param_groups`` name;
+    TypeError for a group that is no dict with ``"params"``, ValueError for a tensor that is not one of the
+    buffer's parameters or one named in two groups."""
+    index_of = {id(p): i for i, p in enumerate(buffer.params)}
+    group_of: dict[int, int] = {}
+    for g, group in enumerate(param_groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError("param_groups must be dicts with a 'params' entry")
+        params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
+        for p in params:
+            i = index_of.get(id(p))
+            if i is None:
+                raise ValueError("param_groups holds a tensor that is not a trainable parameter of the module")
+            if i in group_of:
+                raise ValueError(f"parameter {buffer.names[i]} appears in more than one param group")
+            group_of[i] = g
+    return group_of

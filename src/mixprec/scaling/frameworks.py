@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from mixprec.core.validate import check_bool, check_choice, check_positive_float, check_positive_int
-from mixprec.scaling.scaler import DynamicLossScaler, LossScaler, StaticLossScaler, _check_scale, _round_to_fp32
+from mixprec.scaling.base import _check_scale, _round_to_fp32
+from mixprec.scaling.scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 
 __all__ = ["FRAMEWORKS", "scaler_from"]
 
