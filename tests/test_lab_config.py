@@ -156,7 +156,7 @@ def test_gbs_not_divisible_exits_2(tmp_path, capsys) -> None:
         (
             ["--reduce", "native", "--nproc", "2", "--ranks-per-node", "3"],
             "ranks_per_node applies to the hierarchical reductions only (fp32_accumulate_hierarchical, "
-            "uint8_hierarchical, fp8_hierarchical); reduce is 'native'",
+            "uint8_hierarchical, fp8_hierarchical, mxfp8_hierarchical, nvfp4_hierarchical); reduce is 'native'",
         ),
         (
             ["--reduce", "uint8", "--nproc", "2", "--ranks-per-node", "1"],
@@ -169,7 +169,7 @@ def test_gbs_not_divisible_exits_2(tmp_path, capsys) -> None:
         (
             ["--reduce", "native", "--nproc", "2", "--error-feedback"],
             "error_feedback applies to the compressed reductions only (uint8, uint8_hierarchical, fp8, "
-            "fp8_hierarchical, auto); reduce is 'native'",
+            "fp8_hierarchical, mxfp8, mxfp8_hierarchical, nvfp4, nvfp4_hierarchical, auto); reduce is 'native'",
         ),
         (["--reduce", "native", "--nproc", "2", "--link-gbps", "-5"], "link_gbps must be a finite number >= 0"),
     ],
@@ -203,7 +203,8 @@ def test_bad_choice_exits_2(tmp_path, capsys) -> None:
     path.write_text('[parallel]\nreduce = "ring"\n')
     assert _train(tmp_path, "--config", str(path)) == 2
     choices = "'native', 'fp32_accumulate', 'fp32_accumulate_hierarchical', 'uint8', 'uint8_hierarchical', 'fp8', "
-    assert f"reduce must be one of {choices}'fp8_hierarchical', 'auto'; got 'ring'" in capsys.readouterr().err
+    choices += "'fp8_hierarchical', 'mxfp8', 'mxfp8_hierarchical', 'nvfp4', 'nvfp4_hierarchical', 'auto'"
+    assert f"reduce must be one of {choices}; got 'ring'" in capsys.readouterr().err
 
 
 def test_wrong_toml_type_exits_2(tmp_path, capsys) -> None:

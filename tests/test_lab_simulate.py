@@ -97,6 +97,9 @@ def test_tree_rounds_pairwise() -> None:
         (6, "fp32_accumulate_hierarchical", "bf16", ("--parallel.ranks-per-node", "3")),  # / 3 is inexact
         (3, "uint8", "bf16", ("--parallel.rounding", "stochastic")),  # each rank's Philox stream
         (4, "uint8_hierarchical", "fp32", ("--parallel.rounding", "stochastic", "--error-feedback")),
+        (2, "fp8", "bf16", ("--parallel.fp8-format", "e5m2")),
+        (2, "nvfp4", "fp32", ("--parallel.rounding", "stochastic")),
+        pytest.param(4, "mxfp8_hierarchical", "bf16", ("--error-feedback",), marks=pytest.mark.slow),
     ],
 )
 def test_simulated_run_is_the_real_run_bit_for_bit(
@@ -120,6 +123,21 @@ def test_simulated_run_is_the_real_run_bit_for_bit(
         plain = tuple(a for a in common if a != "--error-feedback")
         assert train(tmp_path / "plain", "--simulate-dp", str(world), *plain) == 0
         assert numerics(tmp_path / "plain")[1:] != sim[1:]
+
+
+def test_simulated_mxfp8_run_ends_with_the_real_runs_parameters(tmp_path) -> None:
+    common = ("--parallel.reduce", "mxfp8", "--model.precision", "bf16", "--training.steps", "3")
+    assert train(tmp_path / "real", "--parallel.nproc", "2", *common) == 0
+    assert train(tmp_path / "sim", "--parallel.simulate-dp", "2", *common) == 0
+    real, sim = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=True) for d in ("real", "sim"))
+    assert real["model"].keys() == sim["model"].keys()
+    for name, tensor in real["model"].items():
+        assert torch.equal(sim["model"][name], tensor), name
+    assert numerics(tmp_path / "sim") == numerics(tmp_path / "real")
+    # The wire does change the run: fp32_accumulate (no quantization) ends elsewhere.
+    assert train(tmp_path / "fp32acc", "--parallel.simulate-dp", "2", *common[2:]) == 0
+    plain = torch.load(tmp_path / "fp32acc" / "checkpoint.pt", weights_only=True)
+    assert any(not torch.equal(plain["model"][k], v) for k, v in real["model"].items())
 
 
 def test_simulated_headroom_telemetry_is_the_real_runs(tmp_path) -> None:
@@ -157,7 +175,7 @@ def test_simulated_run_resumes_bit_for_bit(tmp_path, common: tuple[str, ...]) ->
         (("--simulate-dp", "5"), "global_batch_size"),  # 24 sequences over 5 ranks
         (("--simulate-dp", "5000"), "4096"),
         (("--simulate-dp", "2", "--nproc", "2"), "nproc"),
-        (("--simulate-dp", "2", "--reduce", "fp8"), "reduce"),
+        (("--simulate-dp", "2", "--reduce", "auto", "--link-gbps", "1"), "reduce"),  # its choice is timed
         (("--simulate-dp", "2", "--reduce", "fp32_accumulate", "--parallel.rounding", "stochastic"), "stochastic"),
         (("--simulate-dp", "2", "--sharded-optimizer"), "sharded_optimizer"),
         (("--simulate-dp", "1", "--reduce", "uint8"), "simulate_dp 1"),

@@ -14,14 +14,25 @@ from typing import Any
 import torch
 
 from mixprec.comm import Topology
-from mixprec.emulate import Fingerprint, emulate_linear_layers
+from mixprec.emulate import RECIPES, Fingerprint, emulate_linear_layers
 from mixprec.lab.band import perturb_weights
 from mixprec.lab.config import LINEAR_MODES, TrainConfig
+from mixprec.lab.data import dropout_seed, linear_rounding_seed
 from mixprec.lab.model import GPT, GPTConfig, Linear
 from mixprec.parallel import DistributedDataParallel
 from mixprec.scaling import LossScaler, MasterWeightOptimizer, Updater
 
-__all__ = ["DTYPES", "Parts", "autocast", "build_model", "build_parts", "gpt_config", "reducer_options"]
+__all__ = [
+    "DTYPES",
+    "Parts",
+    "autocast",
+    "build_model",
+    "build_parts",
+    "gpt_config",
+    "linear_generator",
+    "reducer_options",
+    "seed_step",
+]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
@@ -37,6 +48,7 @@ class Parts:
     scaler: LossScaler
     updater: Updater
     wrapper: DistributedDataParallel | None
+    linear_generator: torch.Generator | None = None  # the block-scaled linears' stream (see seed_step)
 
 
 def gpt_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
@@ -52,9 +64,28 @@ def gpt_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
     )
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPT:
+def linear_generator(cfg: TrainConfig, device: torch.device) -> torch.Generator | None:
+    """The generator of the block-scaled linears of a ``linear_mode`` recipe ('mxfp8', 'nvfp4'), on ``device``;
+    None for the other modes (they draw nothing). :func:`seed_step` seeds it before each step."""
+    return torch.Generator(device=device) if cfg.model.linear_mode in RECIPES else None
+
+
+def seed_step(parts: Parts, cfg: TrainConfig, step: int, rank: int) -> None:
+    """Seed rank ``rank``'s randomness of step ``step``: dropout (torch's global generator) and the block-scaled
+    linears' stochastic rounding and Hadamard signs (``parts.linear_generator``). Both are functions of (seed,
+    step, rank) alone, so a resumed run, and a simulated rank, draw what the uninterrupted real rank draws."""
+    if cfg.model.dropout:
+        torch.manual_seed(dropout_seed(cfg.training.seed, step, rank))
+    if parts.linear_generator is not None:
+        parts.linear_generator.manual_seed(linear_rounding_seed(cfg.training.seed, step, rank))
+
+
+def build_model(
+    cfg: TrainConfig, vocab_size: int, device: torch.device, *, generator: torch.Generator | None = None
+) -> GPT:
     """The GPT of ``cfg``: initialised in fp32 on the CPU from ``seed`` (same weights on every device), then
-    moved to ``device``, rounded to the precision's dtype, and given emulated linears when ``linear_mode`` asks."""
+    moved to ``device``, rounded to the precision's dtype, and given emulated linears when ``linear_mode`` asks
+    (``generator``: a recipe's stream, see :func:`linear_generator`; None = torch's default generator)."""
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(cfg.training.seed)
     model = GPT(gpt_config(cfg, vocab_size))
@@ -66,7 +97,9 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPT:
     if mode != "off":
         # A mode that is no preset is a fingerprint file (ModelConfig checked it): the measured accelerator.
         matmul_model = mode if mode in LINEAR_MODES else Fingerprint.load(mode).model
-        emulate_linear_layers(model, matmul_model, include=(Linear,))  # the lab's Linear only casts dtypes
+        # The lab's Linear only casts dtypes. A recipe keeps layers that are not whole blocks (the LM head of a
+        # vocabulary that is not) in the model's precision, with a warning.
+        emulate_linear_layers(model, matmul_model, include=(Linear,), generator=generator)
     return model
 
 
@@ -75,7 +108,7 @@ def reducer_options(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
     a hierarchical reduction its topology (what a real run's wrapper and a simulated run's model both build)."""
     p = cfg.parallel
     options = p.reduce_options()
-    if p.reduce.endswith("_hierarchical"):
+    if p.hierarchical:
         if not p.ranks_per_node:
             raise RuntimeError("ranks_per_node must be resolved before training (launch does it)")
         options["topology"] = Topology(nodes=world_size // p.ranks_per_node, ranks_per_node=p.ranks_per_node)
@@ -89,7 +122,11 @@ def _wrap_data_parallel(module: GPT, cfg: TrainConfig, world_size: int) -> Distr
     p = cfg.parallel
     options = reducer_options(cfg, world_size)
     return DistributedDataParallel(
-        module, reduce=p.reduce, reduce_options=options, sharded_optimizer=p.sharded_optimizer
+        module,
+        reduce=p.reduce,
+        reduce_options=options,
+        sharded_optimizer=p.sharded_optimizer,
+        audit_every=p.audit_every or None,
     )
 
 
@@ -103,7 +140,8 @@ def autocast(cfg: TrainConfig, device: torch.device) -> Callable[[], contextlib.
 
 
 def build_parts(cfg: TrainConfig, vocab_size: int, device: torch.device, world_size: int) -> Parts:
-    module = build_model(cfg, vocab_size, device)
+    generator = linear_generator(cfg, device)
+    module = build_model(cfg, vocab_size, device, generator=generator)
     wrapper = _wrap_data_parallel(module, cfg, world_size)
     opt_cls, opt_kwargs = _OPTIMIZERS[cfg.optimizer.name], cfg.optimizer.arguments()
     if wrapper is not None:
@@ -131,4 +169,4 @@ def build_parts(cfg: TrainConfig, vocab_size: int, device: torch.device, world_s
         num_microbatches=cfg.num_microbatches,
         clip_grad_norm=cfg.training.clip_grad_norm or None,
     )
-    return Parts(module, model, optimizer, scaler, updater, wrapper)
+    return Parts(module, model, optimizer, scaler, updater, wrapper, generator)

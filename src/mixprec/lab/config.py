@@ -24,7 +24,8 @@ from typing import Any
 
 from mixprec.core.dtypes import ROUNDINGS
 from mixprec.core.validate import check_choice, check_positive_float, check_positive_int
-from mixprec.emulate import Fingerprint
+from mixprec.emulate import RECIPES, Fingerprint
+from mixprec.lab.reduction import reducer_traits
 from mixprec.scaling import DynamicLossScaler, LossScaler, StaticLossScaler, advise
 
 __all__ = [
@@ -55,6 +56,8 @@ __all__ = [
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 LOSS_SCALERS = ("auto", "none", "static", "dynamic")
+# The reducers of mixprec.comm's registry that a run may name; what each takes is asked of the reducer itself
+# (mixprec.lab.reduction), never of its name.
 REDUCTIONS = (
     "native",
     "fp32_accumulate",
@@ -63,32 +66,33 @@ REDUCTIONS = (
     "uint8_hierarchical",
     "fp8",
     "fp8_hierarchical",
+    "mxfp8",
+    "mxfp8_hierarchical",
+    "nvfp4",
+    "nvfp4_hierarchical",
     "auto",
 )
-# The reductions that quantize to 8 bits (mixprec.compress): error feedback and stochastic quantization apply.
-COMPRESSED_REDUCTIONS = ("uint8", "uint8_hierarchical", "fp8", "fp8_hierarchical", "auto")
+# The reductions that quantize the wire (mixprec.compress): error feedback and stochastic quantization apply.
+COMPRESSED_REDUCTIONS = tuple(r for r in REDUCTIONS if reducer_traits(r).compressed)
 # The two-stage reductions: inside each node, then across nodes (they need a Topology).
-HIERARCHICAL_REDUCTIONS = tuple(r for r in REDUCTIONS if r.endswith("_hierarchical"))
+HIERARCHICAL_REDUCTIONS = tuple(r for r in REDUCTIONS if reducer_traits(r).hierarchical)
 # [parallel] fields that only some reductions read -> (those reductions, in words and by name). Set with another
 # reduce, the field would change nothing: it is refused, as a mistaken belief about the run.
 _REDUCE_ONLY_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "error_feedback": ("the compressed reductions", COMPRESSED_REDUCTIONS),
     "ranks_per_node": ("the hierarchical reductions", HIERARCHICAL_REDUCTIONS),
-    "link_gbps": ("the adaptive reduction", ("auto",)),
+    "link_gbps": ("the adaptive reduction", tuple(r for r in REDUCTIONS if reducer_traits(r).adaptive)),
 }
 FP8_FORMATS = ("e4m3", "e5m2")
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "warmup_cosine")
-LINEAR_MODES = ("off", "fp16/16", "fp16/32", "bf16/32", "two_stage", "fp8/promote128")
+# The presets of mixprec.emulate: accumulation models, then the block-scaled training recipes (emulate/recipes.py).
+LINEAR_MODES = ("off", "fp16/16", "fp16/32", "bf16/32", "two_stage", "fp8/promote128", *RECIPES)
 DEVICES = ("auto", "cpu", "cuda")
 REDUCE_ROUNDINGS = ROUNDINGS
-SIMULATED_REDUCTIONS = (
-    "fp32_accumulate",
-    "fp32_accumulate_hierarchical",
-    "native",
-    "uint8",
-    "uint8_hierarchical",
-)  # lab/simulate.py, bit for bit
+# What lab/simulate.py runs through the reducer's own model, bit for bit (tests/test_lab_simulate.py). The adaptive
+# reduction is left out: its choice of wire per bucket comes from timing this machine's quantizer.
+SIMULATED_REDUCTIONS = tuple(r for r in REDUCTIONS if not reducer_traits(r).adaptive)
 NATIVE_ALGORITHMS = ("ring", "tree")
 MAX_SIMULATED_RANKS = 4096
 
@@ -171,8 +175,10 @@ class ModelConfig:
     """Parameter and gradient precision: 'fp32', 'bf16' or 'fp16' (low precisions keep fp32 master weights)."""
     linear_mode: str = "off"
     """Emulated accumulation of every linear layer ('fp16/16', 'fp16/32', 'bf16/32', 'two_stage',
-    'fp8/promote128'; the mode of mixprec.emulate.emulate_linear_layers), a fingerprint file (the JSON of
-    'mixprec probe matmul --save': the accelerator that was measured), or 'off' for the precision's own matmuls."""
+    'fp8/promote128'; the mode of mixprec.emulate.emulate_linear_layers), a block-scaled training recipe ('mxfp8':
+    n_embd and micro_batch_size x block_size multiples of 32; 'nvfp4': of 16, its gradients rounded
+    stochastically from a stream seeded by (seed, step, rank)), a fingerprint file (the JSON of 'mixprec probe
+    matmul --save': the accelerator that was measured), or 'off' for the precision's own matmuls."""
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -328,15 +334,18 @@ class ParallelConfig:
     """Gradient reduction across ranks: 'fp32_accumulate' (gradient-dtype wire, fp32 sum, one rounding;
     'fp32_accumulate_hierarchical': inside each node, then across nodes, two roundings), 'native'
     (the backend's own collective, summing in the gradient dtype), 'uint8' / 'uint8_hierarchical' (8-bit min-max
-    compression), 'fp8' / 'fp8_hierarchical' (fp8 codes with a power-of-two scale per chunk), or 'auto' (per
-    bucket: fp32_accumulate, uint8 or fp8 from a cost model of the link rate). No effect with one rank."""
+    compression), 'fp8' / 'fp8_hierarchical' (fp8 codes with a power-of-two scale per chunk), 'mxfp8' / 'nvfp4'
+    (and their '_hierarchical' forms: block-scaled codes with a scale per 32 or 16 elements, mixprec.compress),
+    or 'auto' (per bucket: fp32_accumulate, uint8 or fp8 from a cost model of the link rate). No effect with one
+    rank."""
     rounding: str = field(default="nearest", metadata=_former("reduce_rounding"))
     """'nearest' or 'stochastic' (unbiased): the rounding of fp32_accumulate's result to bf16/fp16, or of uint8's
     quantization. native rounds to nearest only."""
     error_feedback: bool = False
     """Compressed reductions: keep each quantization's residual and add it back at the next step."""
     fp8_format: str = "e4m3"
-    """'fp8' / 'fp8_hierarchical': the fp8 format on the wire, 'e4m3' (more precision) or 'e5m2' (more range)."""
+    """'fp8' and 'mxfp8' (and their hierarchical forms): the fp8 format of the elements on the wire, 'e4m3' (more
+    precision) or 'e5m2' (more range)."""
     link_gbps: float = 0.0
     """'auto' only (refused with another reduce): the inter-rank link rate in Gbit/s that the cost model assumes;
     0 = measure it at the start."""
@@ -345,6 +354,10 @@ class ParallelConfig:
     torchrun, else nproc // 2 (two simulated nodes on one machine)."""
     sharded_optimizer: bool = False
     """ZeRO-1: each rank keeps master weights and optimizer state for its shard only."""
+    audit_every: int = 0
+    """Live numerics audit: every this many steps one bucket (a sample of at most 65536 elements of it) is also
+    reduced exactly and the reduction's error goes to metrics.jsonl (audit_* keys; mixprec report plots them);
+    0 = off. Needs nproc >= 2 (one rank reduces nothing)."""
     timeout: float = 300.0
     """Process-group timeout, in seconds (every group mixprec creates inherits it): a rank waiting longer than
     this on a collective stops with an error."""
@@ -359,13 +372,18 @@ class ParallelConfig:
         _check_types(self)
         check_positive_int("nproc", self.nproc)
         check_positive_int("ranks_per_node", self.ranks_per_node, minimum=0)
+        check_positive_int("audit_every", self.audit_every, minimum=0)
         check_choice("reduce", self.reduce, REDUCTIONS)
         check_choice("rounding", self.rounding, REDUCE_ROUNDINGS)
         check_choice("fp8_format", self.fp8_format, FP8_FORMATS)
         check_positive_float("link_gbps", self.link_gbps, allow_zero=True)
         check_positive_float("timeout", self.timeout)
-        if self.reduce == "native" and self.rounding != "nearest":
-            raise ValueError("rounding='stochastic' needs reduce 'fp32_accumulate' or a compressed reduction")
+        traits = reducer_traits(self.reduce)
+        if "rounding" not in traits.options and self.rounding != "nearest":
+            raise ValueError(
+                f"rounding='stochastic' needs a reduction that rounds (fp32_accumulate or a compressed one); reduce "
+                f"{self.reduce!r} rounds to nearest only"
+            )
         for name, (users, reductions) in _REDUCE_ONLY_FIELDS.items():
             if getattr(self, name) and self.reduce not in reductions:
                 raise ValueError(
@@ -374,7 +392,7 @@ class ParallelConfig:
                 )
         if self.sharded_optimizer and self.ranks == 1:
             raise ValueError("sharded_optimizer needs nproc >= 2 (with one rank there is nothing to shard)")
-        if self.reduce.endswith("_hierarchical") and self.ranks_per_node and self.ranks % self.ranks_per_node:
+        if traits.hierarchical and self.ranks_per_node and self.ranks % self.ranks_per_node:
             raise ValueError(f"ranks_per_node ({self.ranks_per_node}) must divide the number of ranks ({self.ranks})")
         self._check_simulation()
 
@@ -389,18 +407,24 @@ class ParallelConfig:
             raise ValueError(f"simulate_dp runs every rank in one process; nproc must be 1, got {self.nproc}")
         if self.reduce not in SIMULATED_REDUCTIONS:
             raise ValueError(f"simulate_dp models reduce {', '.join(SIMULATED_REDUCTIONS)}; got {self.reduce!r}")
-        if self.simulate_dp == 1 and self.reduce.startswith("uint8"):
+        compressed = reducer_traits(self.reduce).compressed
+        if self.simulate_dp == 1 and compressed:
             raise ValueError(
                 f"simulate_dp 1 with reduce {self.reduce!r} would quantize, but a one-process run has no data-parallel "
                 "reduction; use simulate_dp >= 2 or nproc 1 without simulate_dp"
             )
-        if self.rounding != "nearest" and not self.reduce.startswith("uint8"):
+        if self.rounding != "nearest" and not compressed:
             raise ValueError(
-                "simulate_dp models rounding='stochastic' for the uint8 reductions only (fp32_accumulate's "
+                "simulate_dp models rounding='stochastic' for the compressed reductions only (fp32_accumulate's "
                 "stochastic result rounding is not modelled); set rounding='nearest'"
             )
         if self.sharded_optimizer:
             raise ValueError("simulate_dp does not model sharded_optimizer; set it to false")
+
+    @property
+    def hierarchical(self) -> bool:
+        """``reduce`` reduces in two stages, inside each node then across nodes (it needs ranks_per_node)."""
+        return reducer_traits(self.reduce).hierarchical
 
     @property
     def ranks(self) -> int:
@@ -409,16 +433,18 @@ class ParallelConfig:
 
     def reduce_options(self) -> dict[str, Any]:
         """DistributedDataParallel's ``reduce_options`` but the topology (which needs the world size)."""
+        traits = reducer_traits(self.reduce)
         options: dict[str, Any] = {}
-        if self.reduce != "native":
+        if "rounding" in traits.options:
             options["rounding"] = self.rounding
-        if self.reduce in COMPRESSED_REDUCTIONS:
+        if traits.compressed:
             options["error_feedback"] = self.error_feedback
-        if self.reduce.startswith("fp8"):
-            options["wire"] = self.fp8_format
-        if self.reduce == "auto" and self.link_gbps:
+        wire = traits.wire_for(self.fp8_format)
+        if wire is not None:
+            options["wire"] = wire
+        if traits.adaptive and self.link_gbps:
             options["link_gbps"] = self.link_gbps
-        if self.reduce == "native" and self.simulate_dp:
+        if "algorithm" in traits.options and self.simulate_dp:
             options["algorithm"] = self.simulate_algorithm  # what the model follows (mixprec.lab.simulate)
         return options
 
@@ -506,8 +532,31 @@ class TrainConfig:
                 "global_batch_size: " + "; ".join(f.message for f in advice.findings if f.code == "gbs-not-divisible")
             )
         self.build_scaler()  # init_scale against the dynamic scaler's range, when this run's scaler is dynamic
+        self._check_linear_recipe()
         if self.parallel.simulate_dp and self.training.device == "cuda":
             raise ValueError("simulate_dp runs on the CPU (its reduction models are checked there); use device 'cpu'")
+
+    def _check_linear_recipe(self) -> None:
+        """A block-scaled recipe contracts every GEMM in whole blocks, without padding: the width (Fprop and Dgrad;
+        the LM head, whose vocabulary is known later, is kept in precision when it is not whole blocks) and the
+        tokens of a microbatch (Wgrad, and NVFP4's Hadamard transform along them)."""
+        if self.model.linear_mode not in RECIPES:
+            return
+        mode, recipe = self.model.linear_mode, RECIPES[self.model.linear_mode]
+        width = max((recipe.block, *(recipe.weight_tile or ())))
+        if self.model.n_embd % width:
+            raise ValueError(
+                f"model.n_embd ({self.model.n_embd}) must be a multiple of {width} with model.linear_mode {mode!r} "
+                "(every linear layer's GEMMs contract over it in blocks; no padding)"
+            )
+        rows = max(recipe.block, recipe.wgrad_hadamard or 1)
+        mbs, block = self.data.micro_batch_size, self.model.block_size
+        if (mbs * block) % rows:
+            raise ValueError(
+                f"data.micro_batch_size x model.block_size ({mbs} x {block} = {mbs * block} tokens) must be a "
+                f"multiple of {rows} with model.linear_mode {mode!r} (the weight-gradient GEMM contracts over the "
+                "tokens in blocks; no padding)"
+            )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "configuration") -> TrainConfig:

@@ -17,11 +17,19 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["check_corpus_fits", "eval_chunks", "step_seed", "train_microbatches"]
+__all__ = [
+    "check_corpus_fits",
+    "dropout_seed",
+    "eval_chunks",
+    "linear_rounding_seed",
+    "step_seed",
+    "train_microbatches",
+]
 
 _PURPOSE_TRAIN = 1
 _PURPOSE_EVAL = 2
 _PURPOSE_DROPOUT = 3
+_PURPOSE_LINEAR = 4
 
 
 def step_seed(seed: int, purpose: int, *more: int) -> int:
@@ -31,6 +39,12 @@ def step_seed(seed: int, purpose: int, *more: int) -> int:
 
 def dropout_seed(seed: int, step: int, rank: int) -> int:
     return step_seed(seed, _PURPOSE_DROPOUT, step, rank)
+
+
+def linear_rounding_seed(seed: int, step: int, rank: int) -> int:
+    """Seed of rank ``rank``'s block-scaled linear layers at step ``step``: their stochastic rounding of the
+    gradients and their random Hadamard signs (``model.linear_mode = "nvfp4"``)."""
+    return step_seed(seed, _PURPOSE_LINEAR, step, rank)
 
 
 def _windows(tokens: torch.Tensor, starts: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

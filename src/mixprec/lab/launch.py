@@ -152,7 +152,7 @@ def _resolve(cfg: TrainConfig, world_size: int, local_world_size: int | None = N
     """Fill in what the defaults leave open: the world size, an absolute out_dir, the loss scaler, and for
     the hierarchical reductions the ranks per node (torchrun's LOCAL_WORLD_SIZE, else two simulated nodes)."""
     ranks_per_node = cfg.parallel.ranks_per_node
-    if cfg.parallel.reduce.endswith("_hierarchical") and not ranks_per_node:
+    if cfg.parallel.hierarchical and not ranks_per_node:
         ranks = cfg.parallel.simulate_dp or world_size
         ranks_per_node = local_world_size if local_world_size is not None else max(1, ranks // 2)
     return cfg.replace(
@@ -377,7 +377,7 @@ def _where(env: dict[str, int], cfg: TrainConfig) -> str:
         + (f", GROUP_WORLD_SIZE={env['GROUP_WORLD_SIZE']})" if "GROUP_WORLD_SIZE" in env else ")")
     )
     p = cfg.parallel
-    if p.reduce.endswith("_hierarchical"):
+    if p.hierarchical:
         line += f"; {p.reduce} topology: {env['WORLD_SIZE'] // p.ranks_per_node} nodes x {p.ranks_per_node} ranks"
     return line
 

@@ -23,36 +23,16 @@ from typing import Any
 import torch
 
 from mixprec.comm import make_reducer
-from mixprec.comm.models import binary_tree_sum, gloo_ring_sum, ring_chunk
-from mixprec.lab.build import Parts, autocast, reducer_options
+from mixprec.comm.models import gloo_ring_sum
+from mixprec.lab.build import Parts, autocast, reducer_options, seed_step
 from mixprec.lab.config import TrainConfig
 from mixprec.lab.corpus import Corpus
-from mixprec.lab.data import dropout_seed, eval_chunks, train_microbatches
+from mixprec.lab.data import eval_chunks, train_microbatches
 from mixprec.lab.telemetry import HeadroomProbe
 from mixprec.parallel.buckets import DEFAULT_BUCKET_SIZE, build_layout
 from mixprec.scaling import Updater, UpdateResult
 
-__all__ = [
-    "SimulatedRanks",
-    "fp32_accumulate_sum",
-    "gloo_ring_sum",
-    "ring_chunk",
-    "tree_sum",
-    "uint8_flat_sum",
-]
-
-# Public names of earlier releases, now the one model each in mixprec.comm.models.
-tree_sum = binary_tree_sum
-
-
-def fp32_accumulate_sum(rows: torch.Tensor) -> torch.Tensor:
-    """mixprec's fp32-accumulating all-reduce (average) of ``rows[r]`` = rank r's tensor."""
-    return make_reducer("fp32_accumulate").model(rows, average=True)[0]
-
-
-def uint8_flat_sum(rows: torch.Tensor) -> torch.Tensor:
-    """mixprec's flat uint8 all-reduce (average, nearest rounding, no error feedback) of ``rows``."""
-    return make_reducer("uint8").model(rows, average=True)[0]
+__all__ = ["SimulatedRanks"]
 
 
 @contextlib.contextmanager
@@ -68,7 +48,8 @@ def _one_thread() -> Iterator[None]:
 
 
 class SimulatedRanks:
-    """Trains ``parts`` as ``cfg.parallel.simulate_dp`` data-parallel ranks would (see the module docstring).
+    """Trains ``parts`` as ``cfg.parallel.simulate_dp`` data-parallel ranks would (see the module docstring): the
+    training loop's stepper (:class:`mixprec.lab.train.Stepper`) for a simulated run, in place of a real rank's.
 
     ``step(step)`` returns the UpdateResult a real rank's Updater returns, its ``loss`` the mean over the ranks
     as the real run logs it; ``evaluate()`` is the real run's validation loss.
@@ -80,6 +61,7 @@ class SimulatedRanks:
         if device.type != "cpu":
             raise ValueError(f"simulate_dp runs on the CPU (the models are bit-exact there); device is {device}")
         self.cfg, self.corpus, self.device, self.module = cfg, corpus, device, parts.module
+        self.parts = parts
         self.world = cfg.parallel.simulate_dp
         self.scaler = parts.scaler
         named = [(name, p) for name, p in parts.module.named_parameters() if p.requires_grad]
@@ -207,8 +189,7 @@ class SimulatedRanks:
         rows = self._rows()
         losses = torch.empty(self.world, 1, dtype=torch.float64)
         for rank in range(self.world):
-            if cfg.model.dropout:
-                torch.manual_seed(dropout_seed(cfg.training.seed, step, rank))
+            seed_step(self.parts, cfg, step, rank)
             losses[rank, 0] = self._local_gradient(self._microbatches(step, rank))
             self._lay_out(rows, rank)
         # Every rank holds the same bits after all_reduce: rank 0's row is the run's gradient.
@@ -219,8 +200,7 @@ class SimulatedRanks:
         del rows
         # The Updater recomputes rank 0's gradient (1/P of the work) and then takes the reduced one from
         # _publish: its unscale, overflow check, clipping and step are the real ranks' code.
-        if cfg.model.dropout:
-            torch.manual_seed(dropout_seed(cfg.training.seed, step, 0))
+        seed_step(self.parts, cfg, step, 0)
         microbatches = [(x.to(self.device), y.to(self.device)) for x, y in self._microbatches(step, 0)]
         result = self.updater.step(microbatches)
         self._reduced = []

@@ -14,16 +14,17 @@ precision each tensor has on a CPU and on a GPU.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 import warnings
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from mixprec.comm.objects import all_reduce_sum_fp64
 from mixprec.core.progress import progress_bar
-from mixprec.lab.build import Parts, autocast, build_parts
+from mixprec.lab.build import Parts, autocast, build_parts, seed_step
 from mixprec.lab.checkpoint import (
     CHECKPOINT_NAME,
     check_resume_compatible,
@@ -35,16 +36,16 @@ from mixprec.lab.checkpoint import (
 )
 from mixprec.lab.config import TrainConfig
 from mixprec.lab.corpus import Corpus, load_corpus
-from mixprec.lab.data import dropout_seed, eval_chunks, train_microbatches
+from mixprec.lab.data import eval_chunks, train_microbatches
 from mixprec.lab.faults import maybe_inject_fault
 from mixprec.lab.metrics import METRICS_NAME, SUMMARY_NAME, encode_row, summarize_run, truncate_metrics, write_summary
 from mixprec.lab.schedule import build_schedule, current_lr
 from mixprec.lab.simulate import SimulatedRanks
 from mixprec.lab.telemetry import HEADROOM_KEY, HeadroomProbe
 from mixprec.parallel import NonFiniteGradientWarning
-from mixprec.scaling import StaticLossScaler
+from mixprec.scaling import StaticLossScaler, UpdateResult
 
-__all__ = ["TrainingDiverged", "evaluate", "train_rank"]
+__all__ = ["DataParallelStepper", "Stepper", "TrainingDiverged", "evaluate", "make_stepper", "train_rank"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -122,7 +123,154 @@ def _telemetry_fields(parts: Parts, result: Any, lr: float | None, headroom: Any
         fields["culprits"] = [name.removeprefix(prefix) for name in result.culprits]
     if headroom is not None:
         fields[HEADROOM_KEY] = headroom
+    audits = parts.wrapper.audit_results if parts.wrapper is not None else []
+    if audits and audits[-1].step == parts.wrapper.audit.step:  # audited in this step's synced backward
+        fields.update(audits[-1].as_row())
     return fields
+
+
+class Stepper(Protocol):
+    """What the loop steps: a real data-parallel rank (:class:`DataParallelStepper`) or all the simulated ranks of
+    ``parallel.simulate_dp`` in this process (:class:`mixprec.lab.simulate.SimulatedRanks`)."""
+
+    def step(self, step: int, headroom: HeadroomProbe) -> UpdateResult:
+        """Step ``step`` of training; ``result.loss`` is the mean over the ranks, as the run logs it."""
+        ...
+
+    def evaluate(self) -> float: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint holds beyond the model, optimizer and scaler (``"simulated"``); may be empty."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def describe(self) -> str | None: ...
+
+
+class DataParallelStepper:
+    """Rank ``rank`` of ``world_size`` real ranks: its microbatches through the Updater (and the data-parallel
+    wrapper), the logged loss summed over the ranks in fp64."""
+
+    def __init__(
+        self, parts: Parts, cfg: TrainConfig, corpus: Corpus, *, rank: int, world_size: int, device: torch.device
+    ) -> None:
+        self.parts, self.cfg, self.corpus = parts, cfg, corpus
+        self.rank, self.world_size, self.device = rank, world_size, device
+
+    def step(self, step: int, headroom: HeadroomProbe) -> UpdateResult:
+        cfg = self.cfg
+        seed_step(self.parts, cfg, step, self.rank)
+        microbatches = train_microbatches(
+            self.corpus.train,
+            seed=cfg.training.seed,
+            step=step,
+            global_batch_size=cfg.data.global_batch_size,
+            micro_batch_size=cfg.data.micro_batch_size,
+            block_size=cfg.model.block_size,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        on_device = [(x.to(self.device), y.to(self.device)) for x, y in microbatches]
+        result = headroom.step(self.parts.updater, step, on_device)
+        (loss_sum,) = all_reduce_sum_fp64([result.loss])
+        return dataclasses.replace(result, loss=loss_sum / self.world_size)
+
+    def evaluate(self) -> float:
+        return evaluate(
+            self.parts.module, self.corpus, self.cfg, rank=self.rank, world_size=self.world_size, device=self.device
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the wrapper's reducer state is in the checkpoint's own entry
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def describe(self) -> str | None:
+        return None
+
+
+def make_stepper(
+    parts: Parts, cfg: TrainConfig, corpus: Corpus, *, rank: int, world_size: int, device: torch.device
+) -> Stepper:
+    if cfg.parallel.simulate_dp:
+        return SimulatedRanks(parts, cfg, corpus, device)
+    return DataParallelStepper(parts, cfg, corpus, rank=rank, world_size=world_size, device=device)
+
+
+class _RunLog:
+    """Rank 0's record of the run: ``metrics.jsonl`` (one row per step, flushed) and the progress bar."""
+
+    def __init__(
+        self, stack: contextlib.ExitStack, parts: Parts, cfg: TrainConfig, start: int, *, resume: bool, progress: Any
+    ) -> None:
+        self.parts, self.cfg = parts, cfg
+        self.path = os.path.join(cfg.training.out_dir, METRICS_NAME)
+        if resume:
+            truncate_metrics(self.path, start)
+        else:
+            open(self.path, "w").close()
+        self.file = stack.enter_context(open(self.path, "a"))  # noqa: SIM115 (the stack closes it)
+        self.bar = progress_bar(total=cfg.training.steps, initial=start, unit="step", enabled=progress)
+        stack.callback(self.bar.close)
+
+    def write(self, step: int, result: UpdateResult, eval_loss: float | None, extra: dict[str, Any]) -> None:
+        row = {
+            "step": step,
+            "loss": result.loss,
+            "eval_loss": eval_loss,
+            "loss_scale": result.scale,
+            "skipped": result.skipped,
+            "grad_norm": result.grad_norm,
+            **extra,
+        }
+        self.file.write(encode_row(row) + "\n")
+        self.file.flush()
+        postfix = f"loss {result.loss:.4f} scale {result.scale:g} {row['tokens_per_s']:,.0f} tok/s"
+        self.bar.set_postfix_str(postfix, refresh=False)
+        self.bar.update(1)
+        if result.skipped and self.cfg.resolved_loss_scaler != "dynamic":
+            self.bar.write(f"step {step}: inf/NaN gradients at loss scale {result.scale:g}; step skipped on all ranks")
+        if eval_loss is not None:
+            self.bar.write(
+                f"step {step}: train loss {result.loss:.4f}, val loss {eval_loss:.4f}, loss scale {result.scale:g}"
+            )
+
+
+def _check_diverged(parts: Parts, cfg: TrainConfig, consecutive_skips: int, step: int, scale: float) -> None:
+    """Every rank sees the same (agreed) skip flags, so every rank stops here together."""
+    limit = cfg.training.max_consecutive_skips
+    if limit and consecutive_skips >= limit and isinstance(parts.scaler, StaticLossScaler):
+        raise TrainingDiverged(
+            f"{consecutive_skips} consecutive steps (up to step {step}) had inf/NaN gradients at the static "
+            f"loss scale {scale:g} (max_consecutive_skips = {limit}): the run diverged or the scale "
+            "is too large; try scaler.kind = 'dynamic', a smaller scaler.init_scale or a smaller optimizer.lr"
+        )
+
+
+def _save(parts: Parts, cfg: TrainConfig, corpus: Corpus, stepper: Stepper, done: int, wall: float) -> None:
+    """The checkpoint after ``done`` steps (collective: every rank calls it; rank 0 writes)."""
+    state = checkpoint_state(parts, cfg, next_step=done, wall_time=wall, corpus=corpus)
+    if state is not None and (extra := stepper.state_dict()):
+        state["simulated"] = extra
+    if state is not None:
+        save_checkpoint(state, os.path.join(cfg.training.out_dir, CHECKPOINT_NAME))
+
+
+def _prepare_device(cfg: TrainConfig, device: torch.device) -> None:
+    if device.type == "cuda" and cfg.model.precision == "fp16":
+        # cuBLAS may otherwise reduce split-K partial sums of fp16 GEMMs in fp16; the lab promises fp32
+        # accumulation. Process-wide (a training process runs one configuration).
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+
+
+def _quiet_overflow_warnings(stack: contextlib.ExitStack, cfg: TrainConfig, parts: Parts) -> None:
+    if cfg.resolved_loss_scaler == "dynamic" and parts.wrapper is not None:
+        # Overflows are how a dynamic scaler finds its scale: each is logged as a skipped step, so the
+        # wrapper's per-bucket warning would only repeat it.
+        stack.enter_context(warnings.catch_warnings())
+        warnings.simplefilter("ignore", NonFiniteGradientWarning)
 
 
 def train_rank(
@@ -148,128 +296,50 @@ def train_rank(
     if cfg.parallel.nproc != world_size:
         raise ValueError(f"parallel.nproc ({cfg.parallel.nproc}) must equal the number of ranks ({world_size})")
     t, is_main = cfg.training, rank == 0
-    if device.type == "cuda" and cfg.model.precision == "fp16":
-        # cuBLAS may otherwise reduce split-K partial sums of fp16 GEMMs in fp16; the lab promises fp32
-        # accumulation. Process-wide (a training process runs one configuration).
-        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    _prepare_device(cfg, device)
     corpus = load_corpus(cfg.data.corpus)
     parts = build_parts(cfg, corpus.vocab_size, device, world_size)
-    start_step, wall_offset, sim_state = _resume(parts, cfg, corpus, rank, device) if resume else (0, 0.0, {})
+    start, wall_offset, saved = _resume(parts, cfg, corpus, rank, device) if resume else (0, 0.0, {})
     schedule = build_schedule(cfg, parts.optimizer, parts.scaler)  # after _resume: it starts at steps_taken
     headroom = HeadroomProbe(parts.module, t.headroom_interval if is_main else 0)  # rank 0 logs, rank 0 measures
-    metrics_path = os.path.join(t.out_dir, METRICS_NAME)
-    if is_main and resume:
-        truncate_metrics(metrics_path, start_step)
-    elif is_main:
-        open(metrics_path, "w").close()
-    if is_main and start_step < t.steps:
-        _announce(parts, cfg, corpus, world_size, device, start_step)
-    sim = SimulatedRanks(parts, cfg, corpus, device) if cfg.parallel.simulate_dp else None
-    if sim is not None and resume:
-        sim.load_state_dict(sim_state)
-    if sim is not None and start_step < t.steps:
-        print(f"mixprec train: {sim.describe()}", flush=True)
-
-    def evaluate_now() -> float:
-        if sim is not None:
-            return sim.evaluate()
-        return evaluate(parts.module, corpus, cfg, rank=rank, world_size=world_size, device=device)
-
+    stepper = make_stepper(parts, cfg, corpus, rank=rank, world_size=world_size, device=device)
+    if resume:
+        stepper.load_state_dict(saved)
     tokens_per_step = cfg.data.global_batch_size * cfg.model.block_size
-    t_start = time.perf_counter() - wall_offset
-    consecutive_skips = 0
     with contextlib.ExitStack() as stack:
-        metrics = stack.enter_context(open(metrics_path, "a")) if is_main else None
-        bar = None
-        if is_main:
-            bar = progress_bar(total=t.steps, initial=start_step, unit="step", enabled=progress)  # rank 0 only
-            stack.callback(bar.close)
-        if cfg.resolved_loss_scaler == "dynamic" and parts.wrapper is not None:
-            # Overflows are how a dynamic scaler finds its scale: each is logged as a skipped step, so the
-            # wrapper's per-bucket warning would only repeat it.
-            stack.enter_context(warnings.catch_warnings())
-            warnings.simplefilter("ignore", NonFiniteGradientWarning)
-
-        for step in range(start_step, t.steps):
+        log = _RunLog(stack, parts, cfg, start, resume=resume, progress=progress) if is_main else None
+        if is_main and start < t.steps:
+            _announce(parts, cfg, corpus, world_size, device, start)
+            if (description := stepper.describe()) is not None:
+                print(f"mixprec train: {description}", flush=True)
+        _quiet_overflow_warnings(stack, cfg, parts)
+        t_start = time.perf_counter() - wall_offset
+        consecutive_skips = 0
+        for step in range(start, t.steps):
             maybe_inject_fault(rank, step)
             is_last = step == t.steps - 1
-            eval_loss = None
             # The last step evaluates after its update (the final model, in summary.json); others before it.
-            if t.eval_interval and step % t.eval_interval == 0 and not is_last:
-                eval_loss = evaluate_now()
-            if cfg.model.dropout:
-                torch.manual_seed(dropout_seed(t.seed, step, rank))
-            microbatches = train_microbatches(
-                corpus.train,
-                seed=t.seed,
-                step=step,
-                global_batch_size=cfg.data.global_batch_size,
-                micro_batch_size=cfg.data.micro_batch_size,
-                block_size=cfg.model.block_size,
-                rank=rank,
-                world_size=world_size,
-            )
-            t0 = time.perf_counter()
+            due = bool(t.eval_interval) and (is_last or step % t.eval_interval == 0)
+            eval_loss = stepper.evaluate() if due and not is_last else None
             lr = current_lr(parts.optimizer) if schedule is not None else None
-            if sim is not None:
-                result = sim.step(step, headroom)
-            else:
-                result = headroom.step(parts.updater, step, [(x.to(device), y.to(device)) for x, y in microbatches])
+            t0 = time.perf_counter()
+            result = stepper.step(step, headroom)
             if schedule is not None:
                 schedule.step()  # SkipAwareLR: only when the optimizer step ran
-            (loss_sum,) = all_reduce_sum_fp64([result.loss])
             dt = time.perf_counter() - t0
-            loss = loss_sum / world_size
-            if t.eval_interval and is_last:
-                eval_loss = evaluate_now()
+            if due and is_last:
+                eval_loss = stepper.evaluate()
+            if log is not None:
+                timing = {"tokens_per_s": tokens_per_step / dt, "wall_time": time.perf_counter() - t_start}
+                log.write(step, result, eval_loss, timing | _telemetry_fields(parts, result, lr, headroom.captured))
             consecutive_skips = consecutive_skips + 1 if result.skipped else 0
-
-            if metrics is not None and bar is not None:
-                row = {
-                    "step": step,
-                    "loss": loss,
-                    "eval_loss": eval_loss,
-                    "loss_scale": result.scale,
-                    "skipped": result.skipped,
-                    "grad_norm": result.grad_norm,
-                    "tokens_per_s": tokens_per_step / dt,
-                    "wall_time": time.perf_counter() - t_start,
-                }
-                row.update(_telemetry_fields(parts, result, lr, headroom.captured))
-                metrics.write(encode_row(row) + "\n")
-                metrics.flush()
-                postfix = f"loss {loss:.4f} scale {result.scale:g} {row['tokens_per_s']:,.0f} tok/s"
-                bar.set_postfix_str(postfix, refresh=False)
-                bar.update(1)
-                if result.skipped and cfg.resolved_loss_scaler != "dynamic":
-                    bar.write(
-                        f"step {step}: inf/NaN gradients at loss scale {result.scale:g}; step skipped on all ranks"
-                    )
-                if eval_loss is not None:
-                    bar.write(
-                        f"step {step}: train loss {loss:.4f}, val loss {eval_loss:.4f}, loss scale {result.scale:g}"
-                    )
-
-            # Every rank sees the same (agreed) skip flags, so every rank stops here together.
-            limit = t.max_consecutive_skips
-            if limit and consecutive_skips >= limit and isinstance(parts.scaler, StaticLossScaler):
-                raise TrainingDiverged(
-                    f"{consecutive_skips} consecutive steps (up to step {step}) had inf/NaN gradients at the static "
-                    f"loss scale {result.scale:g} (max_consecutive_skips = {limit}): the run diverged or the scale "
-                    "is too large; try scaler.kind = 'dynamic', a smaller scaler.init_scale or a smaller optimizer.lr"
-                )
+            _check_diverged(parts, cfg, consecutive_skips, step, result.scale)
             done = step + 1
             if done == t.steps or (t.checkpoint_interval and done % t.checkpoint_interval == 0):
-                wall = time.perf_counter() - t_start
-                state = checkpoint_state(parts, cfg, next_step=done, wall_time=wall, corpus=corpus)
-                if state is not None and sim is not None and (sim_state := sim.state_dict()):
-                    state["simulated"] = sim_state
-                if state is not None:
-                    save_checkpoint(state, os.path.join(t.out_dir, CHECKPOINT_NAME))
-                del state
-
+                _save(parts, cfg, corpus, stepper, done, time.perf_counter() - t_start)
     if not is_main:
         return None
+    metrics_path = os.path.join(t.out_dir, METRICS_NAME)
     summary = summarize_run(metrics_path, parameters=parts.module.num_parameters(), corpus=corpus)
     summary.update(world_size=world_size, device=str(device))
     write_summary(summary, os.path.join(t.out_dir, SUMMARY_NAME))
