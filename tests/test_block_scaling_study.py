@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mixprec.cli.main import main
-from mixprec.emulate import MX_FORMATS
+from mixprec.emulate import MX_FORMATS, mx_quantize
 from mixprec.lab.studies.base import StudyOutput
 from mixprec.lab.studies.block_scaling import (
     BlockScalingConfig,
@@ -102,6 +102,40 @@ def test_floor_clips_where_rceil_does_not(fmt: str, big: float, floor_value: flo
     assert kappa == 1 - (MX_FORMATS[fmt].max_element / 2 ** MX_FORMATS[fmt].emax) / 2
     assert abs(xb - floor_value) <= kappa * xb and floor.err_over_bound <= 1.0
     assert floor.clip_term == pytest.approx(kappa * xb / norm, rel=1e-12)
+
+
+@pytest.mark.parametrize("fmt", [f for f in MX_FORMATS if f != "nvfp4"])
+def test_kappa_is_the_largest_clipping_error(fmt: str) -> None:
+    """Sweep the block maximum over a binade (and up to just below 2): the relative error of a clipped element
+    never exceeds clip_kappa and comes within 2**-10 of it (floor, even); ceil, neuron and rceil never clip."""
+    sig = torch.cat([torch.linspace(1, 2, 4097)[:-1], torch.tensor([2.0]).nextafter(torch.tensor(0.0))])
+    sig = torch.cat([sig, sig.nextafter(torch.tensor(2.0))])  # and one ulp above each
+    x = torch.zeros(sig.numel(), 32)
+    x[:, 0] = sig * 2.0**-3
+    bf = MX_FORMATS[fmt]
+    for mode in ("floor", "even", "ceil", "neuron", "rceil"):
+        q = mx_quantize(x, fmt, scale_mode=mode)
+        clipped = x[:, 0].double() > bf.max_element * q.scales[:, 0].double()
+        rel = (x[:, 0].double() - q.dequantize()[:, 0].double())[clipped] / x[clipped, 0].double()
+        kappa = clip_kappa(bf, mode)
+        if kappa == 0 or mode == "rceil":
+            assert not bool(clipped.any()), mode
+        else:
+            assert float(rel.max()) <= kappa and float(rel.max()) > kappa - 2**-10, (mode, float(rel.max()), kappa)
+
+
+def test_nvfp4_clips_by_at_most_the_e4m3_unit_roundoff() -> None:
+    """NVFP4's block scale is amax / 6 rounded to nearest in E4M3: a clipped element loses at most u/(1+u) of
+    itself, u = 2**-4 (clip_kappa adds fp32 slack), and never reaches the midpoint 7 (saturation within rounding)."""
+    amax = torch.logspace(-1, 3, 20001)  # within E4M3's normal scale range, one level
+    x = torch.zeros(amax.numel(), 16)
+    x[:, 0] = amax
+    q = mx_quantize(x, "nvfp4")
+    ratio = x[:, 0].double() / q.scales[:, 0].double()
+    clipped = ratio > 6
+    rel = 1 - 6 / ratio[clipped]
+    assert float(rel.max()) <= clip_kappa(MX_FORMATS["nvfp4"], "e4m3") and float(rel.max()) > 0.058
+    assert float(ratio.max()) < 7 and 0.3 < float(clipped.double().mean()) < 0.7
 
 
 def test_bound_holds_on_special_blocks() -> None:
