@@ -18,9 +18,13 @@ shared machine spreads over all of them.
 
 ``--audit-every N`` adds the bf16-wire fp32_accumulate variant with the live numerics audit
 (``audit_every=N``), runs at least 2N timed steps, and prints the audit's cost: the mean step time with
-and without it (a mean, not a median: one step in N pays for the audit) and the audit's own time.
+and without it (a mean, not a median: one step in N pays for the audit; under load its noise exceeds the
+audit's cost) and the audit's own time per step, ``audit seconds / N`` over the step: the steadier number.
+``--audit-sample M``: elements audited per audit (default mixprec's 65536; 0 = the whole bucket, the audit's
+cost before it was sampled). ``--audit-only``: time only torch DDP and the two bf16-wire fp32_accumulate
+variants, with and without the audit (the short run for the audit's cost).
 
-    python benchmarks/bench_ddp.py [--quick] [--audit-every N]
+    python benchmarks/bench_ddp.py [--quick] [--audit-every N [--audit-sample M] [--audit-only]]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from _common import machine_header, markdown_table
+from mixprec.comm.live_audit import AUDIT_SAMPLE_ELEMENTS
 from mixprec.parallel import DistributedDataParallel
 from mixprec.testing import run_distributed
 
@@ -69,7 +74,14 @@ def _audited(audit_every: int) -> str:
     return f"mixprec fp32_accumulate, bf16 wire, audit every {audit_every}"
 
 
-def _build(variant: str, width: int, depth: int, audit_every: int | None = None):
+def _variants(audit_every: int | None, audit_only: bool) -> tuple[str, ...]:
+    if not audit_every:
+        return VARIANTS
+    plain = ("torch DDP", "mixprec fp32_accumulate, bf16 wire") if audit_only else VARIANTS
+    return (*plain, _audited(audit_every))
+
+
+def _build(variant: str, width: int, depth: int, audit_every: int | None = None, audit_sample: int = 0):
     model = _model(width, depth)
     bucket_elems = BUCKET_MB * (1 << 20) // 4
     if variant.startswith("torch"):
@@ -87,16 +99,25 @@ def _build(variant: str, width: int, depth: int, audit_every: int | None = None)
         sharded_optimizer="ZeRO" in variant,
         audit_every=audit_every if "audit" in variant else None,
     )
+    ddp.audit.sample = audit_sample or None
     return ddp, ddp.make_optimizer(torch.optim.AdamW, lr=1e-4)
 
 
 def _bench_rank(
-    rank: int, world_size: int, width: int, depth: int, batch: int, steps: int, audit_every: int | None = None
+    rank: int,
+    world_size: int,
+    width: int,
+    depth: int,
+    batch: int,
+    steps: int,
+    audit_every: int | None = None,
+    audit_sample: int = AUDIT_SAMPLE_ELEMENTS,
+    audit_only: bool = False,
 ) -> dict[str, float]:
     gen = torch.Generator().manual_seed(rank)
     x, y = torch.randn(batch, width, generator=gen), torch.randn(batch, 16, generator=gen)
-    variants = VARIANTS + ((_audited(audit_every),) if audit_every else ())
-    setups = {variant: _build(variant, width, depth, audit_every) for variant in variants}
+    variants = _variants(audit_every, audit_only)
+    setups = {variant: _build(variant, width, depth, audit_every, audit_sample) for variant in variants}
     times: dict[str, list[float]] = {variant: [] for variant in variants}
     # Round-robin over the variants, one step each: load from other work on a shared machine then
     # falls on all of them alike instead of on whichever variant ran during a busy minute.
@@ -131,9 +152,21 @@ def main() -> None:
     ap.add_argument(
         "--audit-every", type=int, default=None, metavar="N", help="also time the live numerics audit every N steps"
     )
+    ap.add_argument(
+        "--audit-sample",
+        type=int,
+        default=AUDIT_SAMPLE_ELEMENTS,
+        metavar="M",
+        help=f"elements per audit (default {AUDIT_SAMPLE_ELEMENTS}; 0 = the whole bucket)",
+    )
+    ap.add_argument("--audit-only", action="store_true", help="time torch DDP and the bf16-wire variants only")
     args = ap.parse_args()
     if args.audit_every is not None and args.audit_every < 1:
         ap.error("--audit-every must be an int >= 1")
+    if args.audit_sample < 0:
+        ap.error("--audit-sample must be an int >= 0")
+    if args.audit_only and not args.audit_every:
+        ap.error("--audit-only needs --audit-every")
     import torch._dynamo  # noqa: F401  (torch DDP imports it: once here instead of in every forked rank)
 
     if args.quick:
@@ -146,9 +179,20 @@ def main() -> None:
     rows = []
     audit_lines = []
     for world_size in plans:
-        result = run_distributed(_bench_rank, world_size, width, depth, batch, steps, args.audit_every, timeout=3600)[0]
+        result = run_distributed(
+            _bench_rank,
+            world_size,
+            width,
+            depth,
+            batch,
+            steps,
+            args.audit_every,
+            args.audit_sample,
+            args.audit_only,
+            timeout=3600,
+        )[0]
         base = result["torch DDP"]
-        for variant in VARIANTS + ((_audited(args.audit_every),) if args.audit_every else ()):
+        for variant in _variants(args.audit_every, args.audit_only):
             rows.append([world_size, variant, result[variant] * 1e3, result[variant] / base])
         if args.audit_every:
             plain = result["mean mixprec fp32_accumulate, bf16 wire"]
@@ -156,7 +200,8 @@ def main() -> None:
             audit_lines.append(
                 f"{world_size} ranks: mean step {plain * 1e3:.2f} ms without the audit, {audited * 1e3:.2f} ms with it "
                 f"({(audited / plain - 1) * 100:+.2f}%); {result['audits']} audits of up to {result['audit numel']} "
-                f"elements, the slowest {result['audit seconds'] * 1e3:.2f} ms on rank 0 "
+                f"elements (sample {args.audit_sample or 'whole bucket'}), "
+                f"the slowest {result['audit seconds'] * 1e3:.2f} ms on rank 0 "
                 f"({result['audit seconds'] / args.audit_every / plain * 100:.2f}% of a step over {args.audit_every}); "
                 f"effective bits {result['audit bits']:.1f} (gloo's bf16 sum: {result['audit native bits']:.1f})"
             )

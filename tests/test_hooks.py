@@ -156,11 +156,11 @@ def _reinit(path: str, rank: int, world_size: int, seconds: float) -> None:
 
 def _hook_group_timeout_case(rank: int, world_size: int, path: str) -> float:
     from mixprec.comm.groups import group_timeout
-    from mixprec.integrations.ddp_fp32 import _context
+    from mixprec.integrations.ddp_fp32 import _runner
 
     _reinit(path, rank, world_size, 7.0)
     _torch_ddp_case(rank, world_size, True)
-    timeout = group_timeout(_context(None).gather_group)
+    timeout = group_timeout(_runner(None, None).group)
     assert timeout is not None
     return timeout.total_seconds()
 

@@ -2,7 +2,10 @@
 
 Prints a short summary (where the scale went, which layers' gradients underflow or overflow in fp16 and whether
 that is rising, the overflowing parameters) and draws ``RUN/report.png`` (or --out). The headroom comes from the
-rows written every ``training.headroom_interval`` steps. Without matplotlib the plot is skipped with a note.
+rows written every ``training.headroom_interval`` steps. A run with the live numerics audit
+(``parallel.audit_every``) also gets ``audit.png`` beside the plot (``<PNG stem>_audit.png`` with --out): the
+reduction's effective bits, and the backend's own beside them, and rel_l2 on a log axis, over the steps.
+Without matplotlib the plots are skipped with a note.
 
 Exit codes: 0 done; 2 RUN is not a run directory or its metrics.jsonl is malformed.
 """
@@ -46,7 +49,7 @@ def prepare(args: argparse.Namespace) -> Callable[[], int]:
 
 
 def run(telemetry: RunTelemetry, out: str | None) -> int:
-    from mixprec.lab.report import plot_telemetry, summary_lines
+    from mixprec.lab.report import plot_audit, plot_telemetry, summary_lines
 
     for line in summary_lines(telemetry):
         print(line)
@@ -56,4 +59,15 @@ def run(telemetry: RunTelemetry, out: str | None) -> int:
         print("mixprec report: no plot: matplotlib is not installed (pip install 'mixprec[plot]')", file=sys.stderr)
         return 0
     print(f"plot: {plot_telemetry(telemetry, out)}")
+    if telemetry.audit_steps:
+        print(f"audit plot: {plot_audit(telemetry, audit_plot_path(out))}")
     return 0
+
+
+def audit_plot_path(out: str) -> str:
+    """Where the audit plot goes: ``audit.png`` beside the default ``report.png``, else ``<stem>_audit.png``."""
+    head, name = os.path.split(out)
+    if name == "report.png":
+        return os.path.join(head, "audit.png")
+    stem, ext = os.path.splitext(name)
+    return os.path.join(head, f"{stem}_audit{ext or '.png'}")

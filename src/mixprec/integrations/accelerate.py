@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from mixprec.comm.live_audit import AuditResult
 from mixprec.integrations.ddp_reducer import ReducerHookState, reducer_hook
 from mixprec.scaling import LossScaler
 
@@ -34,7 +35,14 @@ def _distributed_type(accelerator: Any) -> str:
         raise TypeError(f"accelerator must be an accelerate.Accelerator; got {type(accelerator).__name__}") from None
 
 
-def apply(accelerator: Any, model: Any, reduce: Any = "fp32_accumulate", **reducer_options: Any) -> Any:
+def apply(
+    accelerator: Any,
+    model: Any,
+    reduce: Any = "fp32_accumulate",
+    *,
+    audit_every: int | None = None,
+    **reducer_options: Any,
+) -> Any:
     """Reduce ``model``'s gradients with a mixprec reducer; ``model`` is what ``accelerator.prepare`` returned.
 
     DDP (``MULTI_CPU``, ``MULTI_GPU``...): registers :func:`reducer_hook` with a :class:`ReducerHookState`
@@ -42,6 +50,11 @@ def apply(accelerator: Any, model: Any, reduce: Any = "fp32_accumulate", **reduc
     FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``): ``reduce`` must be ``"fp32_accumulate"``
     (options: ``rounding``, ``topology``, ``inter_node_dtype``); installs FSDP2's custom reduce-scatter and
     returns how many FSDP modules got it. One process (``NO``): nothing to reduce, returns None.
+
+    ``audit_every=N``: the live numerics audit (:mod:`mixprec.comm.live_audit`) every N steps. Each audit's
+    numeric ``audit_*`` fields go to ``accelerator.log(row, step=audit_step)`` (the main process's trackers:
+    ``Accelerator(log_with=...)`` and ``init_trackers``; nothing is logged without them); with DDP the
+    returned state's ``audit_rows`` holds them too, on every rank.
 
     Raises:
         TypeError: not an Accelerator.
@@ -59,15 +72,29 @@ def apply(accelerator: Any, model: Any, reduce: Any = "fp32_accumulate", **reduc
             "DeepSpeed-compatible scaler (mixprec.scaling.scaler_from('deepspeed', ...)) or a DDP/FSDP2 plugin"
         )
     if kind == "FSDP":
-        return _apply_fsdp2(accelerator, model, reduce, reducer_options)
+        return _apply_fsdp2(accelerator, model, reduce, {**reducer_options, **_audit_options(accelerator, audit_every)})
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError(
             f"model is a {type(model).__name__}, not the DistributedDataParallel that accelerator.prepare() "
             f"returns for {kind}: call apply(accelerator, prepared_model, ...) after model = accelerator.prepare(model)"
         )
-    state = ReducerHookState(reduce, process_group=model.process_group, **reducer_options)
+    state = ReducerHookState(
+        reduce, process_group=model.process_group, **_audit_options(accelerator, audit_every), **reducer_options
+    )
     model.register_comm_hook(state, reducer_hook)
     return state
+
+
+def _audit_options(accelerator: Any, audit_every: int | None) -> dict[str, Any]:
+    """``audit_every`` and the callback that hands each audit row to ``accelerator.log``."""
+    if audit_every is None:
+        return {}
+
+    def log(result: AuditResult) -> None:
+        row = {k: v for k, v in result.as_row().items() if isinstance(v, int | float)}
+        accelerator.log(row, step=result.step)
+
+    return {"audit_every": audit_every, "on_audit": log}
 
 
 def _apply_fsdp2(accelerator: Any, model: Any, reduce: Any, options: dict[str, Any]) -> int:

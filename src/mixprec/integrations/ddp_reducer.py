@@ -10,16 +10,21 @@ The hook pads each DDP bucket with zeros into a scratch buffer whose length is a
 key=bucket.index())``, waits for it and copies the reduced prefix back: the same reducer call, on the same
 elements, as mixprec's own ``DistributedDataParallel`` with the same reducer. The trainer adapters
 (``mixprec.integrations.accelerate``, ``.lightning``) install it; it has no reduction logic of its own.
+``audit_every=N`` runs the live numerics audit (:mod:`mixprec.comm.live_audit`) on one bucket every N
+steps; its rows are in ``state.audit_rows`` and go to ``on_audit`` as they come.
 """
 
 # No ``from __future__ import annotations``: torch DDP checks the hook's annotations at registration.
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from mixprec.comm.live_audit import AuditResult, LiveAudit
 from mixprec.comm.reducer import BucketReducer, bucket_multiple, make_reducer
 from mixprec.core.validate import check_group
+from mixprec.parallel.reducers import NativeReducer
 
 __all__ = ["ReducerHookState", "reducer_hook"]
 
@@ -31,13 +36,29 @@ class ReducerHookState:
         reduce: a registered reducer name (``mixprec.comm.registered_reducers()``) or a reducer object
             (the four methods of :class:`mixprec.comm.reducer.BucketReducer`).
         process_group: the DDP process group; None = the default group.
+        audit_every: None, or an int N >= 1: at synced steps N, 2N, ... one bucket (index ``(step // N - 1) mod
+            buckets``) is also reduced exactly (a sample of at most 65536 elements of it) and the error of the
+            reducer's result, and of the backend's own all-reduce beside a non-native reducer, recorded
+            (:attr:`audit_results`, :attr:`audit_rows`). Its collectives run on the same group, before the
+            bucket's own; the reduction itself is unchanged, bit for bit.
+        on_audit: called with each :class:`mixprec.comm.live_audit.AuditResult` as it is recorded, on every
+            rank, from inside backward (e.g. ``lambda r: logger.log(r.as_row())`` on rank 0).
         **reducer_options: the reducer factory's options (only with a name).
 
     Create it after ``torch.distributed.init_process_group`` (RuntimeError otherwise): reducers with
     random streams seed them with the rank.
     """
 
-    def __init__(self, reduce: Any = "fp32_accumulate", *, process_group: Any = None, **reducer_options: Any) -> None:
+    def __init__(
+        self,
+        reduce: Any = "fp32_accumulate",
+        *,
+        process_group: Any = None,
+        audit_every: int | None = None,
+        on_audit: Callable[[AuditResult], None] | None = None,
+        **reducer_options: Any,
+    ) -> None:
+        self.audit = LiveAudit(audit_every, on_audit=on_audit)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "ReducerHookState needs an initialised process group: create it after "
@@ -56,6 +77,18 @@ class ReducerHookState:
         self._multiple = bucket_multiple(dist.get_world_size(self.process_group))
         self._scratch: dict[int, torch.Tensor] = {}
         self._numels: dict[int, int] = {}  # bucket index -> its size when last reduced
+        self._num_buckets: int | None = None  # buckets per step, known once a last bucket was seen
+        self._audit_bucket: int | None = None
+
+    @property
+    def audit_results(self) -> list[AuditResult]:
+        """This rank's live-audit results, oldest first (``audit_every``)."""
+        return self.audit.results
+
+    @property
+    def audit_rows(self) -> list[dict[str, Any]]:
+        """:attr:`audit_results` as ``metrics.jsonl`` rows (the ``audit_*`` keys of ``AuditResult.as_row``)."""
+        return [r.as_row() for r in self.audit.results]
 
     def _scratch_for(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
         padded = -(-buffer.numel() // self._multiple) * self._multiple
@@ -64,8 +97,24 @@ class ReducerHookState:
             s = self._scratch[index] = torch.zeros(padded, dtype=buffer.dtype, device=buffer.device)
         return s
 
-    def reduce(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
-        """Average ``buffer`` (1-D, any length) in place over the group with the reducer; returns it."""
+    def reduce(self, buffer: torch.Tensor, index: int, *, is_last: bool = False) -> torch.Tensor:
+        """Average ``buffer`` (1-D, any length) in place over the group with the reducer; returns it.
+        ``is_last``: the step's last bucket (torch DDP's ``bucket.is_last()``: it sizes the audit's rotation)."""
+        audit = None
+        if self.audit.enabled:
+            if index == 0:  # torch DDP runs the hook on its buckets in index order: bucket 0 starts a step
+                self._audit_bucket = self.audit.new_step(self._num_buckets)
+            if is_last:
+                self._num_buckets = index + 1
+            if index == self._audit_bucket:
+                native = not isinstance(self.reducer, NativeReducer)
+                audit = self.audit.begin(buffer, self.process_group, average=True, native=native, index=index)
+        self._reduce(buffer, index)
+        if audit is not None:
+            audit.finish(buffer)
+        return buffer
+
+    def _reduce(self, buffer: torch.Tensor, index: int) -> None:
         # torch DDP rebuilds its buckets after the first iteration: a key whose bucket changed starts afresh.
         forget = getattr(self.reducer, "forget", None)
         if self._numels.get(index, buffer.numel()) != buffer.numel() and callable(forget):
@@ -73,13 +122,12 @@ class ReducerHookState:
         self._numels[index] = buffer.numel()
         if buffer.numel() % self._multiple == 0 and buffer.is_contiguous():
             self.reducer.all_reduce(buffer, self.process_group, average=True, key=index).wait()
-            return buffer
+            return
         scratch = self._scratch_for(index, buffer)
         scratch[: buffer.numel()].copy_(buffer)
         scratch[buffer.numel() :].zero_()  # a reducer may write to the padding: the contract wants it zero
         self.reducer.all_reduce(scratch, self.process_group, average=True, key=index).wait()
         buffer.copy_(scratch[: buffer.numel()])
-        return buffer
 
     def state_dict(self) -> dict[str, Any]:
         return self.reducer.state_dict()
@@ -100,5 +148,5 @@ def reducer_hook(state: ReducerHookState, bucket: dist.GradBucket) -> torch.futu
     if not isinstance(state, ReducerHookState):
         raise TypeError(f"state must be a ReducerHookState; got {type(state).__name__}")
     future: torch.futures.Future = torch.futures.Future()
-    future.set_result(state.reduce(bucket.buffer(), bucket.index()))
+    future.set_result(state.reduce(bucket.buffer(), bucket.index(), is_last=bucket.is_last()))
     return future

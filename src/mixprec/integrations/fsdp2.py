@@ -10,7 +10,7 @@ imports ``torch.distributed.fsdp`` (about 0.7 s), so only ``mixprec.fsdp`` impor
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -73,6 +73,7 @@ class FP32AccumulateReduceScatter(_fsdp_base()):  # type: ignore[misc]
             the backend's all-reduce's beside it, recorded in :attr:`audit_results`
             (:class:`mixprec.comm.live_audit.LiveAudit`). A pass is the reduce-scatters of one autograd
             backward (its end is an autograd engine callback).
+        on_audit: called with each audit result as it is recorded (e.g. to log ``result.as_row()``).
     """
 
     def __init__(
@@ -83,8 +84,9 @@ class FP32AccumulateReduceScatter(_fsdp_base()):  # type: ignore[misc]
         topology: Any = None,
         inter_node_dtype: torch.dtype | None = None,
         audit_every: int | None = None,
+        on_audit: Callable[[AuditResult], None] | None = None,
     ) -> None:
-        self.audit = LiveAudit(audit_every)
+        self.audit = LiveAudit(audit_every, on_audit=on_audit)
         self.reducer = FP32AccumulateReducer(
             rounding=rounding, generator=generator, topology=topology, inter_node_dtype=inter_node_dtype
         )
@@ -190,15 +192,16 @@ def use_fp32_accumulation(
     generator: torch.Generator | None = None,
     topology: Any = None,
     inter_node_dtype: torch.dtype | None = None,
+    audit_every: int | None = None,
+    on_audit: Callable[[AuditResult], None] | None = None,
 ) -> int:
     """Make every ``fully_shard``-ed submodule of ``module`` (itself included) reduce-scatter its gradients
-    with :class:`FP32AccumulateReduceScatter` (``topology``, ``inter_node_dtype``: as there). Returns how
-    many FSDP modules were set.
+    with one :class:`FP32AccumulateReduceScatter` (``topology``, ``inter_node_dtype``, ``audit_every``,
+    ``on_audit``: as there; the audit's results reach the caller through ``on_audit``). Returns how many
+    FSDP modules were set.
 
     Call it after ``fully_shard``. Raises ValueError when there is no FSDP module, RuntimeError when this
-    torch's FSDP2 has no ``set_custom_reduce_scatter``. For the live audit, build one
-    ``FP32AccumulateReduceScatter(audit_every=N)`` and pass it to each module's ``set_custom_reduce_scatter``
-    (one object for all: it counts the reduce-scatters of a backward pass).
+    torch's FSDP2 has no ``set_custom_reduce_scatter``.
     """
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -209,7 +212,12 @@ def use_fp32_accumulation(
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module; got {type(module).__name__}")
     comm = FP32AccumulateReduceScatter(
-        rounding=rounding, generator=generator, topology=topology, inter_node_dtype=inter_node_dtype
+        rounding=rounding,
+        generator=generator,
+        topology=topology,
+        inter_node_dtype=inter_node_dtype,
+        audit_every=audit_every,
+        on_audit=on_audit,
     )
     count = 0
     for sub in module.modules():

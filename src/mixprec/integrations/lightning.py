@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 
+from mixprec.comm.live_audit import AuditResult, check_audit_every
 from mixprec.comm.reducer import BucketReducer, registered_reducers
 from mixprec.integrations.ddp_reducer import ReducerHookState, reducer_hook
 from mixprec.scaling import DynamicLossScaler, LossScaler, SkipAwareLR
@@ -42,6 +43,10 @@ class MixprecDDPStrategy(DDPStrategy):
         reduce: a registered reducer name (``mixprec.comm.registered_reducers()``) or a reducer object.
         strategy_options: keyword arguments for ``DDPStrategy`` (``process_group_backend``, ``timeout``,
             ``start_method``, ``find_unused_parameters``...), not its comm-hook arguments.
+        audit_every: None, or an int N >= 1: the live numerics audit (:mod:`mixprec.comm.live_audit`) every N
+            steps. Each audit's numeric ``audit_*`` fields go to the trainer's loggers
+            (``logger.log_metrics(row, step=trainer.global_step)``, rank 0 only, as Lightning's loggers do)
+            and stay in ``hook_state.audit_rows`` on every rank.
         **reducer_options: the reducer's options (``error_feedback=True``, ``rounding="stochastic"``, ``seed``...).
 
     :attr:`hook_state` (a :class:`ReducerHookState`) exists once the model is wrapped. ValueError: an
@@ -55,8 +60,10 @@ class MixprecDDPStrategy(DDPStrategy):
         reduce: str | BucketReducer = "fp32_accumulate",
         *,
         strategy_options: dict[str, Any] | None = None,
+        audit_every: int | None = None,
         **reducer_options: Any,
     ) -> None:
+        check_audit_every(audit_every)
         if isinstance(reduce, str):
             if reduce not in registered_reducers():
                 raise ValueError(f"unknown reducer {reduce!r}; registered reducers: {', '.join(registered_reducers())}")
@@ -72,6 +79,7 @@ class MixprecDDPStrategy(DDPStrategy):
         super().__init__(**options)
         self.mixprec_reduce = reduce  # not "reduce": DDPStrategy.reduce is its collective
         self.reducer_options = reducer_options
+        self.audit_every = audit_every
         self.hook_state: ReducerHookState | None = None
 
     def _register_ddp_hooks(self) -> None:
@@ -79,9 +87,22 @@ class MixprecDDPStrategy(DDPStrategy):
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise RuntimeError(f"internal error: DDPStrategy built a {type(model).__name__}, not a DDP model")
         self.hook_state = ReducerHookState(
-            self.mixprec_reduce, process_group=model.process_group, **self.reducer_options
+            self.mixprec_reduce,
+            process_group=model.process_group,
+            audit_every=self.audit_every,
+            on_audit=self._log_audit,
+            **self.reducer_options,
         )
         model.register_comm_hook(self.hook_state, reducer_hook)
+
+    def _log_audit(self, result: AuditResult) -> None:
+        module = self.lightning_module
+        trainer = None if module is None else module._trainer
+        if trainer is None:
+            return
+        row = {k: float(v) for k, v in result.as_row().items() if isinstance(v, int | float)}
+        for logger in trainer.loggers:
+            logger.log_metrics(row, step=trainer.global_step)
 
 
 class _SkipAwareScheduler(SkipAwareLR):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mixprec.comm.live_audit import AuditResult, check_audit_every
 from mixprec.core.random import rank_stream
 from mixprec.core.validate import check_choice
 
@@ -46,6 +48,11 @@ class ReduceScatterConfig:
         inter_node_dtype: None or ``"float32"``: with ``LOCAL_WORLD_SIZE`` < world, node partials sent in fp32
             (the two-stage scheme of ``mixprec.comm.hierarchical_fp32``).
         hierarchical: use the two-stage multi-node scheme (topology from torchrun's ``LOCAL_WORLD_SIZE``).
+        audit_every: None, or an int N >= 1: the live numerics audit (:mod:`mixprec.comm.live_audit`) on one
+            reduce-scatter of every N-th backward pass.
+        audit_log: with ``audit_every``, a file global rank 0 appends each audit's ``audit_*`` row to, one
+            JSON object a line (torchtitan's own metrics logger is not reachable from ``parallelize_fn``);
+            None = the rows are kept only in memory, on :func:`install`'s ``on_audit``.
     """
 
     reducer: str = "fp32_accumulate"
@@ -54,6 +61,8 @@ class ReduceScatterConfig:
     device: str = "cuda"
     hierarchical: bool = False
     inter_node_dtype: str | None = None
+    audit_every: int | None = None
+    audit_log: str | None = None
 
     def __post_init__(self) -> None:
         if self.reducer != "fp32_accumulate":
@@ -71,6 +80,12 @@ class ReduceScatterConfig:
             check_choice("inter_node_dtype", self.inter_node_dtype, ("float32",))
             if not self.hierarchical:
                 raise ValueError("inter_node_dtype applies only with hierarchical=true")
+        check_audit_every(self.audit_every)
+        if self.audit_log is not None:
+            if not isinstance(self.audit_log, str) or not self.audit_log:
+                raise TypeError(f"audit_log must be a file path (str) or None; got {self.audit_log!r}")
+            if self.audit_every is None:
+                raise ValueError("audit_log applies only with audit_every")
 
     @classmethod
     def from_dict(cls, table: Mapping[str, Any]) -> ReduceScatterConfig:
@@ -93,10 +108,13 @@ class ReduceScatterConfig:
         return cls.from_dict(data[section])
 
 
-def install(model: torch.nn.Module, config: ReduceScatterConfig) -> int:
+def install(
+    model: torch.nn.Module, config: ReduceScatterConfig, *, on_audit: Callable[[AuditResult], None] | None = None
+) -> int:
     """Install the reduce-scatter ``config`` describes on every ``fully_shard``-ed module of ``model``;
     returns how many. ValueError when ``model`` holds none (torchtitan applies FSDP only with
-    ``data_parallel_shard_degree`` > 1, or context parallelism)."""
+    ``data_parallel_shard_degree`` > 1, or context parallelism). ``on_audit``: called with each audit result
+    (``config.audit_every``), after ``config.audit_log`` got its row."""
     from mixprec.integrations.fsdp2 import use_fp32_accumulation
 
     if not isinstance(config, ReduceScatterConfig):
@@ -117,6 +135,8 @@ def install(model: torch.nn.Module, config: ReduceScatterConfig) -> int:
             generator=generator,
             topology=topology,
             inter_node_dtype=None if config.inter_node_dtype is None else _DTYPES[config.inter_node_dtype],
+            audit_every=config.audit_every,
+            on_audit=_audit_sink(config, on_audit),
         )
     except ValueError as exc:
         if "no fully_shard" not in str(exc):
@@ -125,6 +145,24 @@ def install(model: torch.nn.Module, config: ReduceScatterConfig) -> int:
             "the parallelized model holds no fully_shard-ed module, so there is no reduce-scatter to replace: "
             "mixprec's reduce-scatter needs FSDP (torchtitan: parallelism.data_parallel_shard_degree > 1)"
         ) from None
+
+
+def _audit_sink(
+    config: ReduceScatterConfig, on_audit: Callable[[AuditResult], None] | None
+) -> Callable[[AuditResult], None] | None:
+    if on_audit is not None and not callable(on_audit):
+        raise TypeError(f"on_audit must be callable or None; got {type(on_audit).__name__}")
+    if config.audit_log is None or (dist.is_initialized() and dist.get_rank() != 0):
+        return on_audit
+    path = Path(config.audit_log)
+
+    def sink(result: AuditResult) -> None:
+        with path.open("a") as f:
+            f.write(json.dumps(result.as_row()) + "\n")
+        if on_audit is not None:
+            on_audit(result)
+
+    return sink
 
 
 def wrap_parallelize(parallelize_fn: Callable[..., Any], config: ReduceScatterConfig) -> Callable[..., Any]:

@@ -6,6 +6,9 @@ Reads the run's ``metrics.jsonl`` (see :mod:`mixprec.lab.metrics`): ``loss_scale
 lines where the scale went, which layers' gradients are underflowing (and whether that is rising), which
 overflowed, and warns when the scale is falling while a layer's underflow rises: the scale is heading for its
 floor. :func:`plot_telemetry` draws the same as a PNG (matplotlib, an optional dependency imported there only).
+A run with the live numerics audit (``parallel.audit_every``) also has ``audit_*`` keys on its audited rows
+(:meth:`mixprec.comm.live_audit.AuditResult.as_row`): the summary quotes them and :func:`plot_audit` draws the
+effective bits (mixprec's reduction and the backend's own beside it) and rel_l2 (log axis) over the steps.
 """
 
 from __future__ import annotations
@@ -14,11 +17,16 @@ import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
+from mixprec.comm.live_audit import AUDIT_ROW_PREFIX
 from mixprec.lab.metrics import METRICS_NAME, read_step_rows
 from mixprec.lab.telemetry import HEADROOM_FIELDS, HEADROOM_KEY
 
-__all__ = ["RunTelemetry", "load_telemetry", "plot_telemetry", "summary_lines"]
+__all__ = ["AUDIT_SERIES", "RunTelemetry", "load_telemetry", "plot_audit", "plot_telemetry", "summary_lines"]
+
+# The audit_* fields a report reads (the native_* ones are absent beside the native reducer: NaN then).
+AUDIT_SERIES = ("effective_bits", "native_effective_bits", "rel_l2", "native_rel_l2")
 
 _TOP_LAYERS = 3  # layers named per finding in the summary
 _PLOT_LAYERS = 8  # lines per panel of the plot
@@ -39,6 +47,9 @@ class RunTelemetry:
     culprits: Counter[str] = field(default_factory=Counter)
     headroom_steps: list[int] = field(default_factory=list)
     headroom: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    audit_steps: list[int] = field(default_factory=list)
+    audit: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in AUDIT_SERIES})
+    """``audit[name]``: the ``audit_<name>`` of each audited row (NaN where a row lacks it)."""
 
 
 def load_telemetry(run_dir: str) -> RunTelemetry:
@@ -66,6 +77,8 @@ def load_telemetry(run_dir: str) -> RunTelemetry:
         tel.culprits.update(culprits)
         if HEADROOM_KEY in row:
             _add_headroom(tel, row[HEADROOM_KEY], step, where)
+        if AUDIT_ROW_PREFIX + "rel_l2" in row:
+            _add_audit(tel, row, step, where)
     if not tel.steps:
         raise ValueError(f"{path} holds no rows (the run has not logged a step yet)")
     return tel
@@ -87,6 +100,34 @@ def _add_headroom(tel: RunTelemetry, headroom: object, step: int, where: str) ->
     for series in tel.headroom.values():  # a layer this row lacks
         for k in HEADROOM_FIELDS:
             series[k] += [math.nan] * (n + 1 - len(series[k]))
+
+
+def _add_audit(tel: RunTelemetry, row: dict, step: int, where: str) -> None:
+    values = {}
+    for name in AUDIT_SERIES:
+        v = row.get(AUDIT_ROW_PREFIX + name, math.nan)
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise ValueError(f"{where}: {AUDIT_ROW_PREFIX + name!r} must be a number; got {v!r}")
+        values[name] = float(v)
+    tel.audit_steps.append(step)
+    for name, v in values.items():
+        tel.audit[name].append(v)
+
+
+def _audit_lines(tel: RunTelemetry) -> list[str]:
+    if not tel.audit_steps:
+        return []
+    bits = [v for v in tel.audit["effective_bits"] if math.isfinite(v)]
+    native = [v for v in tel.audit["native_effective_bits"] if math.isfinite(v)]
+    rel = tel.audit["rel_l2"]
+    worst = max(range(len(rel)), key=lambda i: (rel[i] if not math.isnan(rel[i]) else -1.0, -i))
+    line = (
+        f"live audit: {len(tel.audit_steps)} audit(s), steps {tel.audit_steps[0]}..{tel.audit_steps[-1]}: "
+        f"effective bits {min(bits, default=math.nan):.1f}..{max(bits, default=math.nan):.1f}"
+    )
+    if native:
+        line += f" (the backend's own reduction: {min(native):.1f}..{max(native):.1f})"
+    return [line + f"; worst rel_l2 {rel[worst]:.3g} at step {tel.audit_steps[worst]}"]
 
 
 def _pct(v: float) -> str:
@@ -127,6 +168,7 @@ def summary_lines(tel: RunTelemetry) -> list[str]:
     if tel.culprits:
         named = ", ".join(f"{name} ({count})" for name, count in tel.culprits.most_common(_TOP_LAYERS))
         lines.append(f"overflowing parameters, most often first: {named}")
+    lines += _audit_lines(tel)
     if not tel.headroom_steps:
         lines.append("no headroom telemetry in this run (training.headroom_interval is 0 or exceeds the steps)")
         return lines
@@ -153,7 +195,7 @@ def summary_lines(tel: RunTelemetry) -> list[str]:
                 else ""
             )
             lines.append(f"layer {layer}: {_pct(last)} of gradients {verb} at step {at}, {trend}{since}")
-    if len(lines) == 1 + bool(tel.culprits):
+    if len(lines) == 1 + bool(tel.culprits) + bool(tel.audit_steps):
         lines.append(f"headroom at step {at}: no layer's gradients underflow, are subnormal or overflow in fp16")
     rising = [layer for layer in tel.headroom if _trend(tel.headroom[layer]["underflow"])[0] == "rising"]
     if rising and tel.scales[-1] < tel.scales[0]:
@@ -164,13 +206,7 @@ def summary_lines(tel: RunTelemetry) -> list[str]:
     return lines
 
 
-def plot_telemetry(tel: RunTelemetry, path: str) -> str:
-    """Loss scale (skipped steps marked), per-layer underflow and subnormal, and per-layer overflow, over the steps,
-    as a PNG at ``path``; returns it.
-
-    Raises:
-        RuntimeError: matplotlib is not installed (``pip install 'mixprec[plot]'``).
-    """
+def _pyplot() -> object:
     try:
         import matplotlib
 
@@ -178,6 +214,51 @@ def plot_telemetry(tel: RunTelemetry, path: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError as exc:  # an optional dependency, imported here only
         raise RuntimeError("the report plot needs matplotlib: pip install 'mixprec[plot]' (or pass --no-plot)") from exc
+    return plt
+
+
+def plot_audit(tel: RunTelemetry, path: str) -> str:
+    """The live audit over the steps as a PNG at ``path``; returns it: effective bits of mixprec's reduction and
+    of the backend's own beside it, and rel_l2 on a log axis (an exact result, rel_l2 = 0, is drawn at 2^-53:
+    the fp64 reference's own resolution). ValueError when the run has no audit rows; RuntimeError without
+    matplotlib."""
+    if not tel.audit_steps:
+        raise ValueError(f"{tel.run_dir}: no audit_* rows (the run had parallel.audit_every = 0, or one rank)")
+    plt: Any = _pyplot()
+    fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    steps = tel.audit_steps
+    for ax, (ours, theirs), ylabel in (
+        (axes[0], ("effective_bits", "native_effective_bits"), "effective bits (-log2 rel_l2)"),
+        (axes[1], ("rel_l2", "native_rel_l2"), "rel_l2 against the exact sum"),
+    ):
+        for name, label, style in ((ours, "mixprec", "-"), (theirs, "backend's own", "--")):
+            values = tel.audit[name]
+            if name.endswith("rel_l2"):
+                values = [max(v, 2.0**-53) if math.isfinite(v) else math.nan for v in values]
+            if any(math.isfinite(v) for v in values):
+                ax.plot(steps, values, style, marker=".", label=label)
+        ax.set_ylabel(ylabel)
+        ax.legend(loc="best", fontsize="small")
+    axes[1].set_yscale("log", base=2)
+    axes[0].set_title(
+        f"{os.path.basename(os.path.abspath(tel.run_dir))}: live numerics audit of the gradient reduction"
+    )
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_telemetry(tel: RunTelemetry, path: str) -> str:
+    """Loss scale (skipped steps marked), per-layer underflow and subnormal, and per-layer overflow, over the steps,
+    as a PNG at ``path``; returns it.
+
+    Raises:
+        RuntimeError: matplotlib is not installed (``pip install 'mixprec[plot]'``).
+    """
+    plt: Any = _pyplot()
     fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
     ax = axes[0]
     ax.step(tel.steps, tel.scales, where="post", label="loss scale")

@@ -1,0 +1,160 @@
+"""The live numerics audit through the adapters: ``ReducerHookState(audit_every=)``, Accelerate's
+``apply(..., audit_every=)``, Lightning's ``MixprecDDPStrategy(audit_every=)`` and torchtitan's
+``ReduceScatterConfig(audit_every=, audit_log=)``, with the real packages on 2 gloo processes.
+
+Each audited run must give the bits of the same run without the audit (the audit only reads the buckets),
+and its rows must reach the documented place (``state.audit_rows``, ``accelerator.log``, the Lightning
+logger, the torchtitan audit log) with errors inside the reducer's bound: fp32 parameters reduced by
+fp32_accumulate on 2 ranks are one fp32 addition (a + b rounded once, u = 2^-24 relative to the exact sum,
+Higham's gamma_1) and an exact halving, so rel_l2 and max_rel <= 2^-24; a bf16 reduce-scatter rounds the
+fp32 sum once to bf16 (u = 2^-8) after an fp32 sum whose share stays far below it here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from mixprec.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = Path(__file__).resolve().with_name("adapter_audit_runs.py")
+U_FP32 = 2.0**-24
+U_BF16 = 2.0**-8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _import_before_forking() -> None:
+    importlib.import_module("torch._dynamo")  # torch DDP imports it: once here, not in every forked rank
+
+
+def _check_rows(rows: list[dict], *, steps: list[int], bound: float, native: bool) -> None:
+    assert [int(float(r["audit_step"])) for r in rows] == steps
+    for r in rows:
+        rel, max_rel = float(r["audit_rel_l2"]), float(r["audit_max_rel"])
+        assert 0.0 <= rel <= bound and max_rel <= bound, r
+        assert float(r["audit_effective_bits"]) >= -math.log2(bound) - 1e-9
+        assert int(float(r["audit_numel"])) > 0 and int(float(r["audit_nonfinite_results"])) == 0
+        assert ("audit_native_rel_l2" in r) == native
+
+
+# ---------------------------------------------------------------------- ReducerHookState under torch DDP
+def _hook_case(rank: int, world: int, reduce: str, sample: int | None) -> dict:
+    from mixprec.integrations.ddp_reducer import ReducerHookState, reducer_hook
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore", FutureWarning)
+    out: dict = {}
+    for audited in (False, True):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(6, 64), torch.nn.Tanh(), torch.nn.Linear(64, 5))
+        ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.001)  # several buckets
+        seen: list = []
+        options = {"audit_every": 2, "on_audit": seen.append} if audited else {}
+        state = ReducerHookState(reduce, **options)
+        if sample is not None:
+            state.audit.sample = sample
+        ddp.register_comm_hook(state, reducer_hook)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(6):
+            x = torch.randn(8, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+            opt.zero_grad()
+            ddp(x).square().mean().backward()
+            opt.step()
+        out[audited] = [p.detach().clone() for p in net.parameters()]
+        if audited:
+            out["rows"] = state.audit_rows
+            out["seen"] = [r.as_row() for r in seen]
+    return out
+
+
+@pytest.mark.parametrize(("reduce", "sample"), [("fp32_accumulate", None), ("fp32_accumulate", 64), ("native", None)])
+def test_reducer_hook_audit_changes_no_bit_and_bounds_the_error(reduce: str, sample: int | None) -> None:
+    out = run_distributed(_hook_case, 2, reduce, sample, timeout=180)
+    for r in out:
+        assert all(torch.equal(a, b) for a, b in zip(r[False], r[True], strict=True))
+        assert r["rows"] == r["seen"]  # on_audit got each row as it was recorded
+        _check_rows(r["rows"], steps=[2, 4, 6], bound=U_FP32, native=reduce != "native")
+        if sample is not None:  # the first layer's weight (384 elements) is sampled: 32 per shard
+            big = [row for row in r["rows"] if row["audit_bucket_numel"] > sample]
+            assert big and all(row["audit_numel"] == 64 and row["audit_sample_count"] == 2 for row in big)
+    assert out[0]["rows"][0]["audit_rel_l2"] == out[1]["rows"][0]["audit_rel_l2"]  # identical reduced bits
+
+
+# ---------------------------------------------------------------------- Accelerate and Lightning
+def _run(tmp_path: Path, adapter: str, audit_every: int | None) -> dict:
+    out = tmp_path / f"{adapter}_{audit_every}.pt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    launch = [sys.executable]
+    if adapter == "accelerate":
+        launch += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    args = [str(RUNS), adapter, "--out", str(out)]
+    if audit_every is not None:
+        args += ["--audit-every", str(audit_every)]
+    proc = subprocess.run(launch + args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("adapter", ["accelerate", "lightning"])
+def test_adapter_audit_rows_reach_its_logger_and_change_no_bit(tmp_path, adapter: str) -> None:
+    pytest.importorskip(adapter)
+    plain = _run(tmp_path, adapter, None)
+    audited = _run(tmp_path, adapter, 1)
+    assert torch.equal(plain["weight"], audited["weight"])
+    assert plain["state_rows"] == [] and plain["rows"] == []
+    rows = audited["rows"]  # what the tracker (accelerator.log) or Lightning's CSV logger received
+    # Four steps, each audited; step 3 holds rank 0's inf (examples' INF_STEP): left out of the metrics, counted.
+    _check_rows(rows, steps=[1, 2, 3, 4], bound=U_FP32, native=True)
+    assert [int(float(r["audit_nonfinite_inputs"])) > 0 for r in rows] == [False, False, True, False]
+    for logged, kept in zip(rows, audited["state_rows"], strict=True):
+        assert float(logged["audit_rel_l2"]) == kept["audit_rel_l2"]
+
+
+# ---------------------------------------------------------------------- torchtitan
+def _titan(rank: int, world: int, config) -> list[torch.Tensor]:
+    path = ROOT / "examples" / "integrations" / "train_torchtitan.py"
+    spec = importlib.util.spec_from_file_location("train_torchtitan", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.train(rank, world, "wrapped", config)
+
+
+@pytest.mark.slow
+def test_torchtitan_config_audits_into_its_log(tmp_path) -> None:
+    from mixprec.integrations.torchtitan import ReduceScatterConfig
+
+    importlib.import_module("torch.distributed.fsdp")
+    log = tmp_path / "audit.jsonl"
+    plain = run_distributed(_titan, 2, ReduceScatterConfig(device="cpu"), timeout=180)[0]
+    config = ReduceScatterConfig.from_dict({"device": "cpu", "audit_every": 1, "audit_log": str(log)})
+    audited = run_distributed(_titan, 2, config, timeout=180)[0]
+    assert all(torch.equal(a, b) for a, b in zip(plain, audited, strict=True))
+    rows = [json.loads(line) for line in log.read_text().splitlines()]  # rank 0's only
+    _check_rows(rows, steps=[1, 2, 3], bound=1.5 * U_BF16, native=True)
+    assert all(r["audit_wire_dtype"] == "bfloat16" for r in rows)
+
+
+def test_audit_options_are_checked() -> None:
+    from mixprec.integrations.torchtitan import ReduceScatterConfig
+
+    with pytest.raises(ValueError, match="audit_every must be an int >= 1"):
+        ReduceScatterConfig(audit_every=0)
+    with pytest.raises(ValueError, match="audit_log applies only with audit_every"):
+        ReduceScatterConfig(audit_log="a.jsonl")
+    lightning = pytest.importorskip("lightning")
+    assert lightning
+    from mixprec.integrations.lightning import MixprecDDPStrategy
+
+    with pytest.raises(TypeError, match="audit_every must be an int"):
+        MixprecDDPStrategy(audit_every="100")
