@@ -17,9 +17,10 @@ from mixprec.lab.metrics import METRICS_NAME, read_rows
 
 # 1 layer, width 16, 16 characters of context: ~7k parameters, a few ms per step.
 TINY = [
-    "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
-    "--global-batch-size", "8", "--micro-batch-size", "2", "--eval-sequences", "8", "--eval-interval", "3",
-    "--lr", "0.01",
+    "--model.n-layer", "1", "--model.n-head", "2", "--model.n-embd", "16", "--model.block-size", "16",
+    "--data.global-batch-size", "8", "--data.micro-batch-size", "2", "--data.eval-sequences", "8",
+    "--training.eval-interval", "3",
+    "--optimizer.lr", "0.01",
 ]  # fmt: skip
 FIELDS = {"step", "loss", "eval_loss", "loss_scale", "skipped", "grad_norm", "tokens_per_s", "wall_time"}
 # Fault tests: the collective timeout of a run that must be ended by its launcher, not by a timeout (seconds), and
@@ -33,7 +34,7 @@ def rows_of(run_dir) -> list[dict]:
 
 
 def train(run_dir, *args: str) -> int:
-    return main(["train", "--out-dir", str(run_dir), *TINY, *args])
+    return main(["train", "--training.out-dir", str(run_dir), *TINY, *args])
 
 
 def numerics(rows: list[dict]) -> list[tuple]:
@@ -55,9 +56,18 @@ def test_each_precision_and_reduction_runs_and_logs(tmp_path, precision, reduce)
     run = tmp_path / "run"
     # uint8_hierarchical: 4 ranks as 2 simulated nodes of 2.
     nproc = "4" if reduce.endswith("_hierarchical") else "2"
-    args = ["--nproc", nproc, "--precision", precision, "--reduce", reduce, "--steps", "6"]
+    args = [
+        "--parallel.nproc",
+        nproc,
+        "--model.precision",
+        precision,
+        "--parallel.reduce",
+        reduce,
+        "--training.steps",
+        "6",
+    ]
     if precision == "fp16":
-        args += ["--scale-growth-interval", "2"]  # grow until it overflows: skips must be handled
+        args += ["--scaler.growth-interval", "2"]  # grow until it overflows: skips must be handled
     assert train(run, *args) == 0
     rows = rows_of(run)
     assert [r["step"] for r in rows] == list(range(6))
@@ -87,10 +97,19 @@ def test_two_ranks_equal_one_rank_bit_for_bit(tmp_path, one_thread, reduce, opti
     exact (no underflow at these magnitudes) and a sum of two fp32 terms is one correctly rounded addition either
     way, so the averaged gradient, and with it every later step, must agree bit for bit (the fp32 tolerance for
     two addends is zero). Losses and eval losses are sums of the same fp32 values in fp64 (exact for 2 terms)."""
-    common = ["--global-batch-size", "4", "--micro-batch-size", "2", "--steps", "5", "--reduce", reduce]
-    common += ["--optimizer", optimizer]
-    assert train(tmp_path / "one", "--nproc", "1", *common) == 0
-    assert train(tmp_path / "two", "--nproc", "2", *common) == 0
+    common = [
+        "--data.global-batch-size",
+        "4",
+        "--data.micro-batch-size",
+        "2",
+        "--training.steps",
+        "5",
+        "--parallel.reduce",
+        reduce,
+    ]
+    common += ["--optimizer.name", optimizer]
+    assert train(tmp_path / "one", "--parallel.nproc", "1", *common) == 0
+    assert train(tmp_path / "two", "--parallel.nproc", "2", *common) == 0
     one, two = rows_of(tmp_path / "one"), rows_of(tmp_path / "two")
     assert numerics(one) == numerics(two)
     assert len({r["loss"] for r in one}) == 5  # it trained: the losses change
@@ -102,9 +121,18 @@ def test_sharded_optimizer_equals_unsharded_in_fp32(tmp_path) -> None:
     norm sums the same n squares in another order (per-shard vs per-tensor): each fp32 sum of squares is within
     gamma_{n+1} of the exact one (n - 1 additions and one square per term), so the two differ by at most
     2 gamma_{n+1} relative; the square root halves that and adds one rounding to each: <= gamma_{n+3}."""
-    common = ["--nproc", "2", "--reduce", "fp32_accumulate", "--grad-clip", "0", "--steps", "4"]
+    common = [
+        "--parallel.nproc",
+        "2",
+        "--parallel.reduce",
+        "fp32_accumulate",
+        "--training.clip-grad-norm",
+        "0",
+        "--training.steps",
+        "4",
+    ]
     assert train(tmp_path / "flat", *common) == 0
-    assert train(tmp_path / "sharded", *common, "--sharded-optimizer") == 0
+    assert train(tmp_path / "sharded", *common, "--parallel.sharded-optimizer") == 0
     flat, sharded = rows_of(tmp_path / "flat"), rows_of(tmp_path / "sharded")
     assert [r["loss"] for r in flat] == [r["loss"] for r in sharded]
     state = torch.load(tmp_path / "sharded" / "checkpoint.pt", weights_only=True)
@@ -120,15 +148,16 @@ def test_killed_rank_stops_the_run_and_resume_is_bit_exact(tmp_path, monkeypatch
     uninterrupted run, and a run whose rank 1 crashes at step 6 (after the checkpoint of step 4) then resumed,
     must log identical numbers at every step."""
     # A collective timeout far above the run's length: only the launcher can end the cut run before it.
-    common = ["--nproc", "2", "--precision", "fp16", "--scale-growth-interval", "2", "--dropout", "0.1",
-              "--checkpoint-interval", "4", "--timeout", str(SLOW_TIMEOUT_S)]  # fmt: skip
-    assert train(tmp_path / "whole", *common, "--steps", "9") == 0
+    common = ["--parallel.nproc", "2", "--model.precision", "fp16", "--scaler.growth-interval", "2",
+              "--model.dropout", "0.1",
+              "--training.checkpoint-interval", "4", "--parallel.timeout", str(SLOW_TIMEOUT_S)]  # fmt: skip
+    assert train(tmp_path / "whole", *common, "--training.steps", "9") == 0
     whole = rows_of(tmp_path / "whole")
     assert any(r["skipped"] for r in whole)
 
     monkeypatch.setenv("MIXPREC_FAULT", "1:6:exit")
     start = time.monotonic()
-    code = train(tmp_path / "cut", *common, "--steps", "9")
+    code = train(tmp_path / "cut", *common, "--training.steps", "9")
     elapsed = time.monotonic() - start
     assert code == 1
     err = capsys.readouterr().err
@@ -142,7 +171,7 @@ def test_killed_rank_stops_the_run_and_resume_is_bit_exact(tmp_path, monkeypatch
     assert [r["step"] for r in rows_of(tmp_path / "cut")] == list(range(6))
     monkeypatch.delenv("MIXPREC_FAULT")
 
-    assert main(["train", "--out-dir", str(tmp_path / "cut"), "--resume"]) == 0
+    assert main(["train", "--training.out-dir", str(tmp_path / "cut"), "--resume"]) == 0
     assert numerics(rows_of(tmp_path / "cut")) == numerics(whole)
 
 
@@ -151,8 +180,9 @@ def test_hung_rank_times_out_and_checkpoint_survives(tmp_path, monkeypatch, caps
     monkeypatch.setenv("MIXPREC_FAULT", "1:3:hang")
     timeout = 4.0
     start = time.monotonic()
-    code = train(tmp_path / "hang", "--nproc", "2", "--steps", "8", "--checkpoint-interval", "2",
-                 "--timeout", str(timeout))  # fmt: skip
+    code = train(tmp_path / "hang", "--parallel.nproc", "2", "--training.steps", "8",
+                 "--training.checkpoint-interval", "2",
+                 "--parallel.timeout", str(timeout))  # fmt: skip
     elapsed = time.monotonic() - start
     assert code == 1
     err = capsys.readouterr().err
@@ -167,27 +197,30 @@ def test_hung_rank_times_out_and_checkpoint_survives(tmp_path, monkeypatch, caps
 
 def test_existing_run_needs_resume_or_overwrite(tmp_path, capsys) -> None:
     run = tmp_path / "r"
-    assert train(run, "--steps", "2") == 0
-    assert train(run, "--steps", "2") == 2
+    assert train(run, "--training.steps", "2") == 0
+    assert train(run, "--training.steps", "2") == 2
     assert "already holds a run" in capsys.readouterr().err
-    assert train(run, "--steps", "3", "--overwrite") == 0
+    assert train(run, "--training.steps", "3", "--overwrite") == 0
     assert len(rows_of(run)) == 3
-    assert main(["train", "--out-dir", str(tmp_path / "none"), "--resume"]) == 2
+    assert main(["train", "--training.out-dir", str(tmp_path / "none"), "--resume"]) == 2
 
 
 def test_resume_refuses_changed_numerics(tmp_path, capsys) -> None:
     run = tmp_path / "r"
-    assert train(run, "--steps", "2") == 0
-    assert main(["train", "--out-dir", str(run), "--resume", "--steps", "4", "--lr", "0.5"]) == 2
+    assert train(run, "--training.steps", "2") == 0
+    assert (
+        main(["train", "--training.out-dir", str(run), "--resume", "--training.steps", "4", "--optimizer.lr", "0.5"])
+        == 2
+    )
     err = capsys.readouterr().err
     assert "lr: checkpoint 0.01, now 0.5" in err
-    assert main(["train", "--out-dir", str(run), "--resume", "--steps", "4"]) == 0
+    assert main(["train", "--training.out-dir", str(run), "--resume", "--training.steps", "4"]) == 0
     assert [r["step"] for r in rows_of(run)] == [0, 1, 2, 3]
 
 
 def test_linear_mode(tmp_path) -> None:
-    assert train(tmp_path / "emu", "--linear-mode", "fp16/16", "--steps", "3") == 0
-    assert train(tmp_path / "ref", "--steps", "3") == 0
+    assert train(tmp_path / "emu", "--model.linear-mode", "fp16/16", "--training.steps", "3") == 0
+    assert train(tmp_path / "ref", "--training.steps", "3") == 0
     emu, ref = rows_of(tmp_path / "emu"), rows_of(tmp_path / "ref")
     # Same weights at step 0; the emulated fp16 accumulation changes the loss (else the mode did nothing). How
     # close it stays is the emulator's business (tests/test_emulate_*.py bound it per matmul); through a network
@@ -200,7 +233,7 @@ def _torchrun_rank(rank: int, port: int, run_dir: str, conn) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-    code = main(["train", "--out-dir", run_dir, *TINY, "--steps", "3"])
+    code = main(["train", "--training.out-dir", run_dir, *TINY, "--training.steps", "3"])
     conn.send(code)
     conn.close()
     os._exit(0)
@@ -228,11 +261,12 @@ def test_torchrun_environment(tmp_path) -> None:
 def test_resume_restores_each_ranks_reducer_state(tmp_path) -> None:
     """uint8 with error feedback and stochastic rounding keeps per-rank state (residuals, generators): a resumed
     run must still log the uninterrupted run's numbers exactly."""
-    common = ["--nproc", "2", "--reduce", "uint8", "--error-feedback", "--reduce-rounding", "stochastic",
-              "--checkpoint-interval", "3"]  # fmt: skip
-    assert train(tmp_path / "whole", *common, "--steps", "6") == 0
-    assert train(tmp_path / "cut", *common, "--steps", "3") == 0
-    assert main(["train", "--out-dir", str(tmp_path / "cut"), "--resume", "--steps", "6"]) == 0
+    common = ["--parallel.nproc", "2", "--parallel.reduce", "uint8", "--parallel.error-feedback",
+              "--parallel.rounding", "stochastic",
+              "--training.checkpoint-interval", "3"]  # fmt: skip
+    assert train(tmp_path / "whole", *common, "--training.steps", "6") == 0
+    assert train(tmp_path / "cut", *common, "--training.steps", "3") == 0
+    assert main(["train", "--training.out-dir", str(tmp_path / "cut"), "--resume", "--training.steps", "6"]) == 0
     # The first segment also evaluated at its last step (2); training numbers must be identical everywhere.
     cut, whole = rows_of(tmp_path / "cut"), rows_of(tmp_path / "whole")
     assert [(*t[:2], *t[3:]) for t in numerics(cut)] == [(*t[:2], *t[3:]) for t in numerics(whole)]
@@ -246,12 +280,13 @@ def test_loss_scale_below_the_floor_is_refused_before_anything_is_written(tmp_pa
     """fp16's dynamic scaler refuses init_scale 0.5 below min_scale 1: TrainConfig builds the scaler, so the
     error comes from the parent, once, with exit 2 and no run directory left behind."""
     run = tmp_path / "r"
-    assert train(run, "--nproc", nproc, "--precision", "fp16", "--loss-scale", "0.5") == 2
+    assert train(run, "--parallel.nproc", nproc, "--model.precision", "fp16", "--scaler.init-scale", "0.5") == 2
     err = capsys.readouterr().err
     assert "init_scale (0.5) must be >= min_scale (1.0)" in err and "Traceback" not in err
     assert not run.exists()
-    assert train(run, "--nproc", nproc, "--precision", "fp16", "--loss-scale", "0.5", "--min-loss-scale", "0.25",
-                 "--steps", "1") == 0  # fmt: skip
+    assert train(run, "--parallel.nproc", nproc, "--model.precision", "fp16", "--scaler.init-scale", "0.5",
+                 "--scaler.min-scale", "0.25",
+                 "--training.steps", "1") == 0  # fmt: skip
 
 
 def _short_corpus(path, lines: int = 600) -> str:
@@ -263,7 +298,20 @@ def _short_corpus(path, lines: int = 600) -> str:
 def test_block_size_beyond_the_validation_split_exits_2(tmp_path, capsys) -> None:
     corpus = _short_corpus(tmp_path / "c.txt")
     run = tmp_path / "r"
-    code = main(["train", "--out-dir", str(run), *TINY, "--corpus", corpus, "--block-size", "3000", "--nproc", "2"])
+    code = main(
+        [
+            "train",
+            "--training.out-dir",
+            str(run),
+            *TINY,
+            "--data.corpus",
+            corpus,
+            "--model.block-size",
+            "3000",
+            "--parallel.nproc",
+            "2",
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert "validation split holds" in err and "block_size 3000" in err and "Traceback" not in err
@@ -274,10 +322,10 @@ def test_resume_with_an_edited_corpus_exits_2(tmp_path, capsys) -> None:
     corpus = tmp_path / "c.txt"
     _short_corpus(corpus)
     run = tmp_path / "r"
-    assert train(run, "--corpus", str(corpus), "--steps", "2") == 0
+    assert train(run, "--data.corpus", str(corpus), "--training.steps", "2") == 0
     before = (run / METRICS_NAME).read_text()
     _short_corpus(corpus, lines=601)
-    assert main(["train", "--out-dir", str(run), "--resume", "--steps", "4"]) == 2
+    assert main(["train", "--training.out-dir", str(run), "--resume", "--training.steps", "4"]) == 2
     assert "the corpus changed" in capsys.readouterr().err
     assert (run / METRICS_NAME).read_text() == before
 
@@ -287,17 +335,22 @@ def test_config_file_flags_and_resume_layers(tmp_path) -> None:
     from mixprec.lab.config import config_from_toml
 
     cfg_file = tmp_path / "c.toml"
-    cfg_file.write_text('steps = 2\nlr = 0.02\noptimizer = "sgd"\nseed = 7\n')
+    cfg_file.write_text('[optimizer]\nlr = 0.02\nname = "sgd"\n[training]\nsteps = 2\nseed = 7\n')
     run = tmp_path / "r"
-    assert main(["train", "--out-dir", str(run), "--config", str(cfg_file), *TINY, "--seed", "3"]) == 0
+    assert (
+        main(["train", "--training.out-dir", str(run), "--config", str(cfg_file), *TINY, "--training.seed", "3"]) == 0
+    )
     saved = config_from_toml(str(run / "config.toml"))
-    # TINY sets --lr 0.01: the flag wins over the file's 0.02; the file's steps and optimizer win over defaults.
+    # TINY sets --optimizer.lr 0.01: the flag wins over the file's 0.02; the file's steps and optimizer win over
+    # the defaults.
     got = (saved["training"]["steps"], saved["optimizer"]["lr"], saved["optimizer"]["name"], saved["training"]["seed"])
     assert got == (2, 0.01, "sgd", 3)
     # Resume: the saved config is the base, a --config file above it, flags on top.
     more = tmp_path / "more.toml"
-    more.write_text("steps = 3\neval_interval = 2\n")
-    assert main(["train", "--out-dir", str(run), "--resume", "--config", str(more), "--steps", "4"]) == 0
+    more.write_text("[training]\nsteps = 3\neval_interval = 2\n")
+    assert (
+        main(["train", "--training.out-dir", str(run), "--resume", "--config", str(more), "--training.steps", "4"]) == 0
+    )
     saved = config_from_toml(str(run / "config.toml"))
     got = (saved["training"]["steps"], saved["training"]["eval_interval"], saved["optimizer"]["lr"])
     assert (*got, saved["training"]["seed"]) == (4, 2, 0.01, 3)
@@ -313,7 +366,7 @@ def test_final_eval_loss_is_that_of_the_final_model(tmp_path) -> None:
     from mixprec.lab.train import evaluate
 
     run = tmp_path / "r"
-    assert train(run, "--steps", "3", "--eval-interval", "10") == 0
+    assert train(run, "--training.steps", "3", "--training.eval-interval", "10") == 0
     rows = rows_of(run)
     assert [r["step"] for r in rows if r["eval_loss"] is not None] == [0, 2]
     cfg = merge_config(config_from_toml(str(run / "config.toml")))
@@ -335,7 +388,20 @@ def test_static_scaler_divergence_stops_with_a_message_and_nan_is_null(tmp_path,
     no dynamic scaler the run stops after max_consecutive_skips, exit 1, one line, no traceback. metrics.jsonl
     stays strict JSON: NaN is written as null and named under "nonfinite"."""
     run = tmp_path / "r"
-    assert train(run, "--nproc", nproc, "--steps", "20", "--lr", "1e30", "--max-consecutive-skips", "3") == 1
+    assert (
+        train(
+            run,
+            "--parallel.nproc",
+            nproc,
+            "--training.steps",
+            "20",
+            "--optimizer.lr",
+            "1e30",
+            "--training.max-consecutive-skips",
+            "3",
+        )
+        == 1
+    )
     err = capfd.readouterr().err  # capfd: the forked ranks write to the inherited file descriptor
     assert "3 consecutive steps" in err and "max_consecutive_skips = 3" in err and "Traceback" not in err
     if nproc == "2":  # every rank saw the same (agreed) skips and stopped on its own: exit code 1, not a peer's
@@ -353,8 +419,9 @@ def test_dynamic_scaler_stuck_at_its_floor_stops_with_a_message(tmp_path, capsys
     """fp16 with a dynamic scaler: NaN gradients back the scale off 4 -> 2 -> 1 (the floor), then after
     scale_min_patience overflowing steps there LossScaleFloorError stops the run: exit 1, no traceback."""
     run = tmp_path / "r"
-    args = ["--precision", "fp16", "--lr", "1e30", "--loss-scale", "4", "--min-loss-scale", "1",
-            "--scale-min-patience", "2", "--steps", "20"]  # fmt: skip
+    args = ["--model.precision", "fp16", "--optimizer.lr", "1e30", "--scaler.init-scale", "4", "--scaler.min-scale",
+            "1",
+            "--scaler.min-patience", "2", "--training.steps", "20"]  # fmt: skip
     assert train(run, *args) == 1
     err = capsys.readouterr().err
     assert "mixprec train: error:" in err and "Traceback" not in err
@@ -369,7 +436,7 @@ def test_cuda_autocast_run(tmp_path, precision) -> None:
     """The GPU path: real autocast, parameters and checkpoint in the low precision, fp16 with cuBLAS's reduced-
     precision split-K reduction switched off (the docstring's fp32-accumulation promise)."""
     run = tmp_path / "gpu"
-    assert train(run, "--device", "cuda", "--precision", precision, "--steps", "4") == 0
+    assert train(run, "--training.device", "cuda", "--model.precision", precision, "--training.steps", "4") == 0
     rows = rows_of(run)
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows)
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
@@ -386,7 +453,7 @@ def test_a_run_ending_on_nan_writes_strict_json_summary(tmp_path, capsys) -> Non
     from mixprec.lab.launch import read_summary
 
     run = tmp_path / "r"
-    assert train(run, "--steps", "3", "--lr", "1e30", "--max-consecutive-skips", "0") == 0
+    assert train(run, "--training.steps", "3", "--optimizer.lr", "1e30", "--training.max-consecutive-skips", "0") == 0
     assert "final loss nan" in capsys.readouterr().out
     raw = json.loads((run / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
     assert raw["final_loss"] is None and raw["nonfinite"]["final_loss"] == "nan"
@@ -396,17 +463,17 @@ def test_a_run_ending_on_nan_writes_strict_json_summary(tmp_path, capsys) -> Non
 @pytest.mark.parametrize(
     "extra",
     [
-        ["--reduce", "fp8", "--fp8-format", "e5m2", "--error-feedback"],
-        ["--reduce", "auto", "--link-gbps", "0.5"],
+        ["--parallel.reduce", "fp8", "--parallel.fp8-format", "e5m2", "--parallel.error-feedback"],
+        ["--parallel.reduce", "auto", "--parallel.link-gbps", "0.5"],
     ],
 )
 def test_fp8_and_auto_reductions_train(tmp_path, extra) -> None:
     """The compressed reductions beyond uint8 run from the CLI; a resumed run continues them bit for bit."""
     full, part = tmp_path / "full", tmp_path / "part"
-    common = ["--nproc", "2", "--precision", "fp32", *extra]
-    assert train(full, *common, "--steps", "4") == 0
-    assert train(part, *common, "--steps", "2") == 0
-    assert train(part, *common, "--steps", "4", "--resume") == 0
+    common = ["--parallel.nproc", "2", "--model.precision", "fp32", *extra]
+    assert train(full, *common, "--training.steps", "4") == 0
+    assert train(part, *common, "--training.steps", "2") == 0
+    assert train(part, *common, "--training.steps", "4", "--resume") == 0
 
     # Training numerics bit for bit (the 2-step run also evaluated at its own last step).
     def train_numerics(rows: list[dict]) -> list[tuple]:
@@ -420,11 +487,36 @@ def test_fp8_and_auto_reductions_train(tmp_path, extra) -> None:
 
 def test_fp8_options_are_checked_before_anything_is_written(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as exc:  # argparse's own choices check
-        main(["train", *TINY, "--reduce", "fp8", "--fp8-format", "e3m4", "--out-dir", str(tmp_path / "r")])
+        main(
+            [
+                "train",
+                *TINY,
+                "--parallel.reduce",
+                "fp8",
+                "--parallel.fp8-format",
+                "e3m4",
+                "--training.out-dir",
+                str(tmp_path / "r"),
+            ]
+        )
     assert exc.value.code == 2 and "fp8-format" in capsys.readouterr().err
-    assert main(["train", *TINY, "--nproc", "2", "--reduce", "native", "--error-feedback",
-                 "--out-dir", str(tmp_path / "r")]) == 2  # fmt: skip
+    assert main(["train", *TINY, "--parallel.nproc", "2", "--parallel.reduce", "native", "--parallel.error-feedback",
+                 "--training.out-dir", str(tmp_path / "r")]) == 2  # fmt: skip
     assert "error_feedback applies to the compressed reductions only" in capsys.readouterr().err
-    assert main(["train", *TINY, "--reduce", "auto", "--link-gbps", "-1", "--out-dir", str(tmp_path / "r")]) == 2
+    assert (
+        main(
+            [
+                "train",
+                *TINY,
+                "--parallel.reduce",
+                "auto",
+                "--parallel.link-gbps",
+                "-1",
+                "--training.out-dir",
+                str(tmp_path / "r"),
+            ]
+        )
+        == 2
+    )
     assert "link_gbps" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()

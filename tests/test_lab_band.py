@@ -12,9 +12,11 @@ from mixprec.lab.band import band_verdicts, false_alarms, perturb_weights
 from mixprec.lab.compare import RunLog, load_run
 
 TINY = [
-    "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--global-batch-size", "8",
-    "--micro-batch-size", "2", "--eval-sequences", "8", "--eval-interval", "0", "--lr", "0.01", "--steps", "4",
-    "--checkpoint-interval", "0", "--precision", "bf16",
+    "--model.n-layer", "1", "--model.n-head", "2", "--model.n-embd", "16", "--model.block-size", "16",
+    "--data.global-batch-size", "8",
+    "--data.micro-batch-size", "2", "--data.eval-sequences", "8", "--training.eval-interval", "0", "--optimizer.lr",
+    "0.01", "--training.steps", "4",
+    "--training.checkpoint-interval", "0", "--model.precision", "bf16",
 ]  # fmt: skip
 
 
@@ -75,16 +77,16 @@ def test_replicas_of_unequal_length_are_refused_not_cut(tmp_path, capsys) -> Non
 
 
 def test_replicas_and_compare_band_round_trip(tmp_path, capsys) -> None:
-    assert main(["train", *TINY, "--replicas", "3", "--out-dir", str(tmp_path / "band")]) == 0
+    assert main(["train", *TINY, "--replicas", "3", "--training.out-dir", str(tmp_path / "band")]) == 0
     assert sorted(p.name for p in (tmp_path / "band").iterdir()) == ["replica-0", "replica-1", "replica-2"]
-    assert main(["train", *TINY, "--out-dir", str(tmp_path / "plain")]) == 0
+    assert main(["train", *TINY, "--training.out-dir", str(tmp_path / "plain")]) == 0
     capsys.readouterr()
     assert main(["compare", "--no-plot", "--band", str(tmp_path / "band"), str(tmp_path / "plain")]) == 0
     out = capsys.readouterr().out
     assert "band: 3 replicas" in out and "| plain |" in out
     # replica 0 is the unperturbed configuration: the plain run is it, bit for bit
     assert load_run(str(tmp_path / "plain")).loss == load_run(str(tmp_path / "band" / "replica-0")).loss
-    assert main(["train", *TINY, "--replicas", "1", "--out-dir", str(tmp_path / "bad")]) == 2
+    assert main(["train", *TINY, "--replicas", "1", "--training.out-dir", str(tmp_path / "bad")]) == 2
     assert not (tmp_path / "bad").exists()
 
 
@@ -109,7 +111,7 @@ def test_dp_band_headline_says_verdict_or_hint_by_the_calibration() -> None:
 
     leaves = BandVerdict("bf16-native", 7, "above", 0.33, 2.75, 2.0)
     inside = BandVerdict("bf16-native", None, None, 0.0, 2.72, 0.2)
-    assert "use `--reduce fp32_accumulate` at this scale" in _headline(1024, leaves, 8, 0, 40)
+    assert "use `--parallel.reduce fp32_accumulate` at this scale" in _headline(1024, leaves, 8, 0, 40)
     hint = _headline(1024, leaves, 4, 1, 12)
     assert "1 of the 4 replicas also leaves the band" in hint and "a hint, not a verdict" in hint
     assert "2 replicas cannot calibrate the band" in _headline(16, leaves, 2, 0, 6)

@@ -53,7 +53,7 @@ _RUN_ALL = textwrap.dedent(
     from mixprec.cli.main import main
     losses = {}
     for name, args, out in json.loads(sys.argv[1]):
-        assert main(["train", "--config", name, "--out-dir", out, "--no-progress", *args]) == 0
+        assert main(["train", "--config", name, "--training.out-dir", out, "--no-progress", *args]) == 0
         with open(os.path.join(out, "summary.json")) as fh:
             losses[name] = json.load(fh)["final_eval_loss"]
     print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "losses": losses}))
@@ -109,7 +109,7 @@ def reruns(tmp_path_factory) -> dict[str, dict[str, float]]:
 def test_builtin_config_gives_the_loss_its_header_states(tmp_path, one_thread, reruns, name) -> None:
     args, expected = _quick_check(name)
     out = tmp_path / name
-    assert main(["train", "--config", name, "--out-dir", str(out), "--no-progress", *args]) == 0
+    assert main(["train", "--config", name, "--training.out-dir", str(out), "--no-progress", *args]) == 0
     loss = json.loads((out / "summary.json").read_text())["final_eval_loss"]
     paths = {label: losses[name] for label, losses in reruns.items()}
     assert loss == paths["this CPU's own"], f"not deterministic: {loss!r} here, {paths!r} in a fresh process"

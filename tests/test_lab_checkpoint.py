@@ -11,8 +11,9 @@ import torch
 from mixprec.cli.main import main
 from mixprec.lab.checkpoint import load_checkpoint, save_checkpoint
 
-TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--global-batch-size", "4",
-        "--micro-batch-size", "2", "--eval-interval", "0", "--no-progress"]  # fmt: skip
+TINY = ["--model.n-layer", "1", "--model.n-head", "2", "--model.n-embd", "16", "--model.block-size", "16",
+        "--data.global-batch-size", "4",
+        "--data.micro-batch-size", "2", "--training.eval-interval", "0", "--no-progress"]  # fmt: skip
 
 
 @pytest.mark.parametrize("content", [b"garbage", b"PK\x03\x04truncated zip"])
@@ -49,10 +50,10 @@ def test_a_flipped_byte_or_zeroed_block_anywhere_is_refused(tmp_path, where, zer
 
 def test_resume_from_a_damaged_checkpoint_exits_2_in_one_line(tmp_path, capsys) -> None:
     run = tmp_path / "r"
-    assert main(["train", "--out-dir", str(run), *TINY, "--steps", "2"]) == 0
+    assert main(["train", "--training.out-dir", str(run), *TINY, "--training.steps", "2"]) == 0
     _damage(run / "checkpoint.pt", 0.5)
     capsys.readouterr()
-    assert main(["train", "--out-dir", str(run), "--resume", "--steps", "3"]) == 2
+    assert main(["train", "--training.out-dir", str(run), "--resume", "--training.steps", "3"]) == 2
     err = capsys.readouterr().err
     assert "checksum does not match" in err and len(err.strip().splitlines()) == 1
 
@@ -61,12 +62,12 @@ def test_resume_after_a_torn_metrics_line(tmp_path, capsys) -> None:
     """A crash while writing a metrics row leaves half a line: resume drops it (with a notice) and continues;
     the log then equals an uninterrupted run's."""
     whole, run = tmp_path / "whole", tmp_path / "r"
-    assert main(["train", "--out-dir", str(whole), *TINY, "--steps", "4"]) == 0
-    assert main(["train", "--out-dir", str(run), *TINY, "--steps", "2"]) == 0
+    assert main(["train", "--training.out-dir", str(whole), *TINY, "--training.steps", "4"]) == 0
+    assert main(["train", "--training.out-dir", str(run), *TINY, "--training.steps", "2"]) == 0
     with open(run / "metrics.jsonl", "a") as fh:
         fh.write('{"step": 2, "loss": 4.12')  # torn: no end, no newline
     capsys.readouterr()
-    assert main(["train", "--out-dir", str(run), "--resume", "--steps", "4"]) == 0
+    assert main(["train", "--training.out-dir", str(run), "--resume", "--training.steps", "4"]) == 0
     assert "dropped a torn last line" in capsys.readouterr().err
 
     def numbers(d):

@@ -67,57 +67,60 @@ def test_num_microbatches_and_auto_scaler() -> None:
     assert TrainConfig(model=ModelConfig(precision="bf16")).resolved_loss_scaler == "none"
 
 
-def test_old_flat_keys_are_read_as_the_field_they_became(tmp_path) -> None:
-    """A flat file of before 0.1.0 still reads: each top-level key lands in the field whose former name it is."""
-    path = tmp_path / "old.toml"
-    path.write_text('precision = "fp16"\nloss_scale = 1024.0\nscale_growth_interval = 5\ngrad_clip = 0.5\n'
-                    'optimizer = "sgd"\nreduce_rounding = "stochastic"\nsteps = 3\n')  # fmt: skip
-    cfg = merge_config(config_from_toml(str(path)))
-    assert (cfg.model.precision, cfg.scaler.init_scale, cfg.scaler.growth_interval) == ("fp16", 1024.0, 5)
-    assert (cfg.training.clip_grad_norm, cfg.optimizer.name, cfg.parallel.rounding) == (0.5, "sgd", "stochastic")
-    assert cfg.training.steps == 3
-
-
 @pytest.mark.parametrize(
     ("text", "words"),
     [
-        ("beta1 = 0.8\n", "key 'beta1' is now betas = [beta1, beta2] in [optimizer]"),
-        ("[scaler]\nloss_scale = 8.0\n", "unknown key(s) 'loss_scale' in [scaler] ('loss_scale' is now 'init_scale')"),
-        ("loss_scale = 8.0\n[scaler]\ninit_scale = 4.0\n", "scaler.init_scale is given twice"),
+        # a field's bare name at the top level: refused, naming its table
+        ('precision = "fp16"\n', "unknown key(s) 'precision' ('precision' is model.precision: put it in the [model]"),
+        ("steps = 3\n[model]\nn_layer = 1\n", "'steps' is training.steps: put it in the [training] table"),
+        # a name that is no field: the closest sectioned name
+        ("loss_scale = 8.0\n", "unknown key(s) 'loss_scale' (did you mean scaler.init_scale?)"),
+        ("beta1 = 0.8\n", "unknown key(s) 'beta1' (did you mean optimizer.betas?)"),
+        ("[model]\nn_layers = 2\n", "unknown key(s) 'n_layers' in [model] ('n_layers': did you mean 'n_layer'?)"),
     ],
 )
-def test_old_keys_without_a_one_to_one_successor_fail_in_one_line(tmp_path, capsys, text, words) -> None:
+def test_keys_outside_their_table_fail_in_one_line(tmp_path, capsys, text, words) -> None:
     path = tmp_path / "c.toml"
     path.write_text(text)
     assert _train(tmp_path, "--config", str(path)) == 2
     err = capsys.readouterr().err
-    assert words in err and len(err.strip().splitlines()) == 1
+    assert words in err and len(err.strip().splitlines()) == 1, err
+    assert not os.path.exists(tmp_path / "run")
 
 
-def test_old_and_new_flags_fill_the_same_field(tmp_path, capsys) -> None:
+def test_a_fields_bare_name_is_no_flag(tmp_path, capsys) -> None:
     from mixprec.cli.main import build_parser
     from mixprec.cli.train import config_from_args
 
     parser = build_parser()
-    old = config_from_args(parser.parse_args(["train", "--loss-scale", "8", "--scale-growth-interval", "3"]))
-    new = config_from_args(parser.parse_args(["train", "--scaler.init-scale", "8", "--scaler.growth-interval", "3"]))
-    assert old == new and (new.scaler.init_scale, new.scaler.growth_interval) == (8.0, 3)
-    betas = config_from_args(parser.parse_args(["train", "--optimizer.betas", "0.8", "0.9"]))
-    assert betas.optimizer.betas == (0.8, 0.9)
-    assert _train(tmp_path, "--beta1", "0.8") == 2
-    assert "--beta1 is replaced by --optimizer.betas B1 B2" in capsys.readouterr().err
+    cfg = config_from_args(parser.parse_args(["train", "--scaler.init-scale", "8", "--optimizer.betas", "0.8", "0.9"]))
+    assert (cfg.scaler.init_scale, cfg.optimizer.betas) == (8.0, (0.8, 0.9))
+    for flag, sectioned in (("--n-layer", "--model.n-layer"), ("--out-dir", "--training.out-dir")):
+        assert _train(tmp_path, flag, "2") == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{flag} is not a flag: use {sectioned}" in err[0], err
+    assert _train(tmp_path, "--error-feedback") == 2
+    assert "use --parallel.error-feedback" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_from_fields_takes_the_fields_own_names_only() -> None:
+    cfg = TrainConfig.from_fields({"n_layer": 1, "kind": "static", "steps": 2})
+    assert (cfg.model.n_layer, cfg.scaler.kind, cfg.training.steps) == (1, "static", 2)
+    with pytest.raises(ValueError, match=r"unknown field.*'loss_scaler'"):
+        TrainConfig.from_fields({"loss_scaler": "static"})
 
 
 def _train(tmp_path, *extra: str) -> int:
-    return main(["train", "--out-dir", str(tmp_path / "run"), "--steps", "1", *extra])
+    return main(["train", "--training.out-dir", str(tmp_path / "run"), "--training.steps", "1", *extra])
 
 
 def test_unknown_toml_key_exits_2(tmp_path, capsys) -> None:
     path = tmp_path / "c.toml"
-    path.write_text("steps = 3\nlearning_rate = 0.1\n")
+    path.write_text("[optimizer]\nlearning_rate = 0.1\n")
     assert _train(tmp_path, "--config", str(path)) == 2
     err = capsys.readouterr().err
-    assert "unknown key(s) 'learning_rate'" in err and "allowed keys" in err
+    assert "unknown key(s) 'learning_rate' in [optimizer]" in err and "allowed keys" in err
     assert not os.path.exists(tmp_path / "run")
 
 
@@ -144,7 +147,9 @@ def test_deeply_nested_toml_exits_2_in_one_line(tmp_path, capsys) -> None:
 
 
 def test_gbs_not_divisible_exits_2(tmp_path, capsys) -> None:
-    assert _train(tmp_path, "--global-batch-size", "10", "--micro-batch-size", "4", "--nproc", "2") == 2
+    assert (
+        _train(tmp_path, "--data.global-batch-size", "10", "--data.micro-batch-size", "4", "--parallel.nproc", "2") == 2
+    )
     err = capsys.readouterr().err
     assert "global_batch_size 10 is not a multiple of micro_batch_size x data_parallel_size = 4 x 2 = 8" in err
 
@@ -154,24 +159,27 @@ def test_gbs_not_divisible_exits_2(tmp_path, capsys) -> None:
     [
         # accepted before, and ignored: native reductions have no nodes
         (
-            ["--reduce", "native", "--nproc", "2", "--ranks-per-node", "3"],
+            ["--parallel.reduce", "native", "--parallel.nproc", "2", "--parallel.ranks-per-node", "3"],
             "ranks_per_node applies to the hierarchical reductions only (fp32_accumulate_hierarchical, "
             "uint8_hierarchical, fp8_hierarchical, mxfp8_hierarchical, nvfp4_hierarchical); reduce is 'native'",
         ),
         (
-            ["--reduce", "uint8", "--nproc", "2", "--ranks-per-node", "1"],
+            ["--parallel.reduce", "uint8", "--parallel.nproc", "2", "--parallel.ranks-per-node", "1"],
             "ranks_per_node applies to the hierarchical reductions only",
         ),
         (
-            ["--reduce", "fp32_accumulate", "--nproc", "2", "--link-gbps", "5"],
+            ["--parallel.reduce", "fp32_accumulate", "--parallel.nproc", "2", "--parallel.link-gbps", "5"],
             "link_gbps applies to the adaptive reduction only (auto); reduce is 'fp32_accumulate'",
         ),
         (
-            ["--reduce", "native", "--nproc", "2", "--error-feedback"],
+            ["--parallel.reduce", "native", "--parallel.nproc", "2", "--parallel.error-feedback"],
             "error_feedback applies to the compressed reductions only (uint8, uint8_hierarchical, fp8, "
             "fp8_hierarchical, mxfp8, mxfp8_hierarchical, nvfp4, nvfp4_hierarchical, auto); reduce is 'native'",
         ),
-        (["--reduce", "native", "--nproc", "2", "--link-gbps", "-5"], "link_gbps must be a finite number >= 0"),
+        (
+            ["--parallel.reduce", "native", "--parallel.nproc", "2", "--parallel.link-gbps", "-5"],
+            "link_gbps must be a finite number >= 0",
+        ),
     ],
 )
 def test_a_parallel_field_the_reduction_ignores_exits_2(tmp_path, capsys, flags, message) -> None:
@@ -189,7 +197,7 @@ def test_parallel_fields_of_the_chosen_reduction_are_accepted() -> None:
 
 
 def test_missing_corpus_exits_2(tmp_path, capsys) -> None:
-    assert _train(tmp_path, "--corpus", str(tmp_path / "nope.txt")) == 2
+    assert _train(tmp_path, "--data.corpus", str(tmp_path / "nope.txt")) == 2
     err = capsys.readouterr().err
     assert "no such file" in err and "nope.txt" in err
     assert not os.path.exists(tmp_path / "run")
@@ -197,7 +205,7 @@ def test_missing_corpus_exits_2(tmp_path, capsys) -> None:
 
 def test_bad_choice_exits_2(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as info:
-        _train(tmp_path, "--precision", "fp8")
+        _train(tmp_path, "--model.precision", "fp8")
     assert info.value.code == 2
     path = tmp_path / "c.toml"
     path.write_text('[parallel]\nreduce = "ring"\n')

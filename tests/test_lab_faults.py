@@ -15,13 +15,14 @@ import pytest
 
 from mixprec.lab.checkpoint import load_checkpoint
 
-TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--global-batch-size", "4",
-        "--micro-batch-size", "2", "--eval-interval", "0", "--no-progress"]  # fmt: skip
+TINY = ["--model.n-layer", "1", "--model.n-head", "2", "--model.n-embd", "16", "--model.block-size", "16",
+        "--data.global-batch-size", "4",
+        "--data.micro-batch-size", "2", "--training.eval-interval", "0", "--no-progress"]  # fmt: skip
 _SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
 
 def _command(run_dir, *args: str) -> list[str]:
-    return [sys.executable, "-m", "mixprec", "train", "--out-dir", str(run_dir), *TINY, *args]
+    return [sys.executable, "-m", "mixprec", "train", "--training.out-dir", str(run_dir), *TINY, *args]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -39,7 +40,7 @@ def _group_alive(pgid: int) -> bool:
 def _start_long_run(run_dir, **env: str) -> subprocess.Popen:
     """A 2-rank run that would take minutes, in its own process group; returns once a checkpoint exists."""
     proc = subprocess.Popen(
-        _command(run_dir, "--nproc", "2", "--steps", "100000", "--checkpoint-interval", "2"),
+        _command(run_dir, "--parallel.nproc", "2", "--training.steps", "100000", "--training.checkpoint-interval", "2"),
         env=_env(**env),
         start_new_session=True,
         stdout=subprocess.PIPE,
@@ -95,7 +96,21 @@ def test_ranks_die_with_a_killed_launcher_and_the_next_run_removes_its_rendezvou
     from mixprec.cli.main import main
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    assert main(["train", "--out-dir", str(tmp_path / "next"), *TINY, "--nproc", "2", "--steps", "1"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--training.out-dir",
+                str(tmp_path / "next"),
+                *TINY,
+                "--parallel.nproc",
+                "2",
+                "--training.steps",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert not [name for name in os.listdir(tmp) if name.startswith("mixprec-")]
 
 
@@ -111,7 +126,9 @@ def test_ranks_die_with_a_killed_launcher_and_the_next_run_removes_its_rendezvou
 def test_an_out_dir_that_cannot_be_written_exits_2_in_one_line(tmp_path, make, words) -> None:
     (tmp_path / "file").write_text("not a directory")
     out = make(tmp_path)
-    done = subprocess.run(_command(out, "--steps", "1"), env=_env(), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        _command(out, "--training.steps", "1"), env=_env(), capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2, done.stderr
     assert words in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
@@ -124,7 +141,7 @@ def test_a_file_size_limit_while_checkpointing_is_one_line_not_a_traceback(tmp_p
     """The checkpoint (about 100 KiB) exceeds a 64 KiB file-size limit: one line, exit 1, no temporary left."""
     run = tmp_path / "r"
     done = subprocess.run(
-        _command(run, "--steps", "2"),
+        _command(run, "--training.steps", "2"),
         env=_env(),
         capture_output=True,
         text=True,
@@ -155,15 +172,15 @@ def _wait_blocked(pid: int, seconds: float) -> None:
 
 # The two-stage reduction's second stage fails on healthy ranks with "Application timeout caused pair closure": they
 # must not be blamed (nor print a traceback) for the rank that stopped.
-HIERARCHICAL = ["--nproc", "4", "--micro-batch-size", "1", "--ranks-per-node", "2",
-                "--reduce", "fp32_accumulate_hierarchical"]  # fmt: skip
+HIERARCHICAL = ["--parallel.nproc", "4", "--data.micro-batch-size", "1", "--parallel.ranks-per-node", "2",
+                "--parallel.reduce", "fp32_accumulate_hierarchical"]  # fmt: skip
 
 
 @pytest.mark.slow  # the peers' timeout, the launcher's grace period: about 20 s each
 @pytest.mark.parametrize(
     "layout",
     [
-        ["--nproc", "2"],
+        ["--parallel.nproc", "2"],
         HIERARCHICAL,
     ],
     ids=["flat", "hierarchical"],
@@ -176,7 +193,16 @@ def test_a_stopped_rank_is_detected_by_the_timeout_and_blamed(tmp_path, layout) 
     timeout = 4.0
     run = tmp_path / "r"
     proc = subprocess.Popen(
-        _command(run, *layout, "--steps", "100000", "--checkpoint-interval", "2", "--timeout", str(timeout)),
+        _command(
+            run,
+            *layout,
+            "--training.steps",
+            "100000",
+            "--training.checkpoint-interval",
+            "2",
+            "--parallel.timeout",
+            str(timeout),
+        ),
         env=_env(),
         start_new_session=True,
         stdout=subprocess.PIPE,
@@ -231,7 +257,7 @@ def test_an_interrupt_while_the_ranks_start_stops_the_started_ones(tmp_path, mon
 
     monkeypatch.setattr(launch_module.mp, "get_context", lambda method: Ctx)
     monkeypatch.setattr(launch_module, "_child", lambda *args: time.sleep(60))
-    cfg = TrainConfig.from_dict({"nproc": 2, "out_dir": str(tmp_path / "r")})
+    cfg = TrainConfig.from_fields({"nproc": 2, "out_dir": str(tmp_path / "r")})
     with pytest.raises(KeyboardInterrupt):
         launch_module._spawn(cfg, "cpu", False)
     assert len(started) == 1 and not started[0].is_alive()

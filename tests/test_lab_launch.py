@@ -48,11 +48,12 @@ def test_resume_removes_a_killed_writers_temporary(tmp_path) -> None:
     from mixprec.cli.main import main
 
     run = tmp_path / "r"
-    tiny = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--global-batch-size", "4",
-            "--micro-batch-size", "2", "--eval-interval", "0"]  # fmt: skip
-    assert main(["train", "--out-dir", str(run), *tiny, "--steps", "1"]) == 0
+    tiny = ["--model.n-layer", "1", "--model.n-head", "2", "--model.n-embd", "16", "--model.block-size", "16",
+            "--data.global-batch-size", "4",
+            "--data.micro-batch-size", "2", "--training.eval-interval", "0"]  # fmt: skip
+    assert main(["train", "--training.out-dir", str(run), *tiny, "--training.steps", "1"]) == 0
     (run / "checkpoint.pt.k1ll3d.tmp").write_bytes(b"torn")
-    assert main(["train", "--out-dir", str(run), "--resume", "--steps", "2"]) == 0
+    assert main(["train", "--training.out-dir", str(run), "--resume", "--training.steps", "2"]) == 0
     assert not (run / "checkpoint.pt.k1ll3d.tmp").exists()
 
 

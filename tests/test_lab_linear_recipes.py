@@ -23,7 +23,7 @@ TINY = [
 
 
 def train(run_dir, *args: str) -> int:
-    return main(["train", "--out-dir", str(run_dir), *TINY, *args])
+    return main(["train", "--training.out-dir", str(run_dir), *TINY, *args])
 
 
 def numerics(run_dir) -> list[tuple]:
@@ -54,7 +54,7 @@ def test_nvfp4_resumed_run_is_the_whole_run_bit_for_bit(tmp_path) -> None:
     nvfp4 = ("--model.linear-mode", "nvfp4")
     assert train(tmp_path / "whole", *nvfp4, "--training.steps", "3") == 0
     assert train(tmp_path / "split", *nvfp4, "--training.steps", "2") == 0
-    assert main(["train", "--out-dir", str(tmp_path / "split"), "--resume", "--training.steps", "3"]) == 0
+    assert main(["train", "--training.out-dir", str(tmp_path / "split"), "--resume", "--training.steps", "3"]) == 0
     whole, split = numerics(tmp_path / "whole"), numerics(tmp_path / "split")
     # The 2-step run evaluated its last step (1) after the update: compare all but that evaluation.
     assert [r[:2] + r[3:] for r in split] == [r[:2] + r[3:] for r in whole]

@@ -16,9 +16,10 @@ from mixprec.testing import run_distributed
 
 # 1 layer, width 16, 16 characters of context: ~7k parameters; GBS 24 divides over 2, 3 and 4 ranks.
 TINY = [
-    "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
-    "--global-batch-size", "24", "--micro-batch-size", "2", "--eval-sequences", "8", "--eval-interval", "2",
-    "--lr", "0.01", "--steps", "4", "--checkpoint-interval", "0",
+    "--model.n-layer", "1", "--model.n-head", "2", "--model.n-embd", "16", "--model.block-size", "16",
+    "--data.global-batch-size", "24", "--data.micro-batch-size", "2", "--data.eval-sequences", "8",
+    "--training.eval-interval", "2",
+    "--optimizer.lr", "0.01", "--training.steps", "4", "--training.checkpoint-interval", "0",
 ]  # fmt: skip
 
 
@@ -28,7 +29,7 @@ def numerics(run_dir) -> list[tuple]:
 
 
 def train(run_dir, *args: str) -> int:
-    return main(["train", "--out-dir", str(run_dir), *TINY, *args])
+    return main(["train", "--training.out-dir", str(run_dir), *TINY, *args])
 
 
 def _gloo_all_reduce(rank: int, world: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,28 +89,28 @@ def test_tree_rounds_pairwise() -> None:
         (3, "native", "bf16", ()),
         (4, "native", "bf16", ()),
         (3, "fp32_accumulate", "fp16", ()),  # dynamic loss scale from 2**22: overflows, skipped steps, back-offs
-        (2, "uint8", "fp32", ("--error-feedback",)),
-        (3, "uint8", "bf16", ("--error-feedback",)),
+        (2, "uint8", "fp32", ("--parallel.error-feedback",)),
+        (3, "uint8", "bf16", ("--parallel.error-feedback",)),
         (2, "uint8_hierarchical", "fp32", ()),  # two nodes of one rank
         (4, "uint8_hierarchical", "bf16", ()),  # two nodes of two ranks
-        (4, "uint8_hierarchical", "fp32", ("--error-feedback",)),
+        (4, "uint8_hierarchical", "fp32", ("--parallel.error-feedback",)),
         (4, "fp32_accumulate_hierarchical", "bf16", ()),  # two nodes of two: two roundings to bf16
         (6, "fp32_accumulate_hierarchical", "bf16", ("--parallel.ranks-per-node", "3")),  # / 3 is inexact
         (3, "uint8", "bf16", ("--parallel.rounding", "stochastic")),  # each rank's Philox stream
-        (4, "uint8_hierarchical", "fp32", ("--parallel.rounding", "stochastic", "--error-feedback")),
+        (4, "uint8_hierarchical", "fp32", ("--parallel.rounding", "stochastic", "--parallel.error-feedback")),
         (2, "fp8", "bf16", ("--parallel.fp8-format", "e5m2")),
         (2, "nvfp4", "fp32", ("--parallel.rounding", "stochastic")),
-        pytest.param(4, "mxfp8_hierarchical", "bf16", ("--error-feedback",), marks=pytest.mark.slow),
+        pytest.param(4, "mxfp8_hierarchical", "bf16", ("--parallel.error-feedback",), marks=pytest.mark.slow),
     ],
 )
 def test_simulated_run_is_the_real_run_bit_for_bit(
     tmp_path, world: int, reduce: str, precision: str, extra: tuple[str, ...]
 ) -> None:
-    common = ("--reduce", reduce, "--precision", precision, *extra)
+    common = ("--parallel.reduce", reduce, "--model.precision", precision, *extra)
     if precision == "fp16":
-        common += ("--loss-scaler", "dynamic", "--loss-scale", str(2.0**22), "--steps", "8")
-    assert train(tmp_path / "real", "--nproc", str(world), *common) == 0
-    assert train(tmp_path / "sim", "--simulate-dp", str(world), *common) == 0
+        common += ("--scaler.kind", "dynamic", "--scaler.init-scale", str(2.0**22), "--training.steps", "8")
+    assert train(tmp_path / "real", "--parallel.nproc", str(world), *common) == 0
+    assert train(tmp_path / "sim", "--parallel.simulate-dp", str(world), *common) == 0
     real, sim = numerics(tmp_path / "real"), numerics(tmp_path / "sim")
     assert len(real) == (8 if precision == "fp16" else 4)
     if precision == "fp16":
@@ -117,11 +118,11 @@ def test_simulated_run_is_the_real_run_bit_for_bit(
     assert sim == real  # losses, validation losses and gradient norms, every bit
     if "stochastic" in extra:  # the random streams do change the run
         nearest = tuple(a for a in common if a not in ("--parallel.rounding", "stochastic"))
-        assert train(tmp_path / "nearest", "--simulate-dp", str(world), *nearest) == 0
+        assert train(tmp_path / "nearest", "--parallel.simulate-dp", str(world), *nearest) == 0
         assert numerics(tmp_path / "nearest")[1:] != sim[1:]
-    elif "--error-feedback" in extra:  # the residuals do change the run
-        plain = tuple(a for a in common if a != "--error-feedback")
-        assert train(tmp_path / "plain", "--simulate-dp", str(world), *plain) == 0
+    elif "--parallel.error-feedback" in extra:  # the residuals do change the run
+        plain = tuple(a for a in common if a != "--parallel.error-feedback")
+        assert train(tmp_path / "plain", "--parallel.simulate-dp", str(world), *plain) == 0
         assert numerics(tmp_path / "plain")[1:] != sim[1:]
 
 
@@ -141,9 +142,9 @@ def test_simulated_mxfp8_run_ends_with_the_real_runs_parameters(tmp_path) -> Non
 
 
 def test_simulated_headroom_telemetry_is_the_real_runs(tmp_path) -> None:
-    common = ("--reduce", "fp32_accumulate", "--precision", "fp16", "--training.headroom-interval", "2")
-    assert train(tmp_path / "real", "--nproc", "2", *common) == 0
-    assert train(tmp_path / "sim", "--simulate-dp", "2", *common) == 0
+    common = ("--parallel.reduce", "fp32_accumulate", "--model.precision", "fp16", "--training.headroom-interval", "2")
+    assert train(tmp_path / "real", "--parallel.nproc", "2", *common) == 0
+    assert train(tmp_path / "sim", "--parallel.simulate-dp", "2", *common) == 0
     real, sim = (read_rows(os.path.join(tmp_path / d, METRICS_NAME)) for d in ("real", "sim"))
     headroom = [(r["step"], r.get("headroom")) for r in real]
     assert [h for _, h in headroom if h is not None]  # captured at step 2
@@ -153,15 +154,32 @@ def test_simulated_headroom_telemetry_is_the_real_runs(tmp_path) -> None:
 @pytest.mark.parametrize(
     "common",
     [
-        ("--simulate-dp", "3", "--precision", "bf16", "--reduce", "native"),
-        ("--simulate-dp", "2", "--precision", "fp32", "--reduce", "uint8", "--error-feedback"),  # residuals saved
-        ("--simulate-dp", "2", "--precision", "fp32", "--reduce", "uint8", "--parallel.rounding", "stochastic"),
+        ("--parallel.simulate-dp", "3", "--model.precision", "bf16", "--parallel.reduce", "native"),
+        (
+            "--parallel.simulate-dp",
+            "2",
+            "--model.precision",
+            "fp32",
+            "--parallel.reduce",
+            "uint8",
+            "--parallel.error-feedback",
+        ),  # residuals saved
+        (
+            "--parallel.simulate-dp",
+            "2",
+            "--model.precision",
+            "fp32",
+            "--parallel.reduce",
+            "uint8",
+            "--parallel.rounding",
+            "stochastic",
+        ),
     ],
 )
 def test_simulated_run_resumes_bit_for_bit(tmp_path, common: tuple[str, ...]) -> None:
     assert train(tmp_path / "whole", *common) == 0
     assert train(tmp_path / "split", *common, "--training.steps", "2") == 0
-    assert main(["train", "--out-dir", str(tmp_path / "split"), "--resume", "--training.steps", "4"]) == 0
+    assert main(["train", "--training.out-dir", str(tmp_path / "split"), "--resume", "--training.steps", "4"]) == 0
     split, whole = numerics(tmp_path / "split"), numerics(tmp_path / "whole")
     # The 2-step run evaluated its last step (1) after the update; everything else is the same, every bit.
     assert [r[:2] + r[3:] for r in split] == [r[:2] + r[3:] for r in whole]
@@ -171,18 +189,41 @@ def test_simulated_run_resumes_bit_for_bit(tmp_path, common: tuple[str, ...]) ->
 @pytest.mark.parametrize(
     ("args", "words"),
     [
-        (("--simulate-dp", "-1"), "simulate_dp"),
-        (("--simulate-dp", "5"), "global_batch_size"),  # 24 sequences over 5 ranks
-        (("--simulate-dp", "5000"), "4096"),
-        (("--simulate-dp", "2", "--nproc", "2"), "nproc"),
-        (("--simulate-dp", "2", "--reduce", "auto", "--link-gbps", "1"), "reduce"),  # its choice is timed
-        (("--simulate-dp", "2", "--reduce", "fp32_accumulate", "--parallel.rounding", "stochastic"), "stochastic"),
-        (("--simulate-dp", "2", "--sharded-optimizer"), "sharded_optimizer"),
-        (("--simulate-dp", "1", "--reduce", "uint8"), "simulate_dp 1"),
-        (("--simulate-dp", "1", "--reduce", "uint8_hierarchical"), "simulate_dp 1"),
-        (("--simulate-dp", "4", "--reduce", "uint8_hierarchical", "--parallel.ranks-per-node", "3"), "ranks_per_node"),
-        (("--simulate-dp", "2", "--simulate-algorithm", "butterfly"), "simulate_algorithm"),
-        (("--simulate-dp", "2", "--device", "cuda"), "CPU"),
+        (("--parallel.simulate-dp", "-1"), "simulate_dp"),
+        (("--parallel.simulate-dp", "5"), "global_batch_size"),  # 24 sequences over 5 ranks
+        (("--parallel.simulate-dp", "5000"), "4096"),
+        (("--parallel.simulate-dp", "2", "--parallel.nproc", "2"), "nproc"),
+        (
+            ("--parallel.simulate-dp", "2", "--parallel.reduce", "auto", "--parallel.link-gbps", "1"),
+            "reduce",
+        ),  # its choice is timed
+        (
+            (
+                "--parallel.simulate-dp",
+                "2",
+                "--parallel.reduce",
+                "fp32_accumulate",
+                "--parallel.rounding",
+                "stochastic",
+            ),
+            "stochastic",
+        ),
+        (("--parallel.simulate-dp", "2", "--parallel.sharded-optimizer"), "sharded_optimizer"),
+        (("--parallel.simulate-dp", "1", "--parallel.reduce", "uint8"), "simulate_dp 1"),
+        (("--parallel.simulate-dp", "1", "--parallel.reduce", "uint8_hierarchical"), "simulate_dp 1"),
+        (
+            (
+                "--parallel.simulate-dp",
+                "4",
+                "--parallel.reduce",
+                "uint8_hierarchical",
+                "--parallel.ranks-per-node",
+                "3",
+            ),
+            "ranks_per_node",
+        ),
+        (("--parallel.simulate-dp", "2", "--parallel.simulate-algorithm", "butterfly"), "simulate_algorithm"),
+        (("--parallel.simulate-dp", "2", "--training.device", "cuda"), "CPU"),
     ],
 )
 def test_bad_simulation_input_exits_2_before_writing(tmp_path, capsys, args: tuple[str, ...], words: str) -> None:

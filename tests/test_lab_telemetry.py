@@ -21,12 +21,13 @@ from mixprec.lab.telemetry import HEADROOM_FIELDS
 from mixprec.scaling import grad_range_by_layer
 
 TINY = [
-    "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
-    "--global-batch-size", "8", "--micro-batch-size", "2", "--eval-sequences", "8", "--eval-interval", "0",
-    "--lr", "0.01",
+    "--model.n-layer", "1", "--model.n-head", "2", "--model.n-embd", "16", "--model.block-size", "16",
+    "--data.global-batch-size", "8", "--data.micro-batch-size", "2", "--data.eval-sequences", "8",
+    "--training.eval-interval", "0",
+    "--optimizer.lr", "0.01",
 ]  # fmt: skip
 # fp16 whose dynamic scale grows every 2 steps until it overflows: skipped steps within a few steps.
-OVERFLOWING = ["--precision", "fp16", "--scale-growth-interval", "2"]
+OVERFLOWING = ["--model.precision", "fp16", "--scaler.growth-interval", "2"]
 
 
 def rows_of(run_dir) -> list[dict]:
@@ -34,7 +35,7 @@ def rows_of(run_dir) -> list[dict]:
 
 
 def train(run_dir, *args: str) -> int:
-    return main(["train", "--out-dir", str(run_dir), *TINY, *args])
+    return main(["train", "--training.out-dir", str(run_dir), *TINY, *args])
 
 
 def numerics(rows: list[dict]) -> list[tuple]:
@@ -48,7 +49,15 @@ def config_of(run_dir):
 # ------------------------------------------------------------------------------------------- skip-aware stepping
 def test_schedule_advances_only_on_steps_taken_and_skips_name_their_culprits(tmp_path) -> None:
     run = tmp_path / "run"
-    args = [*OVERFLOWING, "--steps", "8", "--optimizer.schedule", "warmup_cosine", "--optimizer.warmup-steps", "2"]
+    args = [
+        *OVERFLOWING,
+        "--training.steps",
+        "8",
+        "--optimizer.schedule",
+        "warmup_cosine",
+        "--optimizer.warmup-steps",
+        "2",
+    ]
     assert train(run, *args, "--optimizer.min-lr", "0.001") == 0
     rows, cfg = rows_of(run), config_of(run)
     assert any(r["skipped"] for r in rows) and not all(r["skipped"] for r in rows)
@@ -67,8 +76,8 @@ def test_schedule_advances_only_on_steps_taken_and_skips_name_their_culprits(tmp
 
 
 def test_default_run_logs_no_lr_and_telemetry_leaves_the_numbers_alone(tmp_path) -> None:
-    assert train(tmp_path / "off", *OVERFLOWING, "--steps", "5", "--headroom-interval", "0") == 0
-    assert train(tmp_path / "on", *OVERFLOWING, "--steps", "5", "--headroom-interval", "1") == 0
+    assert train(tmp_path / "off", *OVERFLOWING, "--training.steps", "5", "--training.headroom-interval", "0") == 0
+    assert train(tmp_path / "on", *OVERFLOWING, "--training.steps", "5", "--training.headroom-interval", "1") == 0
     off, on = rows_of(tmp_path / "off"), rows_of(tmp_path / "on")
     assert numerics(on) == numerics(off)
     assert all("lr" not in r and "headroom" not in r for r in off)
@@ -76,14 +85,15 @@ def test_default_run_logs_no_lr_and_telemetry_leaves_the_numbers_alone(tmp_path)
 
 
 def test_schedule_resumes_bit_exact(tmp_path, monkeypatch) -> None:
-    common = [*OVERFLOWING, "--nproc", "2", "--steps", "8", "--checkpoint-interval", "4", "--timeout", "30",
+    common = [*OVERFLOWING, "--parallel.nproc", "2", "--training.steps", "8", "--training.checkpoint-interval", "4",
+              "--parallel.timeout", "30",
               "--optimizer.schedule", "warmup_cosine", "--optimizer.warmup-steps", "3",
-              "--headroom-interval", "3"]  # fmt: skip
+              "--training.headroom-interval", "3"]  # fmt: skip
     assert train(tmp_path / "whole", *common) == 0
     monkeypatch.setenv("MIXPREC_FAULT", "1:6:exit")
     assert train(tmp_path / "cut", *common) == 1
     monkeypatch.delenv("MIXPREC_FAULT")
-    assert main(["train", "--out-dir", str(tmp_path / "cut"), "--resume"]) == 0
+    assert main(["train", "--training.out-dir", str(tmp_path / "cut"), "--resume"]) == 0
     whole, cut = rows_of(tmp_path / "whole"), rows_of(tmp_path / "cut")
     assert any(r["skipped"] for r in whole[4:])  # the resumed part has skips to carry over
     assert [r.get("headroom") for r in cut] == [r.get("headroom") for r in whole]
@@ -99,7 +109,7 @@ def test_bad_schedule_options_exit_2(tmp_path, capsys) -> None:
     assert exc.value.code == 2
     assert train(tmp_path / "b", "--optimizer.schedule", "warmup_cosine", "--optimizer.min-lr", "0.1") == 2
     assert "min_lr" in capsys.readouterr().err
-    assert train(tmp_path / "c", "--headroom-interval", "-1") == 2
+    assert train(tmp_path / "c", "--training.headroom-interval", "-1") == 2
     assert not os.path.exists(tmp_path / "b")
 
 
@@ -108,8 +118,8 @@ def test_headroom_rows_equal_grad_range_report_of_the_same_gradients(tmp_path) -
     """1 rank, fp32, static scale 2**10: the row of step 2 against grad_range_by_layer of the unscaled gradients of
     step 2 at that scale, recomputed here from the same weights (steps 0 and 1 replayed) and the same batches."""
     run = tmp_path / "run"
-    static = ["--loss-scaler", "static", "--loss-scale", "1024"]
-    assert train(run, "--steps", "3", "--headroom-interval", "2", *static) == 0
+    static = ["--scaler.kind", "static", "--scaler.init-scale", "1024"]
+    assert train(run, "--training.steps", "3", "--training.headroom-interval", "2", *static) == 0
     rows, cfg = rows_of(run), config_of(run)
     assert [("headroom" in r) for r in rows] == [False, False, True]
 
@@ -141,7 +151,16 @@ def test_headroom_rows_equal_grad_range_report_of_the_same_gradients(tmp_path) -
 
 def test_headroom_shows_underflow_at_a_tiny_scale(tmp_path) -> None:
     run = tmp_path / "run"
-    args = ["--steps", "2", "--headroom-interval", "1", "--loss-scaler", "static", "--loss-scale", str(2.0**-20)]
+    args = [
+        "--training.steps",
+        "2",
+        "--training.headroom-interval",
+        "1",
+        "--scaler.kind",
+        "static",
+        "--scaler.init-scale",
+        str(2.0**-20),
+    ]
     assert train(run, *args) == 0
     headroom = rows_of(run)[1]["headroom"]
     assert max(h["underflow"] for h in headroom.values()) > 0.5
@@ -160,8 +179,8 @@ def _fingerprint_file(path, preset: str = "fp16/16") -> str:
 
 def test_linear_mode_fingerprint_file_emulates_the_measured_model(tmp_path) -> None:
     path = _fingerprint_file(tmp_path / "matmul_fp16.json")
-    assert train(tmp_path / "file", "--linear-mode", path, "--steps", "2") == 0
-    assert train(tmp_path / "preset", "--linear-mode", "fp16/16", "--steps", "2") == 0
+    assert train(tmp_path / "file", "--model.linear-mode", path, "--training.steps", "2") == 0
+    assert train(tmp_path / "preset", "--model.linear-mode", "fp16/16", "--training.steps", "2") == 0
     assert numerics(rows_of(tmp_path / "file")) == numerics(rows_of(tmp_path / "preset"))
     assert path in (tmp_path / "file" / "config.toml").read_text()
 
@@ -171,7 +190,7 @@ def test_linear_mode_bad_file_exits_2_in_one_line(tmp_path, capsys, content) -> 
     path = tmp_path / "fp.json"
     if content is not None:
         path.write_text(content)
-    assert train(tmp_path / "run", "--linear-mode", str(path), "--steps", "2") == 2
+    assert train(tmp_path / "run", "--model.linear-mode", str(path), "--training.steps", "2") == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "linear_mode" in err and "Traceback" not in err
     assert not os.path.exists(tmp_path / "run")
@@ -194,7 +213,7 @@ def test_linear_mode_fingerprint_out_of_the_probes_range_exits_2(tmp_path, capsy
     edit(data)
     with open(path, "w") as fh:
         json.dump(data, fh)
-    assert train(tmp_path / "run", "--linear-mode", path, "--steps", "1") == 2
+    assert train(tmp_path / "run", "--model.linear-mode", path, "--training.steps", "1") == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"linear_mode: {path!r}: fingerprint {message}" in err, err
     assert not os.path.exists(tmp_path / "run")
@@ -203,7 +222,7 @@ def test_linear_mode_fingerprint_out_of_the_probes_range_exits_2(tmp_path, capsy
 def test_linear_mode_deeply_nested_json_exits_2_in_one_line(tmp_path, capsys) -> None:
     path = tmp_path / "deep.json"
     path.write_text("[" * 100_000 + "]" * 100_000)
-    assert train(tmp_path / "run", "--linear-mode", str(path), "--steps", "1") == 2
+    assert train(tmp_path / "run", "--model.linear-mode", str(path), "--training.steps", "1") == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "JSON nested too deeply" in err and str(path) in err, err
 
@@ -239,7 +258,7 @@ def test_report_plots_and_says_the_scale_is_about_to_collapse(tmp_path, capsys) 
 
 def test_report_of_a_real_run(tmp_path, capsys) -> None:
     run = tmp_path / "run"
-    assert train(run, *OVERFLOWING, "--steps", "5", "--headroom-interval", "2") == 0
+    assert train(run, *OVERFLOWING, "--training.steps", "5", "--training.headroom-interval", "2") == 0
     capsys.readouterr()
     out_png = tmp_path / "plots" / "r.png"
     assert main(["report", str(run), "--out", str(out_png)]) == 0
@@ -333,9 +352,19 @@ def test_report_refuses_malformed_culprits(tmp_path, capsys) -> None:
 # ------------------------------------------------------------------------------------------ demo --audit FILE
 def test_demo_report_cites_the_machines_audit(tmp_path, capsys) -> None:
     from mixprec.lab import demo
-    from mixprec.lab.audit import audit_citation
+    from mixprec.lab.studies.audit import audit_citation
 
-    argv = ["audit", "collectives", "--nproc", "2", "--max-size", "4KiB", "--dtypes", "bf16", "--out-dir"]
+    argv = [
+        "audit",
+        "collectives",
+        "--nproc",
+        "2",
+        "--max-size",
+        "4KiB",
+        "--dtypes",
+        "bf16",
+        "--out-dir",
+    ]
     assert main([*argv, str(tmp_path / "audit")]) == 0
     path = tmp_path / "audit" / "audit_collectives.json"
     verdicts = json.loads(path.read_text())["verdicts"]
@@ -361,9 +390,9 @@ def test_demo_report_cites_the_machines_audit(tmp_path, capsys) -> None:
     ],
 )
 def test_demo_audit_bad_file_exits_2_before_any_run(tmp_path, monkeypatch, capsys, content, message) -> None:
-    from mixprec.lab import demo
+    from mixprec.lab.demo import runs as demo_runs
 
-    monkeypatch.setattr(demo, "launch", lambda *a, **k: pytest.fail("a run started"))
+    monkeypatch.setattr(demo_runs, "launch", lambda *a, **k: pytest.fail("a run started"))
     path = tmp_path / "audit.json"
     message = message.format(path=str(path))
     if content == "fifo":

@@ -30,9 +30,10 @@ from mixprec.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
-    "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
-    "--global-batch-size", "8", "--micro-batch-size", "2", "--eval-sequences", "8", "--eval-interval", "3",
-    "--lr", "0.01", "--precision", "bf16", "--reduce", "fp32_accumulate_hierarchical",
+    "--model.n-layer", "1", "--model.n-head", "2", "--model.n-embd", "16", "--model.block-size", "16",
+    "--data.global-batch-size", "8", "--data.micro-batch-size", "2", "--data.eval-sequences", "8",
+    "--training.eval-interval", "3",
+    "--optimizer.lr", "0.01", "--model.precision", "bf16", "--parallel.reduce", "fp32_accumulate_hierarchical",
 ]  # fmt: skip
 RDZV_PORT = 29500  # inside a fresh namespace: nothing else listens there
 TIMEOUT_S = 30  # --timeout of the kill test; torchrun's own start-up is not under it
@@ -65,7 +66,7 @@ def test_nodes_with_different_rank_counts_are_refused(monkeypatch, capsys, tmp_p
     _torchrun_vars(monkeypatch, RANK=0, WORLD_SIZE=4, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, GROUP_WORLD_SIZE=2)
     with pytest.raises(ValueError, match="same --nproc-per-node"):
         torchrun_env()
-    assert main(["train", "--out-dir", str(tmp_path / "r"), *TINY, "--steps", "1"]) == 2
+    assert main(["train", "--training.out-dir", str(tmp_path / "r"), *TINY, "--training.steps", "1"]) == 2
     assert "LOCAL_WORLD_SIZE" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
 
@@ -189,8 +190,9 @@ def _numerics(run_dir: Path) -> list[tuple]:
 
 @pytest.mark.slow
 def test_two_nodes_train_as_one_machine_bit_for_bit(nodes, tmp_path) -> None:
-    steps = ["--steps", "4", "--timeout", "60"]
-    logs = _run_both(nodes, ["-m", "mixprec.cli.main", "train", "--out-dir", str(tmp_path / "nodes"), *TINY, *steps],
+    steps = ["--training.steps", "4", "--parallel.timeout", "60"]
+    logs = _run_both(nodes, ["-m", "mixprec.cli.main", "train", "--training.out-dir", str(tmp_path / "nodes"), *TINY,
+                             *steps],
                      tmp_path)  # fmt: skip
     shape = (
         "torchrun: 4 ranks, 2 node(s) x 2 (WORLD_SIZE=4, LOCAL_WORLD_SIZE=2, GROUP_WORLD_SIZE=2); "
@@ -200,7 +202,20 @@ def test_two_nodes_train_as_one_machine_bit_for_bit(nodes, tmp_path) -> None:
     config = (tmp_path / "nodes" / "config.toml").read_text()
     assert "nproc = 4" in config and "ranks_per_node = 2" in config
     assert (
-        main(["train", "--out-dir", str(tmp_path / "one"), *TINY, *steps, "--nproc", "4", "--ranks-per-node", "2"]) == 0
+        main(
+            [
+                "train",
+                "--training.out-dir",
+                str(tmp_path / "one"),
+                *TINY,
+                *steps,
+                "--parallel.nproc",
+                "4",
+                "--parallel.ranks-per-node",
+                "2",
+            ]
+        )
+        == 0
     )
     got, want = _numerics(tmp_path / "nodes"), _numerics(tmp_path / "one")
     assert [r[0] for r in got] == [0, 1, 2, 3]
@@ -210,8 +225,8 @@ def test_two_nodes_train_as_one_machine_bit_for_bit(nodes, tmp_path) -> None:
 @pytest.mark.slow
 def test_a_killed_node_stops_the_other_within_the_timeout_naming_it(nodes, tmp_path) -> None:
     run = tmp_path / "run"
-    script = ["-m", "mixprec.cli.main", "train", "--out-dir", str(run), *TINY, "--steps", "100000",
-              "--timeout", str(TIMEOUT_S)]  # fmt: skip
+    script = ["-m", "mixprec.cli.main", "train", "--training.out-dir", str(run), *TINY, "--training.steps", "100000",
+              "--parallel.timeout", str(TIMEOUT_S)]  # fmt: skip
     procs = [nodes.torchrun(k, script, tmp_path / f"node{k}.log") for k in range(2)]
     try:
         deadline = time.monotonic() + 180  # start-up: both torchruns, the rendezvous, the first steps

@@ -2,7 +2,7 @@
 # One node of a multi-node `mixprec train` job: run this on every node, with the same arguments.
 #
 #   HEAD=10.0.0.1 NNODES=2 NPROC_PER_NODE=8 examples/multinode/torchrun_node.sh \
-#       --reduce fp32_accumulate_hierarchical --out-dir /shared/runs/r1 --timeout 300
+#       --parallel.reduce fp32_accumulate_hierarchical --training.out-dir /shared/runs/r1 --parallel.timeout 300
 #
 # HEAD: an address of the node that hosts torchrun's c10d rendezvous store, reachable from every node (on that
 #       node this script passes is_host=1 when HEAD is one of its own addresses).
@@ -12,7 +12,7 @@
 # LOCAL_ADDR: this node's address as the others reach it (default: torchrun resolves the hostname, which
 #       must then resolve to that address on every node).
 # IFNAME: the network interface for gloo/NCCL traffic (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), if not the default.
-# --out-dir must be on a filesystem every node sees.
+# --training.out-dir must be on a filesystem every node sees.
 set -euo pipefail
 : "${HEAD:?set HEAD to the address of the rendezvous host}" "${NNODES:?set NNODES}" "${NPROC_PER_NODE:?set NPROC_PER_NODE}"
 PORT=${PORT:-29500}

@@ -1,15 +1,15 @@
 """mixprec train: train the lab's small GPT with the precision, scaling and reduction under study.
 
 The configuration has one TOML table per component ([model], [data], [scaler], [optimizer], [parallel],
-[training]); every field is also a flag, --section.field or its short name (--model.n-layer or --n-layer).
-Flags win over the --config file, the file over the defaults; --resume starts from the run directory's saved
-config.toml. See docs/lab.md.
+[training]); every field is also a flag, --section.field (--model.n-layer, --training.out-dir). Flags win over
+the --config file, the file over the defaults; --resume starts from the run directory's saved config.toml. See
+docs/lab.md.
 
 Exit codes: 0 done; 1 a rank failed (the others were stopped), the run diverged (the loss scaler stuck at its
 floor, or max_consecutive_skips skipped steps in a row) or the disk refused a write; 2 invalid configuration or
 input (checked before anything is written); 130 interrupted (SIGINT); 143 terminated (SIGTERM).
 
-With several nodes (torchrun), --out-dir must be on a filesystem every node sees: rank 0 writes the run files
+With several nodes (torchrun), --training.out-dir must be on a filesystem every node sees: rank 0 writes the run files
 and every rank reads the checkpoint on --resume.
 """
 
@@ -53,7 +53,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 _TYPES = {"int": int, "float": float, "str": str}
 # A full disk, a file-size or disk quota, a read-only filesystem, no permission: the environment, not a bug.
 _STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
-_REPLACED = "replaced."  # dest prefix of a flag of before 0.1.0 that has no one-to-one successor
+# dest prefix of a field's bare name as a flag (--n-layer): not read, refused with the --section.field to use
+_BARE = "bare."
 
 
 def _flag(name: str) -> str:
@@ -61,31 +62,24 @@ def _flag(name: str) -> str:
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
-    """One flag per field, ``--section.field`` and its flat name of before 0.1.0 (``--model.n-layer``,
-    ``--n-layer``), defaulting to None so that unset flags do not override the TOML file."""
+    """One flag per field, ``--section.field`` (``--model.n-layer``), defaulting to None so that unset flags do
+    not override the TOML file. A field's bare name (``--n-layer``) is refused by :func:`_flag_layer`."""
     docs = field_docs()
     defaults = TrainConfig()
     groups = {name: p.add_argument_group(f"[{name}] (TOML table; flags win)") for name in SECTIONS}
     for section, f in flat_fields():
         dest = f"{section}.{f.name}"
-        former = f.metadata.get("former", f.name)
-        flags = [f"--{section}.{f.name.replace('_', '-')}"]
-        if isinstance(former, str):
-            flags.append(_flag(former))
+        flag = f"--{section}.{f.name.replace('_', '-')}"
         default = getattr(getattr(defaults, section), f.name)
         help_text = f"{docs.get(dest, '')} (default: {default!r})".replace("%", "%%")
         group = groups[section]
         if f.type == "bool":
-            group.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif str(f.type).startswith("tuple"):
-            group.add_argument(
-                *flags, dest=dest, type=float, nargs=2, default=None, metavar=("B1", "B2"), help=help_text
-            )
-            for old in former:
-                group.add_argument(_flag(old), dest=_REPLACED + old, type=float, default=None, help=argparse.SUPPRESS)
+            group.add_argument(flag, dest=dest, type=float, nargs=2, default=None, metavar=("B1", "B2"), help=help_text)
         else:
             group.add_argument(
-                *flags,
+                flag,
                 dest=dest,
                 type=_TYPES[str(f.type)],
                 choices=_CHOICES.get(dest),
@@ -93,12 +87,17 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
                 metavar=f.name.upper() if dest not in _CHOICES else None,
                 help=help_text,
             )
+        # Hidden: the bare name, so that it gets an error naming the flag to use instead of argparse's usage.
+        group.add_argument(_flag(f.name), dest=_BARE + dest, nargs="*", default=None, help=argparse.SUPPRESS)
 
 
 def _flag_layer(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    replaced = [k.removeprefix(_REPLACED) for k, v in vars(args).items() if k.startswith(_REPLACED) and v is not None]
-    if replaced:
-        raise ValueError(f"{_flag(replaced[0])} is replaced by --optimizer.betas B1 B2 ([optimizer] betas in TOML)")
+    bare = [k.removeprefix(_BARE) for k, v in vars(args).items() if k.startswith(_BARE) and v is not None]
+    if bare:
+        section, name = bare[0].split(".", 1)
+        raise ValueError(
+            f"{_flag(name)} is not a flag: use --{section}.{name.replace('_', '-')} (flags are --section.field)"
+        )
     layer: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     for section, f in flat_fields():
         layer[section][f.name] = getattr(args, f"{section}.{f.name}")
@@ -140,8 +139,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="TOML file of [section] tables (see docs/lab.md), or the name of a built-in example: "
         + ", ".join(builtin_configs()),
     )
-    p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its checkpoint")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out-dir")
+    p.add_argument("--resume", action="store_true", help="continue the run in --training.out-dir from its checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run in --training.out-dir")
     p.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
@@ -174,12 +173,16 @@ def prepare(args: argparse.Namespace) -> Callable[[], int]:
     cfg = config_from_args(args)
     nproc = getattr(args, "parallel.nproc")
     if nproc is not None and nproc > 1 and torchrun_env() is not None:
-        raise ValueError("--nproc starts ranks itself; under torchrun the world size comes from torchrun instead")
+        raise ValueError(
+            "--parallel.nproc starts ranks itself; under torchrun the world size comes from torchrun instead"
+        )
     if args.replicas is not None:
         from mixprec.lab.band import replica_configs
 
         if args.resume:
-            raise ValueError("--replicas cannot --resume; resume each replica with --out-dir OUT_DIR/replica-K")
+            raise ValueError(
+                "--replicas cannot --resume; resume each replica with --training.out-dir OUT_DIR/replica-K"
+            )
         replicas = replica_configs(cfg, args.replicas, args.replica_kind)
         for replica in replicas:
             preflight(replica, resume=False, overwrite=args.overwrite)

@@ -150,7 +150,7 @@ def _check_replicas(replicas: Sequence[RunLog], metric: str) -> None:
             raise ValueError(
                 f"replica {run.path} logged {metric} at {_span(values)}, but replica {replicas[0].path} at "
                 f"{_span(first)}: every replica of a band must log the same steps (finish the shorter one with "
-                "mixprec train --resume --steps N, or leave it out of the band directory)"
+                "mixprec train --resume --training.steps N, or leave it out of the band directory)"
             )
 
 

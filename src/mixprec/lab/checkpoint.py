@@ -155,7 +155,7 @@ def load_train_checkpoint(path: str, *, mmap: bool = False) -> dict[str, Any]:
     if state.get("format") != CHECKPOINT_FORMAT or "config" not in state:
         raise ValueError(
             f"{path!r} is a checkpoint of format {state.get('format')!r}, written before mixprec 0.1.0; it cannot "
-            f"be resumed (format {CHECKPOINT_FORMAT} needed): start a new run in another --out-dir"
+            f"be resumed (format {CHECKPOINT_FORMAT} needed): start a new run in another --training.out-dir"
         )
     return state
 

@@ -68,12 +68,12 @@ def plan_dp_band(out_dir: str, seed: int, setting: dict[str, Any]) -> list[tuple
         where = os.path.join(out_dir, "dp-band", f"P{size}")
         bands = (("band-fp32", "fp32", "fp32_accumulate"),) if setting.get("fp32_band", True) else ()
         for role, precision, reduce in (*bands, ("band-bf16acc", "bf16", "fp32_accumulate")):
-            band = TrainConfig.from_dict(
+            band = TrainConfig.from_fields(
                 {**base, "precision": precision, "reduce": reduce, "out_dir": os.path.join(where, role)}
             )
             plan += [(size, role, cfg) for cfg in replica_configs(band, setting["replicas"])]
         cfg = {**base, "precision": "bf16", "reduce": "native", "out_dir": os.path.join(where, "bf16-native")}
-        plan.append((size, "bf16-native", TrainConfig.from_dict(cfg)))
+        plan.append((size, "bf16-native", TrainConfig.from_fields(cfg)))
     return plan
 
 
@@ -109,7 +109,10 @@ def _headline(size: int, native: BandVerdict, replicas: int, alarms: int, steps:
         f"({native.outside:.0%} of steps outside, final z = {native.z_final:+.1f})"
     )
     if replicas >= 3 and alarms == 0:
-        return where + ", and no replica leaves the band of the others: use `--reduce fp32_accumulate` at this scale"
+        return (
+            where
+            + ", and no replica leaves the band of the others: use `--parallel.reduce fp32_accumulate` at this scale"
+        )
     calibration = (
         f"{alarms} of the {replicas} replicas also {'leaves' if alarms == 1 else 'leave'} the band of the others "
         "(false alarms)"
@@ -118,7 +121,7 @@ def _headline(size: int, native: BandVerdict, replicas: int, alarms: int, steps:
     )
     return (
         where + f", but {calibration}: a hint, not a verdict; `mixprec demo --full` (more replicas and steps) "
-        "decides it, and `--reduce fp32_accumulate` is the safe choice meanwhile"
+        "decides it, and `--parallel.reduce fp32_accumulate` is the safe choice meanwhile"
     )
 
 
@@ -142,7 +145,8 @@ def run_dp_band(
         "## Reduction precision at simulated data-parallel sizes",
         "",
         f"A GPT of {STUDY_BASE['n_layer']} layer, width {STUDY_BASE['n_embd']}, global batch ({batches}) sequences "
-        f"of {STUDY_BASE['block_size']}, micro batch 1, {setting['steps']} steps, trained with `--simulate-dp P` "
+        f"of {STUDY_BASE['block_size']}, micro batch 1, {setting['steps']} steps, trained with "
+        "`--parallel.simulate-dp P` "
         f"(bit-exact models of the reductions). Bands of {setting['replicas']} replicas, differing only in one ulp "
         "of the initial weights: bf16 with the fp32-accumulate reduction (its replica 0 is the bf16-fp32acc variant; "
         "against this band the native run, gloo's ring rounding to bf16 at each of its P - 1 hops, differs from it "

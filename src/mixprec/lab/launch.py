@@ -1,9 +1,9 @@
-"""Start a ``mixprec train`` run: in this process, as ``--nproc N`` ranks started and watched here, or as one
+"""Start a ``mixprec train`` run: in this process, as ``--parallel.nproc N`` ranks started and watched here, or as one
 rank of a ``torchrun`` job.
 
-The ``--nproc`` ranks are started by :mod:`mixprec.comm.launcher`, as every mixprec launcher's are: when one exits
-non-zero the others get ``GRACE_S`` seconds, are terminated, and :class:`TrainingFailed` names the rank that failed
-first on its own (a rank whose collective failed because a peer died or hung exits with
+The ``--parallel.nproc`` ranks are started by :mod:`mixprec.comm.launcher`, as every mixprec launcher's are: when one
+exits non-zero the others get ``GRACE_S`` seconds, are terminated, and :class:`TrainingFailed` names the rank that
+failed first on its own (a rank whose collective failed because a peer died or hung exits with
 :data:`PEER_FAILURE_EXIT`). A hung rank is detected after ``parallel.timeout`` seconds. The ranks die with the
 launcher (a parent-death signal), SIGTERM stops a run as SIGINT does, and the rendezvous directory of a launcher
 that was killed is removed when the next run starts. docs/lab.md has the time bounds.
@@ -207,8 +207,8 @@ def run_rank(
 
 
 def _child(cfg: TrainConfig, rank: int, world_size: int, init_method: str, device_type: str, resume: bool) -> None:
-    """One ``--nproc`` rank (started by :func:`mixprec.comm.launcher.rank_process`): train, and exit with a code
-    that tells its launcher whether it failed on its own."""
+    """One ``--parallel.nproc`` rank (started by :func:`mixprec.comm.launcher.rank_process`): train, and exit with a
+    code that tells its launcher whether it failed on its own."""
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
     )

@@ -1,7 +1,7 @@
 """Checks of the folders and files the lab writes, and of the files it reads, made before any work starts.
 
 One implementation for every command: ``mixprec train``'s run directory, the demo's and the studies'
-``--out-dir``, ``compare --plot``; ``study comm-cost --calibration``, ``demo --audit``. Each error names the
+``--training.out-dir``, ``compare --plot``; ``study comm-cost --calibration``, ``demo --audit``. Each error names the
 argument and says what is wrong.
 """
 

@@ -1,7 +1,7 @@
 """Simulated data parallelism: P ranks' gradients computed in one process, reduced by the reducer's own model.
 
 ``parallel.simulate_dp = P`` runs each simulated rank's microbatches through the one model in turn (the
-same batches, loss division and loss scale as rank r of a real ``--nproc P`` run, at one thread as the real
+same batches, loss division and loss scale as rank r of a real ``--parallel.nproc P`` run, at one thread as the real
 ranks run), lays each rank's gradients out as mixprec's DistributedDataParallel buckets them, and hands the
 P buckets of each bucket to the reducer a real run builds (``make_reducer(parallel.reduce, ...)``, same
 options and topology), through its :meth:`~mixprec.comm.GradReducer.model`: the bit-exact one-process model
@@ -37,7 +37,7 @@ __all__ = ["SimulatedRanks"]
 
 @contextlib.contextmanager
 def _one_thread() -> Iterator[None]:
-    """One intra-op thread, as every --nproc rank runs (CPU kernels are bit-reproducible per thread count);
+    """One intra-op thread, as every --parallel.nproc rank runs (CPU kernels are bit-reproducible per thread count);
     the caller's setting is restored after."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -83,7 +83,7 @@ class SimulatedRanks:
         # The reducer a real run builds, standing for all P ranks (their residuals and streams in its model_state).
         self.reducer = make_reducer(cfg.parallel.reduce, **reducer_options(cfg, self.world))
         # A second reduction of the same per-rank buckets, for studies: the step uses ``reduce``; after it,
-        # ``reduced`` and ``shadow_reduced`` hold both results (mixprec.lab.uint8_study). Default options.
+        # ``reduced`` and ``shadow_reduced`` hold both results (mixprec.lab.studies.uint8_study). Default options.
         self.shadow = shadow
         self.shadow_reducer = make_reducer(shadow) if shadow else None
         self.reduced: list[torch.Tensor] = []
