@@ -4,10 +4,13 @@ Per step: each rank draws its microbatches (a pure function of seed and step), t
 microbatch's loss by num_microbatches and multiplies it by the loss scale before backward, the data-parallel
 wrapper reduces the gradients as ``parallel.reduce`` says, the scaler unscales the fp32 master gradients and
 skips the step on every rank if any rank saw inf/NaN, the global norm is clipped in fp32 and the optimizer
-steps the fp32 masters. Rank 0 logs one metrics row per step and writes the checkpoints.
+steps the fp32 masters. Rank 0 logs one metrics row per step and writes the checkpoints. The loop steps a
+:class:`Stepper`: this real rank (:class:`DataParallelStepper`) or, with ``parallel.simulate_dp``, all the
+simulated ranks in this process (:class:`mixprec.lab.simulate.SimulatedRanks`).
 
-Initial weights depend on the seed only, batches on (seed, step), dropout on (seed, step, rank): a run resumed
-from a checkpoint reproduces the uninterrupted run's numbers bit for bit. docs/lab.md has the table of which
+Initial weights depend on the seed only, batches on (seed, step), dropout and a block-scaled recipe's stochastic
+rounding on (seed, step, rank): a run resumed from a checkpoint reproduces the uninterrupted run's numbers bit for
+bit. docs/lab.md has the table of which
 precision each tensor has on a CPU and on a GPU.
 """
 
