@@ -105,14 +105,24 @@ def _run(tmp_path: Path, adapter: str, audit_every: int | None) -> dict:
     return torch.load(out, weights_only=False)
 
 
+def _wrapper(rank: int, world: int, adapter: str) -> dict:
+    """The example's run under mixprec's own wrapper, without the audit (Accelerate's prepared scheduler steps
+    once per process per optimizer step)."""
+    from integration_reference import load_example, wrapper_run
+
+    example = load_example(f"train_{adapter}")
+    return wrapper_run(example, rank, reduce="fp32_accumulate", schedule_steps=world if adapter == "accelerate" else 1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("adapter", ["accelerate", "lightning"])
 def test_adapter_audit_rows_reach_its_logger_and_change_no_bit(tmp_path, adapter: str) -> None:
     pytest.importorskip(adapter)
-    plain = _run(tmp_path, adapter, None)
     audited = _run(tmp_path, adapter, 1)
+    # The unaudited reference: mixprec's wrapper, which the adapters match bit for bit without the audit
+    # (tests/test_integrations_accelerate.py, tests/test_integrations_lightning.py).
+    plain = run_distributed(_wrapper, 2, adapter, timeout=240)[0]
     assert torch.equal(plain["weight"], audited["weight"])
-    assert plain["state_rows"] == [] and plain["rows"] == []
     rows = audited["rows"]  # what the tracker (accelerator.log) or Lightning's CSV logger received
     # Four steps, each audited; step 3 holds rank 0's inf (examples' INF_STEP): left out of the metrics, counted.
     _check_rows(rows, steps=[1, 2, 3, 4], bound=U_FP32, native=True)
