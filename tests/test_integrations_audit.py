@@ -168,3 +168,46 @@ def test_audit_options_are_checked() -> None:
 
     with pytest.raises(TypeError, match="audit_every must be an int"):
         MixprecDDPStrategy(audit_every="100")
+
+
+def _fsdp2_accelerate(rank: int, world: int) -> list[dict]:
+    """Accelerate's FSDP2 branch of apply() with audit_every on real fully_shard-ed modules (Accelerate routes
+    cpu=True to DDP, so the accelerator's attributes apply() reads are given by hand, log() included)."""
+    import accelerate
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from mixprec.integrations import accelerate as adapter
+
+    logged: list[dict] = []
+
+    class FSDP2Accelerator:
+        distributed_type = accelerate.utils.DistributedType.FSDP
+        is_fsdp2 = True
+
+        def log(self, values: dict, step: int | None = None) -> None:
+            logged.append({**values, "logged_step": step})
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    for module in (model[0], model[2], model):
+        fully_shard(module, mesh=mesh, mp_policy=policy)
+    assert adapter.apply(FSDP2Accelerator(), model, audit_every=1) == 3
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        model(x).float().square().mean().backward()
+        model.zero_grad()
+    return logged
+
+
+@pytest.mark.slow
+def test_accelerate_fsdp2_audit_rows_go_to_accelerator_log() -> None:
+    pytest.importorskip("accelerate")
+    importlib.import_module("torch.distributed.fsdp")
+    for rows in run_distributed(_fsdp2_accelerate, 2, timeout=180):
+        _check_rows(rows, steps=[1, 2], bound=1.5 * U_BF16, native=True)
+        assert [r["logged_step"] for r in rows] == [1, 2] and [r["audit_bucket"] for r in rows] == [0, 1]
+        assert all(isinstance(v, int | float) for r in rows for v in r.values())  # numbers only: no wire dtype
