@@ -11,7 +11,7 @@ The kernel follows "Improving FP16/16 matmul accuracy with two-stage accumulatio
 3. Error of the real kernels at 4096 (N(0,1) fp16 inputs) against float64 and an fp32 (CUDA-core, no TF32)
    reference: percentiles of |error|, and the seed's ratios; fp8 e4m3 ``torch._scaled_mm`` with and without
    fast accumulation (DeepSeek-V3's ~2% claim), beside the emulator's numbers for the same matrices.
-4. The emulator's own study (``mixprec.lab.matmul_error``) on the GPU at 1024 and 4096, all rows.
+4. The emulator's own study (``mixprec.lab.studies.matmul_error``) on the GPU at 1024 and 4096, all rows.
 
 Writes ``gpu_results.json`` and ``gpu_results.md`` to ``--out`` (default ``$OUT`` or ./gpu_out) after every
 section, so a run cut short still leaves what it measured.
@@ -43,7 +43,7 @@ DEVICE = "cuda"  # a CPU dry run of the script's logic sets this to "cpu" (see -
 
 def pct(values: torch.Tensor) -> dict[str, float]:
     """Nearest-rank percentiles ``PCTS`` as {"p50": ...} (the study's own helper)."""
-    from mixprec.lab.matmul_error import _percentiles
+    from mixprec.lab.studies.matmul_error import _percentiles
 
     return {f"p{p:g}": v for p, v in zip(PCTS, _percentiles(values.double(), PCTS))}
 
@@ -313,7 +313,7 @@ def hardware_errors(quick: bool) -> tuple[dict[str, Any], str]:
 
 
 def emulator_study(quick: bool) -> tuple[list[dict[str, Any]], str]:
-    from mixprec.lab.matmul_error import check_claims, format_table, matmul_error_study
+    from mixprec.lab.studies.matmul_error import check_claims, format_table, matmul_error_study
 
     sizes = (256, 1024) if quick else (1024, 4096)
     res = matmul_error_study(sizes, rows=max(sizes), device=DEVICE)

@@ -15,9 +15,9 @@ import time
 import pytest
 import torch
 
-import mixprec.lab.audit as audit
+import mixprec.lab.studies.audit as audit
 from mixprec.cli.main import main
-from mixprec.lab.audit import AuditConfig, format_table, parse_size, run_audit, verdicts
+from mixprec.lab.studies.audit import AuditConfig, format_table, parse_size, run_audit, verdicts
 
 SMALL = AuditConfig(min_bytes=4096, max_bytes=16384)  # sizes 4 KiB and 16 KiB: seconds
 

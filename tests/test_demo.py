@@ -9,6 +9,7 @@ import time
 import pytest
 
 import mixprec.lab.demo as demo
+import mixprec.lab.demo.runs as demo_runs
 from mixprec.cli.main import main
 
 
@@ -100,7 +101,7 @@ def test_report_without_studies_says_where_the_verdicts_would_come_from(tmp_path
     ],
 )
 def test_bad_arguments_are_refused_before_any_run(tmp_path, monkeypatch, capsys, argv, message) -> None:
-    monkeypatch.setattr(demo, "launch", lambda *a, **k: pytest.fail("a run started"))
+    monkeypatch.setattr(demo_runs, "launch", lambda *a, **k: pytest.fail("a run started"))
     assert main(["demo", "--quick", "--out-dir", str(tmp_path / "d"), *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
@@ -108,7 +109,7 @@ def test_bad_arguments_are_refused_before_any_run(tmp_path, monkeypatch, capsys,
 
 
 def test_dp_band_flag_says_it_is_no_longer_needed(tmp_path, monkeypatch, capsys) -> None:
-    monkeypatch.setattr(demo, "launch", lambda *a, **k: pytest.fail("a run started"))
+    monkeypatch.setattr(demo_runs, "launch", lambda *a, **k: pytest.fail("a run started"))
     # --steps 0 stops it at the checks: the notice comes first, then the refusal
     assert main(["demo", "--quick", "--dp-band", "--steps", "0", "--out-dir", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err.splitlines()
@@ -116,14 +117,14 @@ def test_dp_band_flag_says_it_is_no_longer_needed(tmp_path, monkeypatch, capsys)
 
 
 def test_out_dir_that_is_a_file_is_refused(tmp_path, monkeypatch, capsys) -> None:
-    monkeypatch.setattr(demo, "launch", lambda *a, **k: pytest.fail("a run started"))
+    monkeypatch.setattr(demo_runs, "launch", lambda *a, **k: pytest.fail("a run started"))
     (tmp_path / "f").write_text("")
     assert main(["demo", "--quick", "--out-dir", str(tmp_path / "f")]) == 2
     assert "--out-dir" in capsys.readouterr().err
 
 
 def test_run_demo_checks_the_threshold_before_training(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(demo, "launch", lambda *a, **k: pytest.fail("a run started"))
+    monkeypatch.setattr(demo_runs, "launch", lambda *a, **k: pytest.fail("a run started"))
     with pytest.raises(ValueError, match="threshold must be a number >= 0"):
         demo.run_demo(out_dir=str(tmp_path), overrides=demo.QUICK_OVERRIDES, threshold=-1.0)
 
@@ -136,12 +137,12 @@ def test_a_bug_in_a_run_is_not_reported_as_a_failed_run(tmp_path, monkeypatch) -
     def diverges(cfg, **kwargs):
         raise TrainingDiverged("20 skipped steps in a row")
 
-    monkeypatch.setattr(demo, "launch", diverges)
+    monkeypatch.setattr(demo_runs, "launch", diverges)
     assert demo.run_demo(out_dir=str(tmp_path / "a"), overrides=demo.QUICK_OVERRIDES, runs=demo.DEMO_RUNS[:1]) == 1
 
     def buggy(cfg, **kwargs):
         raise RuntimeError("an internal bug")
 
-    monkeypatch.setattr(demo, "launch", buggy)
+    monkeypatch.setattr(demo_runs, "launch", buggy)
     with pytest.raises(RuntimeError, match="an internal bug"):
         demo.run_demo(out_dir=str(tmp_path / "b"), overrides=demo.QUICK_OVERRIDES, runs=demo.DEMO_RUNS[:1])

@@ -16,9 +16,9 @@ from mixprec.lab.corpus import load_corpus
 from mixprec.lab.launch import launch
 from mixprec.lab.metrics import SUMMARY_NAME
 from mixprec.lab.pool import train_all
-from mixprec.lab.scale_study import measure_flush, run_scale_study
 from mixprec.lab.simulate import SimulatedRanks
-from mixprec.lab.uint8_study import _adamw_update, measure_shadow, offset_verdict
+from mixprec.lab.studies.scale_study import measure_flush, run_scale_study
+from mixprec.lab.studies.uint8_study import _adamw_update, measure_shadow, offset_verdict
 
 TINY = {
     "n_layer": 1,

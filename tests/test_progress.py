@@ -3,17 +3,16 @@ every command that draws one follows that rule."""
 
 from __future__ import annotations
 
-import argparse
 import io
 import subprocess
 import sys
 
 import pytest
 
-import mixprec.lab.audit
-from mixprec.cli.main import main
+import mixprec.lab.studies.audit
+from mixprec.cli.main import build_parser, main
 from mixprec.core.progress import is_terminal, progress_bar, resolve_progress
-from mixprec.lab.matmul_error import add_arguments, matmul_error_study
+from mixprec.lab.studies.matmul_error import matmul_error_study
 
 
 class _Terminal(io.StringIO):
@@ -68,9 +67,8 @@ def test_probe_matmul_into_a_log_has_no_carriage_returns(tmp_path) -> None:
 
 
 def test_matmul_error_study_by_default_draws_no_bar_into_a_log(capfd) -> None:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert parser.parse_args([]).progress is None  # the CLI's default: when stderr is a terminal
+    args = build_parser().parse_args(["study", "matmul-error"])
+    assert args.progress is None  # the CLI's default: when stderr is a terminal
     matmul_error_study((128,), ("fp16/16",), rows=16, progress=None)
     out, err = capfd.readouterr()
     assert "\r" not in out + err
@@ -85,7 +83,7 @@ def test_audit_cli_asks_for_a_bar_only_on_a_terminal(monkeypatch, tmp_path) -> N
         seen.append(kwargs["progress"])
         return None  # what a torchrun rank other than 0 gets: nothing to print
 
-    monkeypatch.setattr(mixprec.lab.audit, "run_audit", run_audit)
+    monkeypatch.setattr(mixprec.lab.studies.audit, "run_audit", run_audit)
     argv = ["audit", "collectives", "--nproc", "2", "--max-size", "16KiB", "--out-dir", str(tmp_path)]
     assert main(argv) == 0
     monkeypatch.setattr(sys, "stderr", _Terminal())

@@ -14,17 +14,8 @@ import pytest
 
 from mixprec.cli.main import main
 from mixprec.comm.hierarchical_fp32 import segment_bounds
-from mixprec.lab.comm_cost import (
-    Calibration,
-    Cluster,
-    Phase,
-    check_benchmark,
-    compare_with_measurements,
-    costs,
-    fit_calibration,
-    model_ms,
-    phases,
-)
+from mixprec.lab.studies.comm_cost_fit import check_benchmark, compare_with_measurements, fit_calibration, model_ms
+from mixprec.lab.studies.comm_cost_model import Calibration, Cluster, Phase, costs, phases
 
 N = 2**24
 CALIBRATION = Path(__file__).resolve().parents[1] / "benchmarks" / "calibration"

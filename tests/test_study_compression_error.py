@@ -7,7 +7,7 @@ import math
 import pytest
 
 from mixprec.cli.main import main
-from mixprec.lab.compression_error import CompressionErrorConfig, run_study
+from mixprec.lab.studies.compression_error import CompressionErrorConfig, run_study
 
 
 def test_quick_study_holds_its_bounds_and_keeps_zeros() -> None:

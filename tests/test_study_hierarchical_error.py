@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from mixprec.cli.main import main
-from mixprec.lab.reduction_error import ReductionErrorConfig, draw_gradients, exact_sum, hierarchical_reduce, run_study
+from mixprec.lab.studies.reduction_error import (
+    ReductionErrorConfig,
+    draw_gradients,
+    exact_sum,
+    hierarchical_reduce,
+    run_study,
+)
 
 U16 = 2.0**-11
 U32 = 2.0**-24

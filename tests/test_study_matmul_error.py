@@ -7,7 +7,7 @@ import csv
 import pytest
 
 from mixprec.cli.main import main
-from mixprec.lab.matmul_error import (
+from mixprec.lab.studies.matmul_error import (
     DEFAULT_PRESETS,
     PERCENTILES,
     MatmulErrorResult,
@@ -91,7 +91,7 @@ def test_fp8_claim_tolerance():
 def test_cuda_device_without_cuda_exits_2_before_any_work(tmp_path, capsys, monkeypatch):
     import torch
 
-    import mixprec.lab.matmul_error as study
+    import mixprec.lab.studies.matmul_error as study
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(study, "matmul_error_study", lambda *a, **k: pytest.fail("the study ran"))
@@ -103,7 +103,7 @@ def test_cuda_device_without_cuda_exits_2_before_any_work(tmp_path, capsys, monk
 
 
 def test_out_dir_that_is_a_file_exits_2_before_any_work(tmp_path, capsys, monkeypatch):
-    import mixprec.lab.matmul_error as study
+    import mixprec.lab.studies.matmul_error as study
 
     monkeypatch.setattr(study, "matmul_error_study", lambda *a, **k: pytest.fail("the study ran"))
     (tmp_path / "f").write_text("")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mixprec.cli.main import main
-from mixprec.lab.reduction_error import (
+from mixprec.lab.studies.reduction_error import (
     ReductionErrorConfig,
     draw_gradients,
     fp32_accumulate_reduce,

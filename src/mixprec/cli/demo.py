@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 
 from mixprec.cli.args import check_input_file, check_matplotlib, check_output_dir
+from mixprec.lab.demo.plan import DEFAULT_OUT_DIR, DEFAULT_THRESHOLD, DEMO_DEFAULTS
+from mixprec.lab.studies.base import DEFAULT_SEED
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,12 +25,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "reduction precision, the loss-scale rules and the uint8 offset at simulated DP against noise bands",
         description=__doc__,
     )
-    p.add_argument("--out-dir", default="mixprec-demo", help="where runs, plot and report go (default: mixprec-demo)")
-    p.add_argument("--seed", type=int, default=0, help="seed of weights and batches, shared by all runs (default: 0)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: 200)")
-    p.add_argument("--nproc", type=int, default=None, help="gloo ranks per run (default: 4)")
+    p.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where runs, plot and report go")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of weights and batches, shared by all runs")
     p.add_argument(
-        "--threshold", type=float, default=0.05, help="loss difference whose first crossing is reported (default: 0.05)"
+        "--steps", type=int, default=None, help=f"optimizer steps per run (default: {DEMO_DEFAULTS['steps']})"
+    )
+    p.add_argument("--nproc", type=int, default=None, help=f"gloo ranks per run (default: {DEMO_DEFAULTS['nproc']})")
+    p.add_argument(
+        "--threshold", type=float, default=DEFAULT_THRESHOLD, help="loss difference whose first crossing is reported"
     )
     p.add_argument(
         "--audit",
@@ -59,8 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def prepare(args: argparse.Namespace) -> Callable[[], int]:
     """Check every argument and build every run's configuration before the first run starts."""
     started = time.perf_counter()  # the report's total wall time counts from here
-    from mixprec.lab.audit import audit_citation
     from mixprec.lab.demo import QUICK_OVERRIDES, plan_demo, plan_studies, run_demo
+    from mixprec.lab.studies.audit import audit_citation
 
     if args.dp_band:
         print("mixprec demo: --dp-band does nothing: the DP bands are now part of the default demo", file=sys.stderr)

@@ -20,10 +20,7 @@ docs/compress.md. Run time on 2 busy cores: --quick about 2 s, the defaults unde
 
 from __future__ import annotations
 
-import argparse
-import csv
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,24 +31,30 @@ from mixprec.compress.options import DEFAULT_CHUNK_SIZE
 from mixprec.core.validate import check_positive_int
 from mixprec.emulate import round_to
 from mixprec.lab.model import GPT, GPTConfig
+from mixprec.lab.studies.base import DEFAULT_SEED, StudyOutput, pyplot, save_figure, write_rows_csv, wrote_lines
 
 __all__ = [
     "DISTRIBUTIONS",
+    "FULL_MODEL_WIDTH",
+    "QUICK",
     "WIRES",
     "CompressionErrorConfig",
     "CompressionErrorRow",
-    "add_arguments",
     "draw_gradients",
     "format_table",
-    "prepare",
+    "plot_errors",
     "run",
     "run_study",
     "simulate",
+    "write_csv",
 ]
 
 WIRES = ("uint8", "uint8-min-grid", "e4m3", "e5m2", *BLOCK_WIRES, "bf16")
 DISTRIBUTIONS = ("normal", "student-t", "sparse", "outliers", "model")
 _U32 = 2.0**-24
+# --quick: a few seconds. The command line's full run measures a wider model's gradients than the config's default.
+QUICK = {"world": 4, "elements": 8192, "chunk_size": 256, "model_width": 32}
+FULL_MODEL_WIDTH = 128
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ class CompressionErrorConfig:
     wires: tuple[str, ...] = WIRES
     distributions: tuple[str, ...] = DISTRIBUTIONS
     model_width: int = 64
-    seed: int = 0
+    seed: int = DEFAULT_SEED
 
     def __post_init__(self) -> None:
         check_positive_int("world", self.world, minimum=2)
@@ -284,24 +287,12 @@ def format_table(rows: list[CompressionErrorRow]) -> str:
 
 
 def write_csv(rows: list[CompressionErrorRow], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        for r in rows:
-            writer.writerow(asdict(r))
-    return path
+    return write_rows_csv(rows, path)
 
 
 def plot_errors(rows: list[CompressionErrorRow], path: Path) -> Path:
     """Relative error per wire, one group of bars per gradient distribution (needs matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise RuntimeError("plotting needs matplotlib: pip install 'mixprec[plot]' (or pass --no-plot)") from exc
+    plt = pyplot()
     dists = list(dict.fromkeys(r.distribution for r in rows))
     wires = list(dict.fromkeys(r.wire for r in rows))
     by = {(r.distribution, r.wire): r.rel_error for r in rows}
@@ -314,73 +305,23 @@ def plot_errors(rows: list[CompressionErrorRow], path: Path) -> Path:
     ax.set_ylabel("relative error vs float64 mean")
     ax.legend(fontsize=7)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
-# ---------------------------------------------------------------------------------------------- CLI
-def _name_list(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
-    def parse(text: str) -> tuple[str, ...]:
-        values = tuple(v.strip() for v in text.split(",") if v.strip())
-        bad = [v for v in values if v not in allowed]
-        if not values or bad:
-            raise argparse.ArgumentTypeError(f"expected comma-separated names from {', '.join(allowed)}; got {text!r}")
-        return values
-
-    return parse
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world", type=int, default=8, help="simulated data-parallel ranks")
-    parser.add_argument("--elements", type=int, default=1 << 18, help="gradient elements per rank (synthetic)")
-    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="elements per chunk (header entry)")
-    parser.add_argument("--wires", type=_name_list(WIRES), default=WIRES, help="wires, comma-separated")
-    parser.add_argument(
-        "--distributions", type=_name_list(DISTRIBUTIONS), default=DISTRIBUTIONS, help="gradients, comma-separated"
+# ---------------------------------------------------------------------------------------------- the run
+def run(config: CompressionErrorConfig, output: StudyOutput) -> int:
+    """``mixprec study compression-error``: measure, print the table, write ``compression_error.csv`` (and
+    ``compression_error.png``)."""
+    print(
+        f"compression-error: {config.world} ranks, {config.elements} elements per rank, chunks of "
+        f"{config.chunk_size}, wires {config.wires}, gradients {config.distributions}, seed {config.seed}",
+        flush=True,
     )
-    parser.add_argument("--quick", action="store_true", help="4 ranks, 8192 elements, chunks of 256 (seconds)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the gradients")
-    parser.add_argument("--out-dir", type=Path, default=Path("mixprec_out/compression-error"), help="output folder")
-    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
-
-
-def prepare(args: argparse.Namespace) -> Callable[[], int]:
-    """Check the study's arguments (the config validates itself) before any work; returns the study's run."""
-    if args.quick:
-        world, elements, chunk, width = 4, 8192, 256, 32
-    else:
-        world, elements, chunk, width = args.world, args.elements, args.chunk_size, 128
-    config = CompressionErrorConfig(
-        world=world,
-        elements=elements,
-        chunk_size=chunk,
-        wires=args.wires,
-        distributions=args.distributions,
-        model_width=width,
-        seed=args.seed,
-    )
-
-    def work() -> int:
-        print(
-            f"compression-error: {config.world} ranks, {config.elements} elements per rank, chunks of "
-            f"{config.chunk_size}, wires {config.wires}, gradients {config.distributions}, seed {config.seed}",
-            flush=True,
-        )
-        rows = run_study(config, progress=True)
-        print("\nFlat all-reduce (mean) against the float64 mean; error/bound <= 1 is the theory holding:\n")
-        print(format_table(rows))
-        csv_path = write_csv(rows, args.out_dir / "compression_error.csv")
-        print(f"\nwrote {csv_path}")
-        if not args.no_plot:
-            print(f"wrote {plot_errors(rows, args.out_dir / 'compression_error.png')}")
-        return 0
-
-    return work
-
-
-def run(args: argparse.Namespace) -> int:
-    """Check the arguments, then run the study (what ``mixprec study compression-error`` does)."""
-    return prepare(args)()
+    rows = run_study(config, progress=True)
+    print("\nFlat all-reduce (mean) against the float64 mean; error/bound <= 1 is the theory holding:\n")
+    print(format_table(rows))
+    written = [write_csv(rows, output.path("compression_error.csv"))]
+    if output.plot:
+        written.append(plot_errors(rows, output.path("compression_error.png")))
+    print(wrote_lines(written))
+    return 0

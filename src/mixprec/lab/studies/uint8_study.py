@@ -98,7 +98,7 @@ _WIDEN, _PERSIST = 1.0, 3
 
 
 def _config(setting: dict[str, Any], seed: int, out_dir: str, **changes: Any) -> TrainConfig:
-    return TrainConfig.from_dict(
+    return TrainConfig.from_fields(
         {
             **setting["model"],
             "precision": "fp32",
@@ -234,16 +234,19 @@ def plan_uint8_study(out_dir: str, seed: int, setting: dict[str, Any]) -> list[T
     return configs
 
 
-def run_uint8_study(
-    out_dir: str, seed: int, setting: dict[str, Any], *, workers: int | None = None
-) -> tuple[str, Verdicts]:
-    """The shadow measurement, the seed pairs (and with ``replicas`` the ulp band); returns the report section
-    and the verdict lines (``headline``: the offset's verdict with the numbers it rests on)."""
-    plan_uint8_study(out_dir, seed, setting)
+@dataclass(frozen=True)
+class _Runs:
+    """The study's trained runs: per seed an (fp32, uint8) pair, uint8 with error feedback per seed (when the
+    setting asks), and the fp32 one-ulp band (when it asks for replicas)."""
+
+    seeds: list[int]
+    pairs: list[tuple[TrainConfig, TrainConfig]]
+    error_feedback: list[TrainConfig]
+    band: list[TrainConfig]
+
+
+def _train_runs(out_dir: str, seed: int, setting: dict[str, Any], workers: int | None) -> _Runs:
     where = os.path.join(out_dir, "uint8-offset")
-    print("mixprec demo: uint8 offset: the uint8 reduction beside the fp32 one, step by step", flush=True)
-    shadow_cfg = _config(setting, seed, os.path.join(where, "shadow"), steps=setting["shadow_steps"])
-    stats = measure_shadow(shadow_cfg)
     seeds = [seed + k for k in range(setting["seeds"])]
     pairs = [
         (
@@ -252,19 +255,24 @@ def run_uint8_study(
         )
         for s in seeds
     ]
-    with_ef = bool(setting.get("error_feedback"))
     ef_runs = [
         _config(setting, s, os.path.join(where, f"seed-{s}", "uint8-ef"), reduce="uint8", error_feedback=True)
-        for s in (seeds if with_ef else [])
+        for s in (seeds if setting.get("error_feedback") else [])
     ]
     band = []
     if setting.get("replicas"):
         band = replica_configs(_config(setting, seed, os.path.join(where, "band-fp32")), setting["replicas"])
     workers = workers if workers is not None else setting.get("workers")
-    runs = [c for pair in pairs for c in pair] + ef_runs + band
-    failures = train_all(runs, workers=workers, label="uint8 offset:")
+    failures = train_all([c for pair in pairs for c in pair] + ef_runs + band, workers=workers, label="uint8 offset:")
     if any(failures):
         raise RuntimeError(f"internal error: a uint8-offset run failed: {failures}")
+    return _Runs(seeds, pairs, ef_runs, band)
+
+
+def _mechanism(stats: ShadowStats, setting: dict[str, Any]) -> tuple[list[str], str, bool, bool]:
+    """The report's opening paragraph, the mechanism's verdict line, and whether the update norm changed
+    (a change of step size) and the projection moved (a bias along the gradient): each off 1 by more than 1% and
+    by more than 3 standard errors."""
     m = setting["model"]
     lines = [
         "## The uint8 offset: compression or chaos?",
@@ -282,78 +290,108 @@ def run_uint8_study(
         f"{stats.update_cosine:.5f} and norm ratio {stats.update_norm_ratio:.5f} (standard deviation over the steps "
         f"{stats.update_norm_ratio_sd:.5f}).",
     ]
-    summary = []
-    # A change of step size: the update norm off 1 by more than 1% and by more than 3 standard errors; a bias
-    # along the gradient: the projection <u,g>/|g|^2 off 1 likewise.
     step_change = _off_one(stats.update_norm_ratio, stats.update_norm_ratio_sd, stats.steps)
     bias = _off_one(stats.projection, stats.projection_sd, stats.steps)
-    summary.append(
+    found = (["an effective change of step size (update-norm ratio)"] if step_change else []) + (
+        ["a bias along the gradient (projection)"] if bias else []
+    )
+    summary = (
         f"mechanism: projection <u,g>/|g|^2 = {stats.projection:.4f}, AdamW update-norm ratio "
         f"{stats.update_norm_ratio:.4f}, update cosine {stats.update_cosine:.4f}: "
         + (
-            "; ".join(
-                (["an effective change of step size (update-norm ratio)"] if step_change else [])
-                + (["a bias along the gradient (projection)"] if bias else [])
-            )
-            if step_change or bias
+            "; ".join(found)
+            if found
             else "neither a significant bias along the gradient (projection) nor a significant change of step size "
             "(update-norm ratio): each within 1% of 1, or within 3 standard errors; what remains is noise, about "
             f"{math.sqrt(max(0.0, 2 * (1 - stats.grad_cosine))):.1%} of the gradient's norm per step"
         )
     )
-    diffs = []
-    lines += [
+    return lines, summary, step_change, bias
+
+
+def _mean_se(diffs: list[float]) -> tuple[float, float]:
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.inf
+    return statistics.fmean(diffs), se
+
+
+def _outcome(runs: _Runs) -> tuple[list[str], list[str], list[float]]:
+    """The table of final validation losses per seed, its verdict lines, and the uint8 - fp32 differences."""
+    with_ef = bool(runs.error_feedback)
+    lines = [
         "",
-        f"**Outcome over {len(seeds)} data seeds** (each seed: its own initial weights and batches; uint8 and fp32 "
-        "from the same start): final validation loss.",
+        f"**Outcome over {len(runs.seeds)} data seeds** (each seed: its own initial weights and batches; uint8 and "
+        "fp32 from the same start): final validation loss.",
         "",
         "| seed | fp32 | uint8 | uint8 - fp32 |" + (" uint8 + error feedback - fp32 |" if with_ef else ""),
         "|---|---|---|---|" + ("---|" if with_ef else ""),
     ]
-    ef_diffs = []
-    for k, (s, (f, u)) in enumerate(zip(seeds, pairs, strict=True)):
+    diffs, ef_diffs = [], []
+    for k, (s, (f, u)) in enumerate(zip(runs.seeds, runs.pairs, strict=True)):
         ef, eu = _final_eval(load_run(f.training.out_dir)), _final_eval(load_run(u.training.out_dir))
         diffs.append(eu - ef)
         row = f"| {s} | {ef:.4f} | {eu:.4f} | {eu - ef:+.4f} |"
         if with_ef:
-            ef_diffs.append(_final_eval(load_run(ef_runs[k].training.out_dir)) - ef)
+            ef_diffs.append(_final_eval(load_run(runs.error_feedback[k].training.out_dir)) - ef)
             row += f" {ef_diffs[-1]:+.4f} |"
         lines.append(row)
-    mean = statistics.fmean(diffs)
-    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.inf
-    same_sign = all(d < 0 for d in diffs) or all(d > 0 for d in diffs)
-    systematic = abs(mean) > 3 * se and same_sign
-    lines += [
-        "",
-        f"Mean difference {mean:+.4f}, standard error {se:.4f} over {len(diffs)} seeds; "
-        f"{sum(d < 0 for d in diffs)} of {len(diffs)} below fp32.",
-    ]
+    mean, se = _mean_se(diffs)
+    below = sum(d < 0 for d in diffs)
+    systematic = abs(mean) > 3 * se and (all(d < 0 for d in diffs) or all(d > 0 for d in diffs))
+    lines += ["", f"Mean difference {mean:+.4f}, standard error {se:.4f} over {len(diffs)} seeds; {below} of "
+              f"{len(diffs)} below fp32."]  # fmt: skip
+    summary = []
     if ef_diffs:
-        ef_se = statistics.stdev(ef_diffs) / math.sqrt(len(ef_diffs)) if len(ef_diffs) > 1 else math.inf
-        lines.append(
-            f"With error feedback: mean difference {statistics.fmean(ef_diffs):+.4f}, standard error {ef_se:.4f}."
-        )
+        ef_mean, ef_se = _mean_se(ef_diffs)
+        lines.append(f"With error feedback: mean difference {ef_mean:+.4f}, standard error {ef_se:.4f}.")
         summary.append(
-            f"uint8 with error feedback - fp32 final validation loss {statistics.fmean(ef_diffs):+.4f} +- "
-            f"{ef_se:.4f} (standard error, {len(ef_diffs)} seeds)"
+            f"uint8 with error feedback - fp32 final validation loss {ef_mean:+.4f} +- {ef_se:.4f} (standard error, "
+            f"{len(ef_diffs)} seeds)"
         )
     summary.append(
         f"outcome: uint8 - fp32 final validation loss {mean:+.4f} +- {se:.4f} (standard error, {len(diffs)} seeds; "
-        f"{sum(d < 0 for d in diffs)} of {len(diffs)} below): "
+        f"{below} of {len(diffs)} below): "
         + ("systematic (more than 3 standard errors, one sign)" if systematic else "not systematic")
     )
-    if band:
-        replicas = [load_run(c.training.out_dir, f"replica-{k}") for k, c in enumerate(band)]
-        u8 = [load_run(pairs[0][1].training.out_dir, "uint8")]
-        for metric, what in (("loss", "training loss"), ("eval_loss", "validation loss")):
-            table, verdicts = _judge(replicas, u8, metric)
-            lines += ["", f"Seed {seed}'s uint8 run against a band of fp32 replicas one ulp apart, {what}:", "", table]
-            for v in verdicts:
-                out = "stays inside" if v.leaves_at is None else f"leaves it ({v.side}) at step {v.leaves_at}"
-                summary.append(f"uint8 {out} the one-ulp fp32 band on the {what} (final z = {v.z_final:+.1f})")
+    return lines, summary, diffs
+
+
+def _band_section(seed: int, runs: _Runs) -> tuple[list[str], list[str]]:
+    """The first seed's uint8 run against the fp32 one-ulp band, on training and validation loss."""
+    lines: list[str] = []
+    summary: list[str] = []
+    replicas = [load_run(c.training.out_dir, f"replica-{k}") for k, c in enumerate(runs.band)]
+    u8 = [load_run(runs.pairs[0][1].training.out_dir, "uint8")]
+    for metric, what in (("loss", "training loss"), ("eval_loss", "validation loss")):
+        table, verdicts = _judge(replicas, u8, metric)
+        lines += ["", f"Seed {seed}'s uint8 run against a band of fp32 replicas one ulp apart, {what}:", "", table]
+        for v in verdicts:
+            out = "stays inside" if v.leaves_at is None else f"leaves it ({v.side}) at step {v.leaves_at}"
+            summary.append(f"uint8 {out} the one-ulp fp32 band on the {what} (final z = {v.z_final:+.1f})")
+    return lines, summary
+
+
+def run_uint8_study(
+    out_dir: str, seed: int, setting: dict[str, Any], *, workers: int | None = None
+) -> tuple[str, Verdicts]:
+    """The shadow measurement, the seed pairs (and with ``replicas`` the ulp band); returns the report section
+    and the verdict lines (``headline``: the offset's verdict with the numbers it rests on)."""
+    plan_uint8_study(out_dir, seed, setting)
+    print("mixprec demo: uint8 offset: the uint8 reduction beside the fp32 one, step by step", flush=True)
+    where = os.path.join(out_dir, "uint8-offset")
+    stats = measure_shadow(_config(setting, seed, os.path.join(where, "shadow"), steps=setting["shadow_steps"]))
+    runs = _train_runs(out_dir, seed, setting, workers)
+    lines, mechanism, step_change, bias = _mechanism(stats, setting)
+    outcome_lines, summary, diffs = _outcome(runs)
+    lines += outcome_lines
+    summary.insert(0, mechanism)
+    if runs.band:
+        band_lines, band_summary = _band_section(seed, runs)
+        lines += band_lines
+        summary += band_summary
     verdict = offset_verdict(diffs, step_change=step_change, bias=bias)
     summary.append("verdict: " + verdict)
     lines += ["", "Verdicts:", "", *[f"- {s}" for s in summary]]
+    mean, se = _mean_se(diffs)
     headline = (
         f"uint8 - fp32 final validation loss {mean:+.4f} +- {se:.4f} over {len(diffs)} seeds at DP {setting['dp']}: "
         + verdict

@@ -25,11 +25,8 @@ Run time on 2 busy CPU cores: --quick about 5 s, the defaults about a minute.
 
 from __future__ import annotations
 
-import argparse
-import csv
 import math
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,14 +36,17 @@ from mixprec.comm.models import fp32_accumulate_rows
 from mixprec.comm.reducer import bucket_multiple
 from mixprec.comm.topology import Topology
 from mixprec.core.validate import check_choice, check_positive_float, check_positive_int
+from mixprec.lab.studies.base import DEFAULT_SEED, StudyOutput, pyplot, save_figure, write_rows_csv, wrote_lines
 
 __all__ = [
     "DISTRIBUTIONS",
     "METHODS",
     "PUBLISHED_ERROR_TABLE",
+    "QUICK_DP_SIZES",
+    "QUICK_ELEMENTS",
+    "WIRES",
     "ReductionErrorConfig",
     "ReductionErrorRow",
-    "add_arguments",
     "compare_with_published_table",
     "draw_gradients",
     "HIERARCHICAL_METHODS",
@@ -55,7 +55,6 @@ __all__ = [
     "fp32_accumulate_reduce",
     "hierarchical_reduce",
     "plot_errors",
-    "prepare",
     "ring_reduce",
     "run",
     "run_study",
@@ -67,6 +66,10 @@ METHODS = ("ring", "tree", "fp32_accumulate", "fp32_accumulate_sr", "fp32_sum_fp
 HIERARCHICAL_METHODS = ("hierarchical", "hierarchical_fp32_inter")
 DISTRIBUTIONS = ("normal", "student-t")
 _WIRES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+WIRES = tuple(_WIRES)
+# --quick: the published table's sizes, fewer elements (about 5 s on 2 busy cores).
+QUICK_DP_SIZES = (8, 64, 512)
+QUICK_ELEMENTS = 2048
 
 # The "Gradient Error" table (fp16 reduction) of a public write-up of Megatron-LM's fp32-accumulating
 # reduce-scatter, as printed there: DP -> (FP16 accumulation, FP32 accumulation). The write-up does not say what
@@ -98,7 +101,7 @@ class ReductionErrorConfig:
     wires: tuple[str, ...] = ("fp16", "bf16")
     distributions: tuple[str, ...] = DISTRIBUTIONS
     scale: float = 1e-3
-    seed: int = 0
+    seed: int = DEFAULT_SEED
     ranks_per_node: int | None = 8
 
     def __post_init__(self) -> None:
@@ -364,24 +367,12 @@ def compare_with_published_table(rows: list[ReductionErrorRow]) -> str:
 
 
 def write_csv(rows: list[ReductionErrorRow], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({**asdict(r), "rel_error": f"{r.rel_error:.6e}", "max_error": f"{r.max_error:.6e}"})
-    return path
+    return write_rows_csv(rows, path, formats={"rel_error": ".6e", "max_error": ".6e"})
 
 
 def plot_errors(rows: list[ReductionErrorRow], path: Path) -> Path:
     """Relative error vs DP, log-log, one panel per (wire, distribution) (needs matplotlib: ``mixprec[plot]``)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise RuntimeError("plotting needs matplotlib: pip install 'mixprec[plot]' (or pass --no-plot)") from exc
+    plt = pyplot()
     panels = sorted({(r.wire, r.distribution) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
     for ax, (wire, dist_name) in zip(axes[0], panels, strict=True):
@@ -403,102 +394,33 @@ def plot_errors(rows: list[ReductionErrorRow], path: Path) -> Path:
         ax.set_title(f"{wire} wire, {dist_name} gradients")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=6)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
-# ---------------------------------------------------------------------------------------------- CLI
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from exc
-    if not values or any(v < 2 for v in values):
-        raise argparse.ArgumentTypeError(f"expected data-parallel sizes >= 2, got {text!r}")
-    return values
-
-
-def _name_list(allowed: tuple[str, ...]):
-    def parse(text: str) -> tuple[str, ...]:
-        values = tuple(v.strip() for v in text.split(",") if v.strip())
-        bad = [v for v in values if v not in allowed]
-        if not values or bad:
-            raise argparse.ArgumentTypeError(f"expected comma-separated names from {', '.join(allowed)}; got {text!r}")
-        return values
-
-    return parse
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dp", type=_int_list, default=(8, 64, 512, 4096), help="data-parallel sizes, comma-separated")
-    parser.add_argument("--elements", type=int, default=8192, help="gradient elements per rank")
-    parser.add_argument(
-        "--wires", type=_name_list(tuple(_WIRES)), default=("fp16", "bf16"), help="wire dtypes, comma-separated"
+# ---------------------------------------------------------------------------------------------- the run
+def run(config: ReductionErrorConfig, output: StudyOutput) -> int:
+    """``mixprec study reduction-error``: measure, print the tables and the comparison with the published one,
+    write ``reduction_error.csv`` (and ``reduction_error_hierarchical.csv``, ``reduction_error.png``)."""
+    print(
+        f"reduction-error: DP {config.dp_sizes}, {config.elements} elements per rank, wires {config.wires}, "
+        f"gradients {config.distributions} (scale {config.scale:g}), seed {config.seed}",
+        flush=True,
     )
-    parser.add_argument(
-        "--distributions",
-        type=_name_list(DISTRIBUTIONS),
-        default=DISTRIBUTIONS,
-        help="gradient distributions, comma-separated",
-    )
-    parser.add_argument("--scale", type=float, default=1e-3, help="gradient std (normal) / scale (student-t)")
-    parser.add_argument("--quick", action="store_true", help="DP 8,64,512 and 2048 elements (about 5 s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the gradients and of stochastic rounding")
-    parser.add_argument(
-        "--ranks-per-node", type=int, default=8, help="ranks per node of the hierarchical rows (0: none)"
-    )
-    parser.add_argument("--out-dir", type=Path, default=Path("mixprec_out/reduction-error"), help="output folder")
-    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
-
-
-def prepare(args: argparse.Namespace) -> Callable[[], int]:
-    """Check the study's arguments (the config validates itself) before any work; returns the study's run."""
-    if args.quick:
-        dp_sizes, elements = (8, 64, 512), min(args.elements, 2048)
-    else:
-        dp_sizes, elements = args.dp, args.elements
-    config = ReductionErrorConfig(
-        dp_sizes=dp_sizes,
-        elements=elements,
-        wires=args.wires,
-        distributions=args.distributions,
-        scale=args.scale,
-        seed=args.seed,
-        ranks_per_node=args.ranks_per_node or None,
-    )
-
-    def work() -> int:
-        print(
-            f"reduction-error: DP {config.dp_sizes}, {config.elements} elements per rank, wires {config.wires}, "
-            f"gradients {config.distributions} (scale {config.scale:g}), seed {config.seed}",
-            flush=True,
-        )
-        all_rows = run_study(config, progress=True)
-        rows = [r for r in all_rows if r.method in METHODS]
-        hier_rows = [r for r in all_rows if r.method not in METHODS]
-        print("\nRelative error ||r - s|| / ||s|| against the float64 sum s:\n")
-        print(format_table(rows, "rel_error"))
-        print("\nMax error max|r - s| / max|s|:\n")
-        print(format_table(rows, "max_error"))
+    all_rows = run_study(config, progress=True)
+    rows = [r for r in all_rows if r.method in METHODS]
+    hier_rows = [r for r in all_rows if r.method not in METHODS]
+    print("\nRelative error ||r - s|| / ||s|| against the float64 sum s:\n")
+    print(format_table(rows, "rel_error"))
+    print("\nMax error max|r - s| / max|s|:\n")
+    print(format_table(rows, "max_error"))
+    print()
+    print(compare_with_published_table(rows))
+    written = [write_csv(rows, output.path("reduction_error.csv"))]
+    if hier_rows:
         print()
-        print(compare_with_published_table(rows))
-        csv_path = write_csv(rows, args.out_dir / "reduction_error.csv")
-        if hier_rows:
-            print()
-            print(format_hierarchical_table(all_rows, config.ranks_per_node or 1))
-        print(f"\nwrote {csv_path}")
-        if hier_rows:
-            print(f"wrote {write_csv(hier_rows, args.out_dir / 'reduction_error_hierarchical.csv')}")
-        if not args.no_plot:
-            print(f"wrote {plot_errors(rows, args.out_dir / 'reduction_error.png')}")
-        return 0
-
-    return work
-
-
-def run(args: argparse.Namespace) -> int:
-    """Check the arguments, then run the study (what ``mixprec study reduction-error`` does)."""
-    return prepare(args)()
+        print(format_hierarchical_table(all_rows, config.ranks_per_node or 1))
+        written.append(write_csv(hier_rows, output.path("reduction_error_hierarchical.csv")))
+    if output.plot:
+        written.append(plot_errors(rows, output.path("reduction_error.png")))
+    print(wrote_lines(written))
+    return 0

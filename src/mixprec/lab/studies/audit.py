@@ -21,6 +21,7 @@ import os
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,16 +29,23 @@ import torch.distributed as dist
 from mixprec.comm import all_reduce_fp32_accumulate, reduce_scatter_fp32_accumulate
 from mixprec.core.progress import progress_bar
 from mixprec.emulate import round_to
+from mixprec.lab.studies.base import DEFAULT_SEED, pyplot, save_figure
 from mixprec.testing import run_distributed
 
 __all__ = [
     "AUDIT_DTYPES",
     "AUDIT_OPS",
+    "DEFAULT_FACTOR",
+    "DEFAULT_MAX_BYTES",
+    "DEFAULT_MIN_BYTES",
     "DEFAULT_NPROC",
+    "DEFAULT_TIMEOUT",
+    "FULL_MAX_BYTES",
     "AuditConfig",
     "AuditRow",
     "audit_citation",
     "audit_rank",
+    "check_launch",
     "format_table",
     "parse_size",
     "plot_rows",
@@ -61,6 +69,10 @@ DEFAULT_MAX_BYTES = 16 * MIB
 # whatever the accumulator, so a sum in the wire dtype shows only from 3 ranks on.
 DEFAULT_NPROC = 4
 MAX_FORKED_RANKS = 64
+DEFAULT_MIN_BYTES = 4 * KIB
+DEFAULT_FACTOR = 4
+# Seconds before a hung collective fails (the process group's timeout, and the forked run's).
+DEFAULT_TIMEOUT = 600.0
 _PAIR = {"reduce_scatter": "all_reduce", "reduce_scatter_fp32_accumulate": "all_reduce_fp32_accumulate"}
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -100,10 +112,10 @@ class AuditConfig:
 
     ops: tuple[str, ...] = AUDIT_OPS
     dtypes: tuple[str, ...] = tuple(AUDIT_DTYPES)
-    min_bytes: int = 4 * KIB
+    min_bytes: int = DEFAULT_MIN_BYTES
     max_bytes: int = DEFAULT_MAX_BYTES
-    factor: int = 4
-    seed: int = 0
+    factor: int = DEFAULT_FACTOR
+    seed: int = DEFAULT_SEED
 
     def __post_init__(self) -> None:
         for name, values, allowed in (("ops", self.ops, AUDIT_OPS), ("dtypes", self.dtypes, tuple(AUDIT_DTYPES))):
@@ -204,124 +216,169 @@ def _probe_positions(count: int, n: int, *, salt: int) -> torch.Tensor:
     return (torch.arange(count, dtype=torch.int64) * a + salt) % n
 
 
+@dataclass
+class _Case:
+    """One message size of one dtype on this rank: its input ``x`` (``n`` elements, the probe values at
+    ``positions``), the fp64 sum of this rank's shard ``[lo, hi)`` over every rank's input and that sum rounded to
+    the dtype, and which probe positions lie in the shard."""
+
+    size: int
+    n: int
+    x: torch.Tensor
+    positions: torch.Tensor
+    exact: torch.Tensor
+    rounded: torch.Tensor
+    lo: int
+    hi: int
+    owned: torch.Tensor
+
+
+def _case(
+    rank: int, world_size: int, config: AuditConfig, seed: int, size: int, probe: torch.Tensor, device: torch.device
+) -> _Case:
+    """Draw this rank's input of ``size`` bytes (the probe values spread through it) and its fp64 reference, from
+    every rank's inputs gathered with an all-to-all (exact up to 2**-53 relative)."""
+    dtype = probe.dtype
+    n = (size // dtype.itemsize) // world_size * world_size
+    shard = n // world_size
+    gen = torch.Generator().manual_seed(seed + 7919 * size)
+    x = torch.randn(n, generator=gen).to(dtype)
+    positions = _probe_positions(probe.numel(), n, salt=(config.seed + 1) * 7919 + size)
+    x[positions] = probe
+    x = x.to(device)
+    recv = torch.empty_like(x)
+    dist.all_to_all_single(recv, x)
+    exact = recv.view(world_size, shard).double().sum(0)
+    lo, hi = rank * shard, (rank + 1) * shard
+    owned = (positions >= lo) & (positions < hi)
+    return _Case(size, n, x, positions, exact, round_to(exact, dtype).to(device), lo, hi, owned)
+
+
+def _agreed_stats(
+    op: str, case: _Case, first: torch.Tensor, second: torch.Tensor, mine: torch.Tensor, paired: torch.Tensor | None
+) -> tuple[list[float], list[float], bool]:
+    """Error sums, maxima and the disagreement flag of ``op``, agreed over the ranks: (squared error, squared
+    reference, correctly rounded count, nondeterministic), (max error, max reference), and whether the ranks'
+    all-reduce results differ (or the reduce-scatter differs from its all-reduce ``paired``)."""
+    device = mine.device
+    err = mine.double() - case.exact
+    stats = torch.tensor(
+        [
+            float(err.square().sum()),
+            float(case.exact.square().sum()),
+            float((mine.float() == case.rounded).sum()),
+            0.0 if _same_bits(first, second) else 1.0,
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
+    maxima = torch.tensor([float(err.abs().max()), float(case.exact.abs().max())], dtype=torch.float64, device=device)
+    if paired is None:  # an all-reduce: every rank's result against rank 0's
+        reference = first.clone()
+        dist.broadcast(reference, 0)
+        flags = torch.tensor([0.0 if _same_bits(reference, first) else 1.0], device=device)
+    else:
+        flags = torch.tensor([0.0 if _same_bits(paired, mine) else 1.0], device=device)
+    dist.all_reduce(stats)
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return stats.tolist(), maxima.tolist(), bool(flags.item())
+
+
+def _probe_results(op: str, case: _Case, first: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The probe values' results of ``op`` (each rank contributes the positions it owns), on the CPU."""
+    device = first.device
+    n_min = case.positions.numel()
+    if op.startswith("all_reduce"):
+        return first[case.positions.to(device)].double().cpu()
+    local = torch.zeros(n_min, dtype=torch.float64, device=device)
+    idx = case.positions[case.owned]
+    local[case.owned.to(device)] = first[(idx - case.lo).to(device)].double()
+    everyone = torch.empty(world_size * n_min, dtype=torch.float64, device=device)
+    _ALL_GATHER(everyone, local)
+    owner = (case.positions // (case.n // world_size)).to(device)
+    return everyone.view(world_size, n_min).gather(0, owner.view(1, -1))[0].cpu()
+
+
+def _row(
+    op: str, dtype_name: str, case: _Case, world_size: int, backend: str, agreed: tuple[list[float], list[float], bool]
+) -> AuditRow:
+    (err_sq, ref_sq, cr, nondet), (max_abs, max_ref), disagree = agreed
+    rel = math.sqrt(err_sq / ref_sq) if ref_sq > 0 else 0.0
+    all_reduce = op.startswith("all_reduce")
+    return AuditRow(
+        op=op,
+        dtype=dtype_name,
+        bytes=case.size,
+        elements=case.n,
+        world_size=world_size,
+        backend=backend,
+        rel_l2=rel,
+        max_abs=max_abs,
+        max_rel=max_abs / max_ref if max_ref > 0 else 0.0,
+        bits=64.0 if rel == 0 else min(64.0, -math.log2(rel)),
+        correctly_rounded=cr / case.n,
+        deterministic=not nondet,
+        size_invariant=True,
+        ranks_agree=not disagree if all_reduce else None,
+        matches_all_reduce=None if all_reduce else not disagree,
+    )
+
+
+def _audit_dtype(
+    rank: int, world_size: int, config: AuditConfig, d_index: int, device: torch.device, backend: str, bar: Any
+) -> list[AuditRow]:
+    """Every (operation, message size) of the ``d_index``-th dtype; size invariance over the whole sweep."""
+    dtype_name = config.dtypes[d_index]
+    dtype = AUDIT_DTYPES[dtype_name]
+    n_min = (config.min_bytes // dtype.itemsize) // world_size * world_size
+    seed = config.seed * 1_000_003 + rank * 101 + d_index
+    probe = torch.randn(n_min, generator=torch.Generator().manual_seed(seed)).to(dtype)  # in every message size
+    probe_bits: dict[str, torch.Tensor] = {}
+    invariant: dict[str, bool] = dict.fromkeys(config.ops, True)
+    rows: list[AuditRow] = []
+    for size in config.sizes():
+        case = _case(rank, world_size, config, seed, size, probe, device)
+        results: dict[str, torch.Tensor] = {}
+        for op in config.ops:
+            first = _run_op(op, case.x, world_size)
+            second = _run_op(op, case.x, world_size)
+            mine = first[case.lo : case.hi] if op.startswith("all_reduce") else first
+            results[op] = mine
+            paired = None
+            if not op.startswith("all_reduce"):
+                paired = results.get(_PAIR[op])
+                if paired is None:
+                    paired = _run_op(_PAIR[op], case.x, world_size)[case.lo : case.hi]
+            agreed = _agreed_stats(op, case, first, second, mine, paired)
+            probed = _probe_results(op, case, first, world_size)
+            if op not in probe_bits:
+                probe_bits[op] = probed
+            elif not torch.equal(probed, probe_bits[op]):
+                invariant[op] = False
+            rows.append(_row(op, dtype_name, case, world_size, backend, agreed))
+            if bar is not None:
+                bar.update(1)
+    for row in rows:  # invariance is a property of the whole size sweep
+        row.size_invariant = invariant[row.op]
+    return rows
+
+
 def audit_rank(
     rank: int, world_size: int, config: AuditConfig, *, device: torch.device | str = "cpu", progress: bool = False
 ) -> list[AuditRow]:
     """Run the audit on this rank of an initialised default process group; every rank returns the same rows."""
     device = torch.device(device)
     backend = str(dist.get_backend())
-    sizes = config.sizes()
     bar = None
     if progress and rank == 0:
         # the one bar rule of mixprec: drawn on a terminal only, never into a log
-        bar = progress_bar(total=len(config.dtypes) * len(sizes) * len(config.ops), desc="audit", unit="case")
+        total = len(config.dtypes) * len(config.sizes()) * len(config.ops)
+        bar = progress_bar(total=total, desc="audit", unit="case")
     rows: list[AuditRow] = []
     try:
-        for d_index, dtype_name in enumerate(config.dtypes):
-            dtype = AUDIT_DTYPES[dtype_name]
-            n_min = (config.min_bytes // dtype.itemsize) // world_size * world_size
-            gen = torch.Generator().manual_seed(config.seed * 1_000_003 + rank * 101 + d_index)
-            probe = torch.randn(n_min, generator=gen).to(dtype)  # the values every message size carries
-            probe_bits: dict[str, torch.Tensor] = {}
-            invariant: dict[str, bool] = dict.fromkeys(config.ops, True)
-            first_row: dict[str, int] = {}
-            for size in sizes:
-                n = (size // dtype.itemsize) // world_size * world_size
-                shard = n // world_size
-                gen.manual_seed(config.seed * 1_000_003 + rank * 101 + d_index + 7919 * size)
-                x = torch.randn(n, generator=gen).to(dtype)
-                positions = _probe_positions(n_min, n, salt=(config.seed + 1) * 7919 + size)
-                x[positions] = probe
-                x = x.to(device)
-                # the fp64 reference of this rank's shard, from every rank's inputs (exact up to 2**-53 relative)
-                recv = torch.empty_like(x)
-                dist.all_to_all_single(recv, x)
-                exact = recv.view(world_size, shard).double().sum(0)
-                rounded = round_to(exact, dtype).to(device)
-                lo, hi = rank * shard, (rank + 1) * shard
-                owned = (positions >= lo) & (positions < hi)
-                results: dict[str, torch.Tensor] = {}
-                for op in config.ops:
-                    first = _run_op(op, x, world_size)
-                    second = _run_op(op, x, world_size)
-                    mine = first[lo:hi] if op.startswith("all_reduce") else first
-                    results[op] = mine
-                    err = mine.double() - exact
-                    stats = torch.tensor(
-                        [
-                            float(err.square().sum()),
-                            float(exact.square().sum()),
-                            float((mine.float() == rounded).sum()),
-                            0.0 if _same_bits(first, second) else 1.0,
-                        ],
-                        dtype=torch.float64,
-                        device=device,
-                    )
-                    maxima = torch.tensor(
-                        [float(err.abs().max()), float(exact.abs().max())], dtype=torch.float64, device=device
-                    )
-                    ranks_agree: bool | None = None
-                    if op.startswith("all_reduce"):
-                        reference = first.clone()
-                        dist.broadcast(reference, 0)
-                        flags = torch.tensor([0.0 if _same_bits(reference, first) else 1.0], device=device)
-                    else:
-                        pair = _PAIR[op]
-                        paired = results.get(pair)
-                        if paired is None:
-                            paired = _run_op(pair, x, world_size)[lo:hi]
-                        flags = torch.tensor([0.0 if _same_bits(paired, mine) else 1.0], device=device)
-                    dist.all_reduce(stats)
-                    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-                    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-                    # the probe values' results: each rank contributes the positions it owns
-                    local = torch.zeros(n_min, dtype=torch.float64, device=device)
-                    if op.startswith("all_reduce"):
-                        local = first[positions.to(device)].double()
-                        gathered_probe = local.cpu()
-                    else:
-                        idx = positions[owned]
-                        local[owned.to(device)] = first[(idx - lo).to(device)].double()
-                        everyone = torch.empty(world_size * n_min, dtype=torch.float64, device=device)
-                        _ALL_GATHER(everyone, local)
-                        owner = (positions // shard).to(device)
-                        gathered_probe = everyone.view(world_size, n_min).gather(0, owner.view(1, -1))[0].cpu()
-                    if op in probe_bits:
-                        if not torch.equal(gathered_probe, probe_bits[op]):
-                            invariant[op] = False
-                    else:
-                        probe_bits[op] = gathered_probe
-                    err_sq, ref_sq, cr, nondet = stats.tolist()
-                    max_abs, max_ref = maxima.tolist()
-                    disagree = bool(flags.item())
-                    rel = math.sqrt(err_sq / ref_sq) if ref_sq > 0 else 0.0
-                    if op.startswith("all_reduce"):
-                        ranks_agree = not disagree
-                    row = AuditRow(
-                        op=op,
-                        dtype=dtype_name,
-                        bytes=size,
-                        elements=n,
-                        world_size=world_size,
-                        backend=backend,
-                        rel_l2=rel,
-                        max_abs=max_abs,
-                        max_rel=max_abs / max_ref if max_ref > 0 else 0.0,
-                        bits=64.0 if rel == 0 else min(64.0, -math.log2(rel)),
-                        correctly_rounded=cr / n,
-                        deterministic=not nondet,
-                        size_invariant=True,
-                        ranks_agree=ranks_agree,
-                        matches_all_reduce=None if op.startswith("all_reduce") else not disagree,
-                    )
-                    first_row.setdefault(op, len(rows))
-                    rows.append(row)
-                    if bar is not None:
-                        bar.update(1)
-            for op in config.ops:  # invariance is a property of the whole size sweep
-                for row in rows[first_row[op] :]:
-                    if row.op == op and row.dtype == dtype_name:
-                        row.size_invariant = invariant[op]
+        for d_index in range(len(config.dtypes)):
+            rows += _audit_dtype(rank, world_size, config, d_index, device, backend, bar)
     finally:
         if bar is not None:
             bar.close()
@@ -373,7 +430,7 @@ def run_audit(
     *,
     nproc: int | None = None,
     backend: str = "auto",
-    timeout: float = 600.0,
+    timeout: float = DEFAULT_TIMEOUT,
     progress: bool = False,
 ) -> list[AuditRow] | None:
     """Run the audit: as one rank of a torchrun job (RANK/WORLD_SIZE/LOCAL_RANK set) or on ``nproc`` forked gloo
@@ -513,12 +570,8 @@ def audit_citation(path: str | os.PathLike[str]) -> list[str]:
 
 def plot_rows(rows: list[AuditRow], path: Path) -> Path | None:
     """Effective bits against message size, one panel per dtype; None when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot(required=False)
+    if plt is None:
         return None
     dtypes = list(dict.fromkeys(r.dtype for r in rows))
     fig, axes = plt.subplots(1, len(dtypes), figsize=(4.5 * len(dtypes), 3.8), squeeze=False)
@@ -535,8 +588,4 @@ def plot_rows(rows: list[AuditRow], path: Path) -> Path | None:
         ax.set_title(f"{dtype}, {rows[0].world_size} ranks, {rows[0].backend}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)

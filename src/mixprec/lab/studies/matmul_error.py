@@ -17,11 +17,8 @@ its work, almost all at 4096: about 11 minutes on 2 idle cores; a progress bar c
 
 from __future__ import annotations
 
-import argparse
-import csv
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,21 +26,32 @@ from typing import Any
 import torch
 
 from mixprec.core.progress import progress_bar
+from mixprec.lab.studies.base import DEFAULT_SEED, StudyOutput, pyplot, save_figure, wrote_lines
+from mixprec.lab.studies.base import write_csv as write_table
 
 __all__ = [
     "CLAIM_FACTOR",
+    "DEFAULT_DEVICE",
     "DEFAULT_PRESETS",
+    "DEFAULT_ROWS",
+    "DEFAULT_SIZES",
+    "QUICK_SIZES",
     "ClaimCheck",
+    "MatmulErrorConfig",
     "MatmulErrorResult",
-    "add_arguments",
     "check_claims",
     "check_study_arguments",
+    "format_table",
     "matmul_error_study",
     "plot_curves",
-    "prepare",
     "run",
+    "write_csv",
 ]
 
+DEFAULT_SIZES = (256, 1024, 4096)
+QUICK_SIZES = (128, 256)  # --quick: about 15 s
+DEFAULT_ROWS = 256
+DEFAULT_DEVICE = "cpu"
 DEFAULT_PRESETS = ("fp16/16", "two_stage", "fp16/32", "fp16/32-h100", "bf16/32", "fp8/promote128", "fp8/nopromote")
 PERCENTILES = (50.0, 90.0, 99.0, 99.9, 100.0)
 CURVE_POINTS = tuple(p / 2 for p in range(0, 201))  # 0, 0.5, ..., 100
@@ -89,12 +97,12 @@ def _percentiles(values: torch.Tensor, points: tuple[float, ...]) -> list[float]
 
 
 def matmul_error_study(
-    sizes: tuple[int, ...] = (256, 1024, 4096),
+    sizes: tuple[int, ...] = DEFAULT_SIZES,
     presets: tuple[str, ...] = DEFAULT_PRESETS,
     *,
-    rows: int = 256,
-    seed: int = 0,
-    device: str | torch.device = "cpu",
+    rows: int = DEFAULT_ROWS,
+    seed: int = DEFAULT_SEED,
+    device: str | torch.device = DEFAULT_DEVICE,
     progress: bool | None = False,
 ) -> list[MatmulErrorResult]:
     """Run the study; returns one result per (size, preset). ``rows``: output rows computed per size (a random
@@ -300,40 +308,25 @@ def format_table(results: list[MatmulErrorResult]) -> str:
 
 
 def write_csv(results: list[MatmulErrorResult], out_dir: Path) -> tuple[Path, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "matmul_error.csv"
-    with path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(
-            ["size", "rows", "model", "reference", *[f"p{p:g}" for p in PERCENTILES], "rel_fro", "rel_max",
-             "rel_elem_max", "max_over_abs", "bound_det", "bound_prob", "seconds"]
-        )  # fmt: skip
-        for r in results:
-            for ref, pct in (("float64", r.abs_vs_f64), ("fp32", r.abs_vs_f32)):
-                w.writerow(
-                    [r.size, r.rows, r.preset, ref, *[f"{pct[p]:.6e}" for p in PERCENTILES], f"{r.rel_fro:.6e}",
-                     f"{r.rel_max:.6e}", f"{r.rel_elem_max:.6e}", f"{r.max_over_abs:.6e}", f"{r.bound_det:.6e}",
-                     "" if r.bound_prob is None else f"{r.bound_prob:.6e}", f"{r.seconds:.3f}"]
-                )  # fmt: skip
-    curves = out_dir / "matmul_error_curves.csv"
-    with curves.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["size", "model", "percentile", "abs_err_vs_float64"])
-        for r in results:
-            for p, v in zip(CURVE_POINTS, r.curve_vs_f64):
-                w.writerow([r.size, r.preset, p, f"{v:.6e}"])
-    return path, curves
+    header = ["size", "rows", "model", "reference", *[f"p{p:g}" for p in PERCENTILES], "rel_fro", "rel_max",
+              "rel_elem_max", "max_over_abs", "bound_det", "bound_prob", "seconds"]  # fmt: skip
+    table = [
+        [r.size, r.rows, r.preset, ref, *[f"{pct[p]:.6e}" for p in PERCENTILES], f"{r.rel_fro:.6e}",
+         f"{r.rel_max:.6e}", f"{r.rel_elem_max:.6e}", f"{r.max_over_abs:.6e}", f"{r.bound_det:.6e}",
+         "" if r.bound_prob is None else f"{r.bound_prob:.6e}", f"{r.seconds:.3f}"]
+        for r in results
+        for ref, pct in (("float64", r.abs_vs_f64), ("fp32", r.abs_vs_f32))
+    ]  # fmt: skip
+    curves = [[r.size, r.preset, p, f"{v:.6e}"] for r in results for p, v in zip(CURVE_POINTS, r.curve_vs_f64)]
+    return (
+        write_table(out_dir / "matmul_error.csv", header, table),
+        write_table(out_dir / "matmul_error_curves.csv", ["size", "model", "percentile", "abs_err_vs_float64"], curves),
+    )
 
 
 def plot_curves(results: list[MatmulErrorResult], path: Path) -> Path:
     """Percentile curves of |error| vs float64, one panel per size (needs matplotlib: ``mixprec[plot]``)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise RuntimeError("plotting needs matplotlib: pip install 'mixprec[plot]' (or pass --no-plot)") from exc
+    plt = pyplot()
     sizes = sorted({r.size for r in results})
     fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
     for ax, size in zip(axes[0], sizes):
@@ -347,69 +340,40 @@ def plot_curves(results: list[MatmulErrorResult], path: Path) -> Path:
         ax.set_title(f"M=N=K={size}" + (f" ({rows} random rows)" if rows < size else ""))
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
-# ---------------------------------------------------------------------------------------------- CLI
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from exc
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
-    return values
+# ---------------------------------------------------------------------------------------------- the run
+@dataclass(frozen=True)
+class MatmulErrorConfig:
+    """The arguments of :func:`matmul_error_study`, checked by :func:`check_study_arguments` at construction
+    (``progress``: None draws the bar when stderr is a terminal)."""
+
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    presets: tuple[str, ...] = DEFAULT_PRESETS
+    rows: int = DEFAULT_ROWS
+    seed: int = DEFAULT_SEED
+    device: str = DEFAULT_DEVICE
+    progress: bool | None = None
+
+    def __post_init__(self) -> None:
+        check_study_arguments(self.sizes, self.presets, rows=self.rows, device=self.device)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", type=_int_list, default=(256, 1024, 4096), help="M=N=K sizes, comma-separated")
-    parser.add_argument("--quick", action="store_true", help="sizes 128,256 only (about 15 s)")
-    parser.add_argument("--rows", type=int, default=256, help="output rows computed per size (random subset)")
-    parser.add_argument(
-        "--presets", default=",".join(DEFAULT_PRESETS), help="accumulator models (mixprec.emulate.MATMUL_PRESETS)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the inputs and the row subset")
-    parser.add_argument("--device", default="cpu", help="torch device for the emulation (cpu, cuda)")
-    parser.add_argument("--out-dir", type=Path, default=Path("mixprec_out/matmul-error"), help="output folder")
-    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    parser.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="progress bar on stderr (default: when stderr is a terminal)",
-    )
-
-
-def prepare(args: argparse.Namespace) -> Callable[[], int]:
-    """Check the study's arguments (ValueError) before any work; returns the study's run."""
-    sizes = (128, 256) if args.quick else args.sizes
-    presets = tuple(p.strip() for p in args.presets.split(",") if p.strip())
-    check_study_arguments(sizes, presets, rows=args.rows, device=args.device)
-
-    def work() -> int:
-        print(f"matmul-error: sizes {sizes}, rows {args.rows}, device {args.device}, seed {args.seed}", flush=True)
-        results = matmul_error_study(
-            sizes, presets, rows=args.rows, seed=args.seed, device=args.device, progress=args.progress
-        )
-        print()
-        print(format_table(results))
-        print()
-        print("Claims:")
-        for check in check_claims(results):
-            print(check.line())
-        csv_path, curves_path = write_csv(results, args.out_dir)
-        print(f"\nwrote {csv_path} and {curves_path}")
-        if not args.no_plot:
-            print(f"wrote {plot_curves(results, args.out_dir / 'matmul_error.png')}")
-        return 0
-
-    return work
-
-
-def run(args: argparse.Namespace) -> int:
-    """Check the arguments, then run the study (what ``mixprec study matmul-error`` does)."""
-    return prepare(args)()
+def run(config: MatmulErrorConfig, output: StudyOutput) -> int:
+    """``mixprec study matmul-error``: measure, print the table and the claims beside the measurement, write
+    ``matmul_error.csv`` and ``matmul_error_curves.csv`` (and ``matmul_error.png``)."""
+    c = config
+    print(f"matmul-error: sizes {c.sizes}, rows {c.rows}, device {c.device}, seed {c.seed}", flush=True)
+    results = matmul_error_study(c.sizes, c.presets, rows=c.rows, seed=c.seed, device=c.device, progress=c.progress)
+    print()
+    print(format_table(results))
+    print()
+    print("Claims:")
+    for check in check_claims(results):
+        print(check.line())
+    written = [*write_csv(results, output.out_dir)]
+    if output.plot:
+        written.append(plot_curves(results, output.path("matmul_error.png")))
+    print(wrote_lines(written))
+    return 0

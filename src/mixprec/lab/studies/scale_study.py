@@ -47,7 +47,7 @@ _BASE: dict[str, Any] = {
     **STUDY_BASE,
     "precision": "fp16",
     "reduce": "fp32_accumulate",
-    "loss_scaler": "static",
+    "kind": "static",
     "max_consecutive_skips": 0,  # a scale that overflows every step: the curve shows it, to the end
     "headroom_interval": 0,
 }
@@ -107,14 +107,14 @@ def plan_scale_study(out_dir: str, seed: int, setting: dict[str, Any]) -> list[t
     """(variant, configuration) of every run; the band variants once per replica."""
     plan = []
     for v in _variants(setting):
-        cfg = TrainConfig.from_dict(
+        cfg = TrainConfig.from_fields(
             {
                 **_BASE,
                 "global_batch_size": setting["global_batch_size"],
                 "steps": setting["steps"],
                 "seed": seed,
                 "simulate_dp": v.size,
-                "loss_scale": v.scale,
+                "init_scale": v.scale,
                 "out_dir": os.path.join(out_dir, "loss-scale", v.role),
             }
         )
@@ -216,27 +216,10 @@ def _headline(judged: Sequence[tuple[BandVerdict, Flush, Flush, int]], steps: in
     )
 
 
-def run_scale_study(
-    out_dir: str, seed: int, setting: dict[str, Any], *, workers: int | None = None
-) -> tuple[str, Verdicts]:
-    """Train every run of :func:`plan_scale_study`, measure the flush fractions; returns the report section
-    (markdown) and one verdict line per broken configuration (``headline``: all of them in one sentence)."""
-    plan = plan_scale_study(out_dir, seed, setting)
-    workers = workers if workers is not None else setting.get("workers")
-    failures = train_all([cfg for _, cfg in plan], workers=workers, label="loss scale:")
-    for (_, cfg), failure in zip(plan, failures, strict=True):
-        if failure is not None:
-            raise RuntimeError(f"internal error: the loss-scale run {cfg.training.out_dir} failed: {failure}")
-    corpus = load_corpus(plan[0][1].data.corpus)
+def _intro(setting: dict[str, Any]) -> list[str]:
     small, large = setting["sizes"]
-    steps = setting["steps"]
-    final = load_train_checkpoint(os.path.join(plan[0][1].training.out_dir, CHECKPOINT_NAME))["model"]
-    by_role: dict[str, list[TrainConfig]] = {}
-    for v, cfg in plan:
-        by_role.setdefault(v.role, []).append(cfg)
-    variants = {v.role: v for v, _ in plan}
-    gbs = setting["global_batch_size"]
-    lines = [
+    gbs, steps = setting["global_batch_size"], setting["steps"]
+    return [
         "## Loss scale against microbatches and data parallelism",
         "",
         f"fp16 parameters and gradients, static loss scale, fp32-accumulate reduction; a GPT of {_BASE['n_layer']} "
@@ -252,14 +235,25 @@ def run_scale_study(
         "| share of norm^2 (end) | overflow | skipped steps |",
         "|---|---|---|---|---|---|---|",
     ]
-    flush: dict[str, tuple[Flush, Flush | None]] = {}
+
+
+def _flush_rows(
+    by_role: dict[str, list[TrainConfig]], variants: dict[str, _Variant], setting: dict[str, Any]
+) -> tuple[list[str], dict[str, Flush]]:
+    """One table line per configuration: check-config's findings and the flush fractions at init (and, at the
+    small DP, on the correct run's final weights); returns them and each role's flush at init."""
+    first = next(iter(by_role.values()))[0]
+    corpus = load_corpus(first.data.corpus)
+    final = load_train_checkpoint(os.path.join(first.training.out_dir, CHECKPOINT_NAME))["model"]
+    small, steps = setting["sizes"][0], setting["steps"]
+    lines, at_init = [], {}
     for role, cfgs in by_role.items():
         cfg = cfgs[0]
-        at_end = measure_flush(cfg, corpus, step=steps, weights=final) if cfg.parallel.ranks == small else None
-        flush[role] = (measure_flush(cfg, corpus, step=0), at_end)
+        end = measure_flush(cfg, corpus, step=steps, weights=final) if cfg.parallel.ranks == small else None
+        init = measure_flush(cfg, corpus, step=0)
+        at_init[role] = init
         advice = cfg.advice()
         codes = ", ".join(f.code for f in advice.findings if f.severity != "info") or "ok"
-        init, end = flush[role]
         end_rank = f"{end.rank:.3%}" if end else "-"
         end_red = f"{end.reduced:.3%}" if end else "-"
         share = f"{end.norm_share:.1e}" if end else f"{init.norm_share:.1e} (init)"
@@ -268,9 +262,22 @@ def run_scale_study(
             f"{end_rank} | {init.reduced:.3%} / {end_red} | {share} | {init.overflow:.2%} | "
             f"{_skipped(cfg.training.out_dir)} of {steps} |"
         )
+    return lines, at_init
+
+
+def _band_sections(
+    by_role: dict[str, list[TrainConfig]],
+    variants: dict[str, _Variant],
+    flush: dict[str, Flush],
+    setting: dict[str, Any],
+) -> tuple[list[str], list[str], list[tuple[BandVerdict, Flush, Flush, int]]]:
+    """Each broken configuration's training loss against the band of correctly scaled replicas at its DP: the
+    tables, one verdict line each, and what the headline needs."""
+    steps = setting["steps"]
+    lines: list[str] = []
     summary: list[str] = []
     judged: list[tuple[BandVerdict, Flush, Flush, int]] = []
-    for band_role, size in (("band-small", small), ("band-large", large)):
+    for band_role, size in zip(("band-small", "band-large"), setting["sizes"], strict=True):
         replicas = [load_run(c.training.out_dir, f"replica-{k}") for k, c in enumerate(by_role[band_role])]
         others = [r for r in by_role if not r.startswith("band") and variants[r].size == size]
         runs = [load_run(by_role[r][0].training.out_dir, r) for r in others]
@@ -282,10 +289,10 @@ def run_scale_study(
             "",
             format_band_table(verdicts, spread, replicas=len(replicas), widen=_WIDEN, persist=_PERSIST, alarms=alarms),
         ]
-        ref = flush[band_role][0]
+        ref = flush[band_role]
         for v in verdicts:
-            f0 = flush[v.name][0]
-            judged.append((v, f0, ref, _skipped(by_role[v.name][0].training.out_dir)))
+            f0, skipped = flush[v.name], _skipped(by_role[v.name][0].training.out_dir)
+            judged.append((v, f0, ref, skipped))
             where = "stays inside" if v.leaves_at is None else f"leaves it ({v.side}) at step {v.leaves_at}"
             effect = (
                 "no effect on the curve visible at this size"
@@ -295,8 +302,28 @@ def run_scale_study(
             summary.append(
                 f"{variants[v.name].description}: flushes {f0.reduced:.3%} of the reduced gradient's nonzero "
                 f"elements at init (correct scale: {ref.reduced:.3%}), {f0.overflow:.1%} overflow, "
-                f"{_skipped(by_role[v.name][0].training.out_dir)} of {steps} steps skipped; against the band of "
+                f"{skipped} of {steps} steps skipped; against the band of "
                 f"{len(replicas)} correctly scaled replicas at DP {size} it {where}: {effect}"
             )
-    lines += ["", "Verdicts:", "", *[f"- {s}" for s in summary]]
-    return "\n".join(lines) + "\n", Verdicts(summary, _headline(judged, steps))
+    return lines, summary, judged
+
+
+def run_scale_study(
+    out_dir: str, seed: int, setting: dict[str, Any], *, workers: int | None = None
+) -> tuple[str, Verdicts]:
+    """Train every run of :func:`plan_scale_study`, measure the flush fractions; returns the report section
+    (markdown) and one verdict line per broken configuration (``headline``: all of them in one sentence)."""
+    plan = plan_scale_study(out_dir, seed, setting)
+    workers = workers if workers is not None else setting.get("workers")
+    failures = train_all([cfg for _, cfg in plan], workers=workers, label="loss scale:")
+    for (_, cfg), failure in zip(plan, failures, strict=True):
+        if failure is not None:
+            raise RuntimeError(f"internal error: the loss-scale run {cfg.training.out_dir} failed: {failure}")
+    by_role: dict[str, list[TrainConfig]] = {}
+    for v, cfg in plan:
+        by_role.setdefault(v.role, []).append(cfg)
+    variants = {v.role: v for v, _ in plan}
+    rows, flush = _flush_rows(by_role, variants, setting)
+    bands, summary, judged = _band_sections(by_role, variants, flush, setting)
+    lines = [*_intro(setting), *rows, *bands, "", "Verdicts:", "", *[f"- {s}" for s in summary]]
+    return "\n".join(lines) + "\n", Verdicts(summary, _headline(judged, setting["steps"]))
