@@ -15,9 +15,9 @@ import torch
 
 from mixprec import native
 from mixprec.compress import MinMaxUInt8, ScaledFP8
-from mixprec.compress.quantize import _kernels
+from mixprec.native import kernels
 
-pytestmark = pytest.mark.skipif(_kernels() is None, reason="no compiled kernels on this machine")
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no compiled kernels on this machine")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 FP32_MAX = torch.finfo(torch.float32).max
@@ -208,9 +208,9 @@ def test_fp8_decode_of_every_code_equals_torch(fmt: str) -> None:
     # the check that lets the decode use arithmetic instead of the table: torch's table is recognised, and a
     # table that differs in one code is not (the decode then looks codes up)
     table = torch.arange(256, dtype=torch.uint8).view(q.dtype).float()
-    assert _kernels().fp8_table_format(table.data_ptr()) == {"e4m3": 0, "e5m2": 1}[fmt]
+    assert kernels.fp8_table_format(table) == {"e4m3": 0, "e5m2": 1}[fmt]
     table[17] = table[18]
-    assert _kernels().fp8_table_format(table.data_ptr()) == -1
+    assert kernels.fp8_table_format(table) == -1
 
 
 def test_fp8_stochastic_codes_are_the_same_on_both_paths() -> None:

@@ -18,7 +18,7 @@ def test_library_builds_and_reports_its_path() -> None:
     lib = native.library()
     if lib is None:
         pytest.skip(f"no compiled kernels here: {native.describe()}")
-    assert lib.mixprec_abi_version() == 1
+    assert lib.mixprec_abi_version() == native._ABI_VERSION == 2
     assert native.describe().startswith("compiled")
     with native.disabled():
         assert native.library() is None

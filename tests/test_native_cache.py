@@ -109,8 +109,8 @@ __attribute__((constructor)) static void planted(void) {
     FILE *f = p ? fopen(p, "w") : 0;
     if (f) { fputs("ran", f); fclose(f); }
 }
-int mixprec_abi_version(void) { return 1; }
-"""
+int mixprec_abi_version(void) { return ABI; }
+""".replace("ABI", str(native._ABI_VERSION))
 
 
 def test_cache_directory_is_created_private(tmp_path, real_library) -> None:
@@ -192,8 +192,8 @@ def test_planted_library_is_never_loaded(tmp_path, planted_build: tuple[Path, Pa
     "code, words",
     [
         ("int other(void) { return 7; }\n", "has no mixprec_abi_version"),
-        ("int mixprec_abi_version(void) { return 2; }\n", "ABI version 2, this mixprec needs 1"),
-        ("int mixprec_abi_version(void) { return 1; }\n", "lacks mixprec_fp32sum_rows"),
+        ("int mixprec_abi_version(void) { return 1; }\n", "ABI version 1, this mixprec needs 2"),
+        ("int mixprec_abi_version(void) { return 2; }\n", "lacks mixprec_fp32sum_rows"),
     ],
 )
 def test_wrong_library_from_the_compiler_falls_back(tmp_path, code: str, words: str) -> None:

@@ -13,10 +13,9 @@ import torch
 
 from mixprec import native
 from mixprec.compress import MinMaxUInt8
-from mixprec.compress.quantize import _kernels
 from mixprec.core import philox
 
-pytestmark = pytest.mark.skipif(_kernels() is None, reason="no compiled kernels on this machine")
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no compiled kernels on this machine")
 
 KEY = 0x0123456789ABCDEF
 

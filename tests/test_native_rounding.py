@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import mixprec.native as native
-from mixprec.core.rounding import _native_lib
 from mixprec.emulate import FORMAT_PRESETS, FloatFormat, round_to, round_to_
+from mixprec.native import kernels
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no compiled kernels: {native.describe()}")
 
@@ -215,7 +215,7 @@ def test_autograd_out_keeps_the_torch_path() -> None:
 
 
 def test_kernel_rejects_formats_outside_float_format() -> None:
-    fn = _native_lib().mixprec_round_nearest
+    fn = kernels._fn("mixprec_round_nearest")
     x, out = torch.ones(4), torch.empty(4)
     args = (x.data_ptr(), 0, out.data_ptr(), 4)
     assert fn(*args, 5, 10, 1, 0, 1, 1) == 0
@@ -223,10 +223,13 @@ def test_kernel_rejects_formats_outside_float_format() -> None:
     assert fn(*args, 5, 0, 1, 0, 1, 1) == -1  # man_bits
     assert fn(*args, 8, 7, 0, 0, 1, 1) == -1  # 8 exponent bits without inf
     assert fn(x.data_ptr(), 3, out.data_ptr(), 4, 5, 10, 1, 0, 1, 1) == -1  # source kind
-    fn64 = _native_lib().mixprec_round_nearest_f64
+    fn64 = kernels._fn("mixprec_round_nearest_f64")
     x64 = x.double()
     assert fn64(x64.data_ptr(), out.data_ptr(), 0, 4, 5, 10, 1, 0, 1, 1) == 0
     assert fn64(x64.data_ptr(), out.data_ptr(), 0, 4, 5, 24, 1, 0, 1, 1) == -1
+    # the typed wrapper turns a refusal into an internal error (a bug in mixprec), not a user ValueError
+    with pytest.raises(kernels.KernelContractError, match="e9m10"):
+        kernels.round_nearest(x, out, 9, 10, True, False, True)
 
 
 def fp64_inputs(fmt: FloatFormat) -> torch.Tensor:
@@ -394,7 +397,7 @@ def test_stochastic_kernel_rounds_up_with_the_probability_of_the_remainder() -> 
 
 
 def test_directed_kernel_rejects_formats_outside_float_format() -> None:
-    fn = _native_lib().mixprec_round_directed
+    fn = kernels._fn("mixprec_round_directed")
     x, out = torch.ones(4), torch.empty(4)
     assert fn(x.data_ptr(), 0, None, out.data_ptr(), 0, 4, 5, 10, 1, 0, 1, 1) == 0
     assert fn(x.data_ptr(), 4, None, out.data_ptr(), 0, 4, 5, 10, 1, 0, 1, 1) == -1  # source kind

@@ -3,7 +3,6 @@ independent of the thread count and of how a tensor is cut into pieces."""
 
 from __future__ import annotations
 
-import ctypes
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -11,8 +10,8 @@ import torch
 
 from mixprec import native
 from mixprec.compress import MinMaxUInt8, ScaledFP8
-from mixprec.compress.quantize import _kernels
 from mixprec.core import philox
+from mixprec.native import kernels
 
 # Random123's tests/kat_vectors (github.com/DEShawResearch/random123), the three "philox4x32 10" lines:
 # counter (4 words), key (2 words), expected output (4 words).
@@ -26,7 +25,7 @@ KAT = [
     ),
 ]
 
-needs_kernels = pytest.mark.skipif(_kernels() is None, reason="no compiled kernels on this machine")
+needs_kernels = pytest.mark.skipif(native.library() is None, reason="no compiled kernels on this machine")
 
 
 @pytest.mark.parametrize("ctr, key, expected", KAT)
@@ -38,9 +37,10 @@ def test_torch_philox_matches_random123_known_answers(ctr: list, key: list, expe
 @needs_kernels
 @pytest.mark.parametrize("ctr, key, expected", KAT)
 def test_compiled_philox_matches_random123_known_answers(ctr: list, key: list, expected: list) -> None:
-    c, k, out = (ctypes.c_uint32 * 4)(*ctr), (ctypes.c_uint32 * 2)(*key), (ctypes.c_uint32 * 4)()
-    _kernels().philox_block(c, k, out)
-    assert list(out) == expected
+    words = [torch.tensor(v, dtype=torch.int64).to(torch.int32) for v in (ctr, key)]  # uint32 bits in int32
+    out = torch.empty(4, dtype=torch.int32)
+    kernels.philox_block(words[0], words[1], out)
+    assert (out.long() & 0xFFFFFFFF).tolist() == expected
 
 
 def test_stream_layout_is_the_documented_one() -> None:
@@ -68,11 +68,11 @@ def test_compiled_bits_equal_torch_bits() -> None:
     ]:
         key = philox.draw_key(g)
         out = torch.empty(count, dtype=torch.uint8)
-        _kernels().philox_bytes(key, first, count, out.data_ptr())
+        kernels.philox_bytes(key, first, out)
         assert torch.equal(out, philox.stream_bytes(key, first, count)), (first, count)
         pos = torch.arange(first, first + min(count, 300), dtype=torch.int64)
         words = torch.empty(pos.numel(), dtype=torch.int32)
-        _kernels().philox_tie_words(key, pos.data_ptr(), pos.numel(), words.data_ptr())
+        kernels.philox_tie_words(key, pos, words)
         assert torch.equal(words.long() & 0xFFFFFFFF, philox.tie_words(key, pos)), (first, count)
 
 
@@ -187,7 +187,7 @@ def test_stochastic_rounding_is_unbiased_through_the_tie_refinement() -> None:
         codes = _codes(q, x, key, rows)
         assert ((codes == low) | (codes == high)).all()
         up = codes != low
-        _kernels().philox_bytes(key, 0, rows * n, primary.data_ptr())
+        kernels.philox_bytes(key, 0, primary)
         tie = primary == f8
         ups += up.sum(0, dtype=torch.int64)
         ties += tie.sum(0, dtype=torch.int64)

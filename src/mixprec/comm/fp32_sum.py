@@ -9,70 +9,39 @@ more; results with a NaN are redone by the torch path, which stays the oracle.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
+import mixprec.native as native
 from mixprec.core.dtypes import Rounding
 from mixprec.core.random import rounding_generator
 from mixprec.core.stochastic import round_into_
-from mixprec.native import can_run, library, num_threads
+from mixprec.native import kernels, ops
 
 __all__ = ["round_blocks_into", "sum_shards_into"]
 
 # Elements per block of the fp32 sum (256 KiB of fp32: the accumulator and the widened addend fit in L2).
 _SUM_BLOCK = 1 << 16
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-def _kernel() -> ctypes._CFuncPtr | None:
-    """``mixprec_fp32sum_rows`` with its argtypes bound (once per library object), or None."""
-    lib = library()
-    if lib is None:
-        return None
-    fn = lib.mixprec_fp32sum_rows
-    if fn.argtypes is None:
-        i64, c_int = ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [
-            ctypes.c_void_p,
-            c_int,
-            i64,
-            i64,
-            i64,
-            ctypes.c_void_p,
-            c_int,
-            c_int,
-            c_int,
-            ctypes.c_float,
-            c_int,
-        ]
-        fn.restype = i64
-    return fn
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _sum_compiled(output: torch.Tensor, shards: torch.Tensor, average: bool, factor: float | None) -> bool:
     """The one-pass kernel for round-to-nearest on CPU; False (nothing usable written) when it does not apply
     or a result is NaN, whose payload the torch path decides."""
     if (
-        not can_run(output, shards)
-        or output.dtype not in _DTYPE_CODES
-        or shards.dtype not in _DTYPE_CODES
+        output.dtype not in _KERNEL_DTYPES
+        or shards.dtype not in _KERNEL_DTYPES
         or not output.is_contiguous()
         or shards.dim() != 2
         or shards.stride(1) != 1
         or output.numel() != shards.shape[1]
     ):
         return False
-    fn = _kernel()
-    if fn is None:
-        return False
-    nans = fn(
-        shards.data_ptr(), _DTYPE_CODES[shards.dtype], shards.stride(0), shards.shape[0], shards.shape[1],
-        output.data_ptr(), _DTYPE_CODES[output.dtype], int(average), int(factor is not None),
-        0.0 if factor is None else factor, num_threads(),
-    )  # fmt: skip
-    torch.autograd.graph.increment_version(output)  # a raw-pointer write: tell autograd, as an in-place op would
-    return nans == 0
+    path = native.route(output, shards)
+    if path == "kernel":
+        return kernels.fp32_sum_rows(shards, output, average, factor) == 0
+    if path == "op":
+        return int(ops.fp32_sum_rows(shards, output, average, factor)) == 0
+    return False
 
 
 def sum_shards_into(

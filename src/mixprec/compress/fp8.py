@@ -25,13 +25,11 @@ import mixprec.native as native
 from mixprec.compress._scratch import Scratch
 from mixprec.compress.blockscaled import BlockScaledWire
 from mixprec.compress.quantize import (
-    _DTYPE_CODES,
     FLOAT_DTYPES,
     CheckFinite,
     ChunkedCompressor,
     MinMaxUInt8,
     NonFiniteError,
-    _kernels,
     check_disjoint,
     check_not_meta,
 )
@@ -40,6 +38,7 @@ from mixprec.core.dtypes import Rounding
 from mixprec.core.formats import get_format
 from mixprec.core.rounding import round_to
 from mixprec.core.validate import check_choice, check_dtype, check_positive_int, check_tensor
+from mixprec.native import kernels, ops
 
 __all__ = ["FP8_FORMATS", "SCALE_BYTES_PER_CHUNK", "ScaledFP8"]
 
@@ -48,7 +47,7 @@ SCALE_BYTES_PER_CHUNK = 4  # one fp32 scale (a power of two, or NaN for a flagge
 FP8_FORMATS: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # The scale exponent k stays where 2**k and 2**-k are both fp32 numbers (normal or subnormal, exact).
 _K_MIN, _K_MAX = -126, 126
-_FORMAT_CODES = {"e4m3": 0, "e5m2": 1}  # the kernels' format codes (native/csrc/quantize.c)
+_FORMAT_CODES = {"e4m3": 0, "e5m2": 1}  # the kernels' format codes (native/csrc/quant_fp8.c)
 
 
 class ScaledFP8(ChunkedCompressor):
@@ -185,26 +184,12 @@ class ScaledFP8(ChunkedCompressor):
         return torch.where(torch.isfinite(a), k, torch.full_like(k, math.nan))
 
     def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, key: int, offset: int, row_stride: int) -> int:
-        lib = _kernels() if native.can_run(x, out) else None
-        if lib is None:
+        path = native.route(x, out)
+        if path is None:
             return self._encode_rows_torch(x, out, key, offset, row_stride)
-        rows, length = x.shape
-        return lib.encode_fp8(
-            x.data_ptr(),
-            _DTYPE_CODES[x.dtype],
-            rows,
-            length,
-            x.stride(0),
-            out.data_ptr(),
-            out.stride(0),
-            self.chunk_size,
-            _FORMAT_CODES[self.fmt],
-            int(self.rounding == "stochastic"),
-            key,
-            offset,
-            row_stride,
-            native.num_threads(),
-        )
+        stochastic = self.rounding == "stochastic"
+        args = (x, out, self.chunk_size, _FORMAT_CODES[self.fmt], stochastic, key, offset, row_stride)
+        return kernels.quant_encode_fp8(*args) if path == "kernel" else int(ops.quant_encode_fp8(*args))
 
     def _encode_rows_torch(self, x: torch.Tensor, out: torch.Tensor, key: int, offset: int, row_stride: int) -> int:
         """The torch implementation (the fallback, and the oracle of the compiled kernel)."""
@@ -277,30 +262,19 @@ class ScaledFP8(ChunkedCompressor):
         return torch.arange(256, dtype=torch.uint8, device=device).view(self.dtype).float()
 
     def _decode_rows(self, buf: torch.Tensor, length: int, out: torch.Tensor, reduce: bool) -> int:
-        lib = _kernels() if native.can_run(buf, out) else None
-        if lib is None:
+        path = native.route(buf, out)
+        if path is None:
             return self._decode_rows_torch(buf, length, out, reduce)
+        if path == "op":  # traced or fake: a table of its own (none cached), looked up unless already checked
+            fmt = -1 if self._table_format is None else self._table_format
+            table = self._code_values(buf.device)
+            return int(ops.quant_decode_fp8(buf, length, out, self.chunk_size, table, fmt, reduce))
         table = self._tables.get(buf.device)
         if table is None:
             table = self._tables[buf.device] = self._code_values(buf.device)
         if self._table_format is None:
-            self._table_format = int(lib.fp8_table_format(table.data_ptr()))
-        n_bad = lib.decode_fp8(
-            buf.data_ptr(),
-            buf.shape[0],
-            length,
-            buf.stride(0),
-            out.data_ptr(),
-            _DTYPE_CODES[out.dtype],
-            out.stride(0),
-            self.chunk_size,
-            table.data_ptr(),
-            self._table_format,
-            int(reduce),
-            native.num_threads(),
-        )
-        torch.autograd.graph.increment_version(out)  # a raw-pointer write: tell autograd, as an in-place op would
-        return n_bad
+            self._table_format = kernels.fp8_table_format(table)
+        return kernels.quant_decode_fp8(buf, length, out, self.chunk_size, table, self._table_format, reduce)
 
     def _decode_rows_torch(self, buf: torch.Tensor, length: int, out: torch.Tensor, reduce: bool) -> int:
         """The torch implementation of :meth:`_decode_rows`."""

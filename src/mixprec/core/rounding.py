@@ -21,7 +21,6 @@ trick, the "magic constant" addition, stochastic draws) is derived in ``docs/emu
 
 from __future__ import annotations
 
-import ctypes
 from typing import Literal
 
 import torch
@@ -29,7 +28,7 @@ import torch
 import mixprec.native as native
 from mixprec.core.formats import FloatFormat, get_format
 from mixprec.core.validate import check_choice, check_tensor
-from mixprec.native import gpu
+from mixprec.native import gpu, kernels, ops
 
 __all__ = ["ROUNDING_MODES", "Rounding", "round_to", "round_to_"]
 
@@ -163,56 +162,26 @@ def round_directed_(w: torch.Tensor, fmt: FloatFormat, rounding: str, generator:
     flush_subnormals_(w, fmt)
 
 
-# source dtypes mixprec_round_nearest reads directly (its SRC_* codes); float8 is widened to fp32 by torch first,
-# fp64 has its own kernel (one rounding, from fp64)
-_NATIVE_SRC = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_C_FMT = [ctypes.c_int] * 6  # exp_bits, man_bits, has_inf, saturate, subnormals, threads
-_ARGTYPES = {
-    "mixprec_round_nearest": [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, *_C_FMT],
-    "mixprec_round_nearest_f64": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, *_C_FMT],
-    "mixprec_round_directed": [
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int64,
-        *_C_FMT,
-    ],
-}
-# source dtypes the kernels read directly (codes of mixprec_round_directed; float8 is widened to fp32 first)
-_DIRECTED_SRC = {**_NATIVE_SRC, torch.float64: 3}
+# source dtypes the kernels read directly; float8 is widened to fp32 by torch's (exact) cast first
+_KERNEL_SRC = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _native_lib() -> ctypes.CDLL | None:
-    """The compiled library with the rounding kernels' argtypes bound (once per library), or None."""
-    lib = native.library()
-    if lib is None:
+def _path(x: torch.Tensor, out: torch.Tensor | None = None) -> str | None:
+    """What rounds ``x`` (into ``out``, if given): ``"kernel"`` (the compiled CPU kernel, called directly),
+    ``"op"`` (the same kernel as ``torch.ops.mixprec``, under torch.compile or a dispatch mode:
+    :func:`mixprec.native.route`), ``"gpu"`` (Triton, :mod:`mixprec.native.gpu`) or None (the torch path). Never
+    a kernel while autograd records: the torch path's result tracks ``x``'s graph, a kernel's cannot. One call
+    for all the tensors: on the GPU these checks are a good part of a small call's host time."""
+    ts = (x,) if out is None else (x, out)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
         return None
-    for name, argtypes in _ARGTYPES.items():
-        fn = getattr(lib, name)
-        if fn.argtypes is None:
-            fn.restype = ctypes.c_int
-            fn.argtypes = argtypes
-    return lib
+    if x.device.type == "cpu":
+        return native.route(*ts)
+    return "gpu" if not torch.compiler.is_compiling() and gpu.can_run(*ts) else None
 
 
-def _native_ok(*ts: torch.Tensor) -> bool:
-    """A kernel may serve the tensors: on the CPU with memory behind them (compiled kernels) or on one CUDA
-    device (Triton, :mod:`mixprec.native.gpu`), not traced by torch.compile, and no autograd graph to record
-    (the torch path's result tracks ``x``'s graph, a raw-pointer kernel's cannot). One call for all of them:
-    on the GPU these checks are a good part of a small call's host time."""
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in ts)):
-        return False
-    return native.can_run(*ts) if ts[0].device.type == "cpu" else gpu.can_run(*ts)
-
-
-def _kernel_lib(x: torch.Tensor, out: torch.Tensor | None = None) -> ctypes.CDLL | object | None:
-    """What rounds ``x`` (into ``out``, if given) to nearest: the compiled library (CPU), the gpu module (CUDA),
-    or None (torch path)."""
-    if not (_native_ok(x) if out is None else _native_ok(x, out)):
-        return None
-    return _native_lib() if x.device.type == "cpu" else gpu
+def _fmt_args(fmt: FloatFormat) -> tuple[int, int, bool, bool, bool]:
+    return fmt.exp_bits, fmt.man_bits, fmt.has_inf, fmt.saturate, fmt.subnormals
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -221,24 +190,13 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def _native_round_nearest(lib: object, src: torch.Tensor, dst: torch.Tensor, fmt: FloatFormat) -> None:
+def _native_round_nearest(path: str, src: torch.Tensor, dst: torch.Tensor, fmt: FloatFormat) -> None:
     """Round contiguous ``src`` to nearest into contiguous ``dst`` (``src`` itself or disjoint from it) with the
-    compiled kernel (``lib`` from :func:`_kernel_lib`): fp32/fp16/bf16 into fp32, or fp64 into fp64 or fp32."""
-    if lib is gpu:
+    compiled kernel (``path`` "kernel" or "gpu"): fp32/fp16/bf16 into fp32, or fp64 into fp64 or fp32."""
+    if path == "gpu":
         (gpu.round_nearest_f64 if src.dtype == torch.float64 else gpu.round_nearest)(src, dst, fmt)
-        return
-    assert isinstance(lib, ctypes.CDLL)
-    args = (src.numel(), fmt.exp_bits, fmt.man_bits, int(fmt.has_inf), int(fmt.saturate), int(fmt.subnormals),
-            native.num_threads())  # fmt: skip
-    if src.dtype == torch.float64:
-        status = lib.mixprec_round_nearest_f64(src.data_ptr(), dst.data_ptr(), int(dst.dtype == torch.float64), *args)
     else:
-        status = lib.mixprec_round_nearest(src.data_ptr(), _NATIVE_SRC[src.dtype], dst.data_ptr(), *args)
-    if status != 0:
-        raise RuntimeError(f"the compiled rounding kernel rejected format {fmt!r} (status {status}): a bug in mixprec")
-    # a raw-pointer write is invisible to autograd: bump the version counter as an in-place torch op would, so
-    # backward through a graph that saved ``dst`` raises instead of using the new values
-    torch.autograd.graph.increment_version(dst)
+        kernels.round_nearest(src, dst, *_fmt_args(fmt))
 
 
 def _kernel_buffers(
@@ -247,7 +205,7 @@ def _kernel_buffers(
     """The contiguous source a kernel reads (``x``, or float8 widened exactly by torch's cast) and the
     contiguous buffer it writes: ``out`` when it is of a ``writable`` dtype and is the source itself or does not
     overlap it, else a temporary (our own fp32 source is rounded in place) that the caller copies to ``out``."""
-    if x.dtype in _DIRECTED_SRC:
+    if x.dtype in _KERNEL_SRC:
         src = x.contiguous()
     else:
         src = x.to(torch.float32, memory_format=torch.contiguous_format)
@@ -262,15 +220,34 @@ def _kernel_buffers(
     return src, torch.empty(x.shape, dtype=torch.float32, device=x.device)
 
 
+def _round_op(
+    x: torch.Tensor, fmt: FloatFormat, rounding: str, generator: torch.Generator | None, out: torch.Tensor | None
+) -> torch.Tensor:
+    """round_to through the ``torch.ops.mixprec`` ops (torch.compile, dispatch modes): traceable, no pointers;
+    the same kernels and the same uniforms as the direct calls, so the same bits."""
+    src = x if x.dtype in _KERNEL_SRC else x.to(torch.float32)
+    f64_out = out is not None and out.dtype == torch.float64 and (rounding != "nearest" or x.dtype == torch.float64)
+    if rounding == "nearest":
+        y = ops.round_nearest(src, _fmt_args(fmt), f64_out)
+    else:
+        u = None
+        if rounding == "stochastic":
+            u = torch.rand(x.shape, generator=generator, dtype=torch.float64, device=x.device)
+        y = ops.round_directed(src, u, _fmt_args(fmt), f64_out)
+    return y if out is None else out.copy_(y)
+
+
 def _round_to_native(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor | None) -> torch.Tensor | None:
-    """round_to(x, fmt, "nearest", out=out) through the compiled kernel; None when it cannot run here (no
-    library, not CPU, autograd), and the torch path must."""
-    lib = _kernel_lib(x, out)  # also None for an out on another device
-    if lib is None:
+    """round_to(x, fmt, "nearest", out=out) through a compiled kernel; None when none can run here (no library,
+    autograd), and the torch path must."""
+    path = _path(x, out)  # also None for an out on another device
+    if path is None:
         return None
+    if path == "op":
+        return _round_op(x, fmt, "nearest", None, out)
     fp64 = x.dtype == torch.float64  # only fp64 input has an fp64 kernel output
     src, dst = _kernel_buffers(x, out, (torch.float32, torch.float64) if fp64 else (torch.float32,))
-    _native_round_nearest(lib, src, dst, fmt)
+    _native_round_nearest(path, src, dst, fmt)
     if out is None or dst is out:
         return dst
     return out.copy_(dst)
@@ -282,21 +259,16 @@ def _round_directed_native(
     """round_to(x, fmt, rounding, generator, out=out) for toward_zero / stochastic through the compiled kernel,
     on the torch path's own uniforms (the same ``torch.rand`` call, so the same draws from ``generator``); None
     where it cannot run (no library, not a CPU tensor, autograd), and the torch path must."""
-    lib = _kernel_lib(x, out)
-    if not isinstance(lib, ctypes.CDLL):  # CUDA tensors keep the torch path for these modes
+    path = _path(x, out)
+    if path == "op":
+        return _round_op(x, fmt, rounding, generator, out)
+    if path != "kernel":  # CUDA tensors keep the torch path for these modes
         return None
     src, dst = _kernel_buffers(x, out, (torch.float32, torch.float64))
     u = None
     if rounding == "stochastic":
         u = torch.rand(x.shape, generator=generator, dtype=torch.float64, device=x.device)
-    status = lib.mixprec_round_directed(
-        src.data_ptr(), _DIRECTED_SRC[src.dtype], None if u is None else u.data_ptr(), dst.data_ptr(),
-        int(dst.dtype == torch.float64), src.numel(), fmt.exp_bits, fmt.man_bits, int(fmt.has_inf),
-        int(fmt.saturate), int(fmt.subnormals), native.num_threads(),
-    )  # fmt: skip
-    if status != 0:
-        raise RuntimeError(f"the compiled rounding kernel rejected format {fmt!r} (status {status}): a bug in mixprec")
-    torch.autograd.graph.increment_version(dst)
+    kernels.round_directed(src, u, dst, *_fmt_args(fmt))
     if out is None or dst is out:
         return dst
     return out.copy_(dst)
@@ -403,11 +375,13 @@ def round_to_(
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     if x.device.type == "meta":  # no values to round: the result is x, as an in-place torch op gives
         return x
-    if rounding == "nearest" and (lib := _kernel_lib(x)) is not None:
+    if rounding == "nearest" and (path := _path(x)) is not None:
         if fmt.is_fp32 and x.dtype == torch.float32:
             return x
+        if path == "op":
+            return _round_op(x, fmt, "nearest", None, x)
         w = x if x.is_contiguous() else x.contiguous()
-        _native_round_nearest(lib, w, w, fmt)
+        _native_round_nearest(path, w, w, fmt)
         if w is not x:
             x.copy_(w)
         return x

@@ -17,10 +17,8 @@ fp64 group sums, the kernel, the hardware comparison and the cost model are in `
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,16 +27,10 @@ import torch
 import mixprec.native as native
 from mixprec.core.formats import FORMAT_PRESETS, FloatFormat, get_format
 from mixprec.core.mx import MX_FORMATS, BlockFormat
-from mixprec.core.rounding import (
-    apply_overflow_,
-    flush_subnormals_,
-    round_directed_,
-    round_nearest_grid_,
-    round_to,
-    round_to_,
-)
+from mixprec.core.rounding import round_to, round_to_
 from mixprec.core.validate import check_choice, check_fraction, check_positive_float, check_positive_int, check_tensor
-from mixprec.native import gpu
+from mixprec.emulate._accumulate import _gamma, accumulate
+from mixprec.native import gpu, kernels, ops
 
 __all__ = [
     "MATMUL_PRESETS",
@@ -162,7 +154,6 @@ def get_matmul_model(mode: MatmulModel | str, *, arg: str = "mode") -> MatmulMod
 
 # ---------------------------------------------------------------------------------------------- the kernel
 _OPERAND_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
-_FP64_EXP_MASK = 0x7FF0000000000000
 
 
 class _Unset:
@@ -210,23 +201,10 @@ def matmul(
     ``emulate_linear_layers``), whose backward products are emulated too, or pass ``.detach()``-ed operands.
     """
     if isinstance(inputs, BlockFormat) or (isinstance(inputs, str) and inputs in MX_FORMATS):
-        others = {
-            "mode": mode is not None,
-            "k_group": k_group is not _UNSET,
-            "promote_every": promote_every is not _UNSET,
-            "output": output is not _UNSET,
-            "align_bits": align_bits is not _UNSET,
-            "align_rounding": align_rounding is not _UNSET,
-        }
-        given = [name for name, set_ in others.items() if set_]
-        if given:
-            raise ValueError(
-                f"{', '.join(given)}: not used with block-scaled inputs={inputs!r}; pass the accumulator model as "
-                "accumulator= (a name or a MatmulModel)"
-            )
-        from mixprec.emulate.mx_matmul import block_scaled_matmul  # mx_matmul builds on this module
-
-        return block_scaled_matmul(a, b, inputs, "fp32" if accumulator is _UNSET else accumulator)
+        fields = {"k_group": k_group, "promote_every": promote_every, "output": output, "align_bits": align_bits}
+        given = ["mode"] if mode is not None else []
+        given += [k for k, v in {**fields, "align_rounding": align_rounding}.items() if v is not _UNSET]
+        return _block_scaled(a, b, inputs, accumulator, given)
     for name, t in (("a", a), ("b", b)):
         if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
             raise ValueError(
@@ -254,6 +232,20 @@ def matmul(
         if overrides:
             model = dataclasses.replace(model, name="", **overrides)
     return matmul_with_model(a, b, model)
+
+
+def _block_scaled(
+    a: torch.Tensor, b: torch.Tensor, inputs: BlockFormat | str, accumulator: object, given: list[str]
+) -> torch.Tensor:
+    """:func:`matmul` with block-scaled ``inputs``; ``given``: the other fields the caller set (refused)."""
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: not used with block-scaled inputs={inputs!r}; pass the accumulator model as "
+            "accumulator= (a name or a MatmulModel)"
+        )
+    from mixprec.emulate.mx_matmul import block_scaled_matmul  # mx_matmul builds on this module
+
+    return block_scaled_matmul(a, b, inputs, "fp32" if accumulator is _UNSET else accumulator)
 
 
 def _check_operand(x: object, name: str) -> torch.Tensor:
@@ -286,10 +278,10 @@ def matmul_with_model(a: torch.Tensor, b: torch.Tensor, model: MatmulModel, *, r
             if model.output is not None:
                 round_to_(y, model.output)
             return y
-        lib = _native_library(a, b, model, nbatch * m * n * k)
-        if lib is not None:
+        path = _native_path(a, b, model, nbatch * m * n * k)
+        if path is not None:
             ar, br = _native_operands(a, b, model, rounded)
-            y = _native_accumulate(lib, ar, br, batch, model)
+            y = _native_accumulate(path, ar, br, batch, model)
             if y is not None:
                 if model.output is not None:
                     round_to_(y, model.output)
@@ -304,7 +296,7 @@ def matmul_with_model(a: torch.Tensor, b: torch.Tensor, model: MatmulModel, *, r
         else:
             a3 = ar.expand(*batch, m, k).reshape(nbatch, m, k)
             b3 = br.expand(*batch, k, n).reshape(nbatch, k, n)
-        y = _accumulate(a3, b3, model)
+        y = accumulate(a3, b3, model)
         if model.output is not None:
             round_to_(y, model.output)
         return y.reshape(*batch, m, n)
@@ -312,18 +304,14 @@ def matmul_with_model(a: torch.Tensor, b: torch.Tensor, model: MatmulModel, *, r
 
 # ---------------------------------------------------------------------------------------------- compiled path
 _ROUND_FP32, _ROUND_FP16, _ROUND_GENERIC = 0, 1, 2
-_BOUND: dict[int, tuple[ctypes.CDLL, Any]] = {}
 
 
-def _native_library(a: torch.Tensor, b: torch.Tensor, model: MatmulModel, work: int) -> ctypes.CDLL | None:
-    """The compiled kernel library when it can run this product: CPU, no alignment model, non-empty (and a
-    k_group that fits the kernel's C int)."""
-    if not native.can_run(a, b) or model.align_bits is not None or work == 0 or model.k_group >= 1 << 30:
+def _native_path(a: torch.Tensor, b: torch.Tensor, model: MatmulModel, work: int) -> str | None:
+    """How the compiled kernel runs this product (:func:`mixprec.native.route`: "kernel" or "op"), or None: only
+    CPU, no alignment model, non-empty (and a k_group that fits the kernel's C int)."""
+    if model.align_bits is not None or work == 0 or model.k_group >= 1 << 30:
         return None
-    return native.library()
-
-
-_NATIVE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+    return native.route(a, b)
 
 
 def _native_operands(
@@ -377,27 +365,13 @@ def _gpu_accumulate(ar: torch.Tensor, br: torch.Tensor, batch: torch.Size, model
     return out.reshape(*batch, m, n)
 
 
-def _native_fn(lib: ctypes.CDLL) -> Any:
-    bound = _BOUND.get(id(lib))
-    if bound is None or bound[0] is not lib:
-        fn = lib.mixprec_matmul_model
-        i64, i32, f64, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, i32, ptr, i64, i64, i64, i64]
-        fn.argtypes += [i32, i32, i32, i32, i32, i32, f64, f64, f64, i32, i32]
-        fn.restype = ctypes.c_int
-        bound = _BOUND[id(lib)] = (lib, fn)
-    return bound[1]
-
-
 def _native_accumulate(
-    lib: ctypes.CDLL, ar: torch.Tensor, br: torch.Tensor, batch: torch.Size, model: MatmulModel
+    path: str, ar: torch.Tensor, br: torch.Tensor, batch: torch.Size, model: MatmulModel
 ) -> torch.Tensor | None:
     """The model's product on the compiled kernel (fp32, fp16 or bf16 operands holding input-format values); None
     when the kernel could not allocate its buffers (the torch path then runs)."""
     m, k, n = ar.shape[-2], ar.shape[-1], br.shape[-1]
     a3, b3 = _batched(ar, br, batch)
-    nb, rows = a3.shape[0], a3.shape[1]
-    out = torch.empty(nb, rows, n, dtype=torch.float32)
     acc = model.accumulator
     if acc.is_fp32:
         mode = _ROUND_FP32
@@ -405,201 +379,14 @@ def _native_accumulate(
         mode = _ROUND_FP16
     else:
         mode = _ROUND_GENERIC
-    over = _overflow_value(acc)
+    fmt = (acc.man_bits, acc.emin, acc.emax, acc.max_finite, _overflow_value(acc), acc.min_normal, acc.subnormals)
     pg = _promotion_groups(model, k)
-    sa, sb = a3.stride(), b3.stride()
-    status = _native_fn(lib)(
-        a3.data_ptr(), sa[0] if nb > 1 else 0, sa[1], sa[2],
-        b3.data_ptr(), sb[0] if b3.shape[0] > 1 else 0, sb[1], sb[2], _NATIVE_DTYPES[a3.dtype],
-        out.data_ptr(), nb, rows, n, k, model.k_group, pg, mode,
-        acc.man_bits, acc.emin, acc.emax, acc.max_finite, over, acc.min_normal, int(acc.subnormals),
-        native.num_threads(),
-    )  # fmt: skip
-    if status != 0:
+    if path == "op":
+        return ops.matmul_model(a3, b3, model.k_group, pg, mode, fmt).reshape(*batch, m, n)
+    out = torch.empty(a3.shape[0], a3.shape[1], n, dtype=torch.float32)
+    if not kernels.matmul_model(a3, b3, out, model.k_group, pg, mode, fmt):
         return None
     return out.reshape(*batch, m, n)
-
-
-# Elementwise ops on fewer elements than this run inline in the calling thread (ATen's intra-op grain size).
-_ATEN_GRAIN = 32768
-
-
-def _plan_tiles(nb: int, m: int, n: int, kg: int, aligned: bool, device: torch.device) -> tuple[int, int]:
-    """(rows per tile, worker threads).
-
-    CPU, no alignment model: tiles below ATen's grain size, so each elementwise op runs single-threaded in the
-    thread that issued it, and ``torch.get_num_threads()`` Python threads work on different tiles (torch releases
-    the GIL inside ops). This avoids an OpenMP fork/join per small op: the loop issues ~7 ops per group and tile,
-    and with one barrier each it slowed 5-20x whenever other processes competed for the cores. Each tile stays in
-    its core's L2. Wide outputs (``nb * n`` at or above the grain size) and other devices take the plain loop.
-    The alignment model's products are large per op: plain loop with intra-op threads."""
-    if device.type != "cpu":
-        budget = (1 << 26) // kg if aligned else 1 << 24
-        return max(1, min(m, budget // max(1, nb * n))), 1
-    if aligned:
-        return max(1, min(m, (1 << 21) // max(1, nb * n * kg))), 1
-    workers = torch.get_num_threads()
-    width = nb * n
-    if workers > 1 and width < _ATEN_GRAIN and m > 1:
-        rows = max(1, min(m, (_ATEN_GRAIN - 1) // width))
-        if -(-m // rows) > 1:
-            return rows, workers
-    return max(1, min(m, (1 << 17) // max(1, width))), 1
-
-
-def _accumulate(a3: torch.Tensor, b3: torch.Tensor, model: MatmulModel) -> torch.Tensor:
-    """The accumulation loop on fp64 operands ``a3 (B, M, K)``, ``b3 (B, K, N)``; returns fp32 ``(B, M, N)``."""
-    nb, m, k = a3.shape
-    n = b3.shape[-1]
-    dev = a3.device
-    out = torch.zeros(nb, m, n, dtype=torch.float32, device=dev)
-    if k == 0 or m == 0 or n == 0:
-        return out
-    kg = model.k_group
-    groups = -(-k // kg)
-    if groups * kg != k:  # zero products change no exact sum and no aligned maximum
-        a3 = torch.nn.functional.pad(a3, (0, groups * kg - k))
-        b3 = torch.nn.functional.pad(b3, (0, 0, 0, groups * kg - k))
-    # Overflow of the accumulator needs a per-step check (one min/max pass per group) only when it could reach the
-    # format's max. The bound costs 4 passes over the operands, worth it only when they are smaller than the
-    # per-step checks.
-    check_overflow = True
-    if 2 * (a3.numel() + b3.numel()) < groups * nb * m * n:
-        row_sum = torch.linalg.vector_norm(a3, ord=1, dim=-1).amax().item()
-        col_sum = torch.linalg.vector_norm(b3, ord=1, dim=-2).amax().item()
-        a_max = torch.linalg.vector_norm(a3, ord=math.inf).item()
-        b_max = torch.linalg.vector_norm(b3, ord=math.inf).item()
-        sum_abs = min(row_sum * b_max, a_max * col_sum)  # >= sum_k |a_k b_k| for every output
-        bound = _accumulator_growth_bound(model, groups, groups * kg, sum_abs)
-        check_overflow = not (bound < model.accumulator.max_finite)
-    aligned = model.align_bits is not None
-    rows, workers = _plan_tiles(nb, m, n, kg, aligned, dev)
-    tiles = [(r0, min(m, r0 + rows)) for r0 in range(0, m, rows)]
-    if workers > 1:
-        # a pool per call: no idle threads outlive it, so a later fork (gloo ranks, DataLoader workers) is clean
-        with ThreadPoolExecutor(workers, thread_name_prefix="mixprec-emulate") as pool:
-            futures = [pool.submit(_tile, a3, b3, r0, r1, model, groups, check_overflow, out) for r0, r1 in tiles]
-            for future in futures:
-                future.result()
-    else:
-        for r0, r1 in tiles:
-            _tile(a3, b3, r0, r1, model, groups, check_overflow, out)
-    return out
-
-
-def _accumulator_growth_bound(model: MatmulModel, groups: int, k: int, sum_abs: float) -> float:
-    """An upper bound on every ``|acc|`` the low-precision chain can reach, given ``sum_abs >= sum_k |a_k b_k|``.
-
-    One step is an fp64 ``baddbmm`` of ``k_group + 1`` terms (relative error <= gamma_{k_group+1}(2**-53) of
-    ``|acc| + sum|p|``) then one rounding to the accumulator (relative error <= u, plus at most half a subnormal
-    spacing < min_normal absolute). So each step grows the running bound by a factor <= 1 + u' with
-    ``u' = u + (1 + u) gamma_{k_group+1}(2**-53)``, and after ``n`` steps (Higham, Lemma 3.1)
-    ``|acc_n| <= (1 + gamma_n(u')) (sum|p| + n min_normal)``. The chain is at most ``n = groups`` steps long
-    (fewer with promotion, which resets it). ``sum_abs`` itself comes from fp64 sums of ``k`` terms and one product:
-    relative error <= gamma_{k+3}(2**-53) with the final multiplication. ``inf`` when ``n u' >= 1``."""
-    acc = model.accumulator
-    u64 = 2.0**-53
-    n = groups if model.promote_every is None else min(groups, model.promote_every // model.k_group)
-    u_step = acc.unit_roundoff + (1 + acc.unit_roundoff) * _gamma(model.k_group + 1, u64)
-    return (1 + _gamma(n, u_step)) * (sum_abs * (1 + _gamma(k + 3, u64)) + n * acc.min_normal)
-
-
-def _tile(
-    a3: torch.Tensor,
-    b3: torch.Tensor,
-    r0: int,
-    r1: int,
-    model: MatmulModel,
-    groups: int,
-    check_overflow: bool,
-    out: torch.Tensor,
-) -> None:
-    """All K groups for output rows ``r0:r1``, written into ``out``."""
-    nb, n, kg, dev = a3.shape[0], b3.shape[-1], model.k_group, a3.device
-    acc_fmt = model.accumulator
-    promote_groups = None if model.promote_every is None else model.promote_every // kg
-    aligned = model.align_bits is not None
-    # toward-zero rounding of aligned sums by clearing bits is exact when every non-zero sum is a normal number
-    # of the accumulator: sums are multiples of 2**(e - F) with e >= the exponent of the smallest product
-    fast_rz = aligned and 2 * (model.inputs.emin - model.inputs.man_bits) - model.align_bits >= acc_fmt.emin
-    acc = torch.empty(nb, r1 - r0, n, dtype=torch.float64, device=dev)
-    work = torch.empty_like(acc, dtype=torch.int64)
-    scratch32 = torch.empty_like(acc, dtype=torch.float32)
-    promoted = torch.zeros_like(acc) if promote_groups is not None else None
-    products = torch.empty(nb, r1 - r0, kg, n, dtype=torch.float64, device=dev) if aligned else None
-    for g in range(groups):
-        a_g = a3[:, r0:r1, g * kg : (g + 1) * kg]  # strided views: BLAS reads them in place
-        b_g = b3[:, g * kg : (g + 1) * kg]
-        fresh = g == 0 or (promote_groups is not None and g % promote_groups == 0)  # accumulator is zero
-        if aligned:
-            if fresh:
-                acc.zero_()
-            _aligned_step_(acc, a_g, b_g, model, products, fast_rz)
-        else:
-            if fresh:
-                # +0 + products, as an MMA's zeroed accumulator: bmm alone gives -0 for a sum of -0 products
-                # in some BLAS kernels (MKL's for one-product groups) and +0 in others
-                acc.zero_()
-            acc.baddbmm_(a_g, b_g)  # exact in fp64 (see the module docstring)
-            _round_acc_(acc, acc_fmt, work, scratch32, check_overflow)
-        if promoted is not None and ((g + 1) % promote_groups == 0 or g == groups - 1):
-            # fp64 then fp32 rounding of a sum of two <=24-bit values equals one rounding (53 >= 2*24 + 2)
-            promoted.add_(acc)
-            _round_acc_(promoted, FORMAT_PRESETS["fp32"], work, scratch32, True)
-    out[:, r0:r1] = promoted if promoted is not None else acc
-
-
-def _round_acc_(
-    acc: torch.Tensor, fmt: FloatFormat, work: torch.Tensor, scratch32: torch.Tensor, check_overflow: bool
-) -> None:
-    """Round the fp64 accumulator tile in place to ``fmt`` (nearest even), the hot path. ``work`` (int64) and
-    ``scratch32`` (fp32) are preallocated tiles of ``acc``'s shape."""
-    if fmt.is_fp32:
-        scratch32.copy_(acc)  # torch's fp64 -> fp32 cast rounds to nearest even (one rounding), inf on overflow
-        acc.copy_(scratch32)
-        return
-    round_nearest_grid_(acc, fmt, work, keep_zero_sign=False)
-    if check_overflow or fmt.saturate:
-        apply_overflow_(acc, fmt)
-    flush_subnormals_(acc, fmt)
-
-
-def _aligned_step_(
-    acc: torch.Tensor, a_g: torch.Tensor, b_g: torch.Tensor, model: MatmulModel, products: torch.Tensor, fast_rz: bool
-) -> None:
-    """One MMA of the alignment model, in place on the fp64 accumulator tile ``acc (B, R, N)``; ``products`` is a
-    preallocated ``(B, R, kg, N)`` fp64 buffer. 4 passes over the products (form, min/max, divide, sum)."""
-    torch.mul(a_g.unsqueeze(-1), b_g.unsqueeze(1), out=products)  # exact
-    p_min, p_max = torch.aminmax(products, dim=2)
-    largest = torch.maximum(p_max, p_min.neg_())
-    torch.maximum(largest, acc.abs(), out=largest)
-    exp_field = largest.view(torch.int64).bitwise_and_(_FP64_EXP_MASK)  # 2**e_max as bits
-    # spacing of the aligned terms, 2**(e_max - F); all-zero steps get a harmless tiny spacing
-    exp_field.sub_(model.align_bits << 52).clamp_(min=1 << 52)
-    spacing = exp_field.view(torch.float64)
-    torch.div(products, spacing.unsqueeze(2), rounding_mode="trunc", out=products)  # exact: power-of-two divisor
-    torch.div(acc, spacing, rounding_mode="trunc", out=acc)
-    acc.add_(products.sum(dim=2)).mul_(spacing)  # integer multiples of the spacing: exact in fp64
-    fmt = model.accumulator
-    if model.align_rounding == "nearest":
-        work, scratch32 = torch.empty_like(acc, dtype=torch.int64), torch.empty_like(acc, dtype=torch.float32)
-        _round_acc_(acc, fmt, work, scratch32, True)
-    elif fast_rz:
-        _truncate_normal_(acc, fmt)
-    else:
-        round_directed_(acc, fmt, "toward_zero", None)
-
-
-def _truncate_normal_(acc: torch.Tensor, fmt: FloatFormat) -> None:
-    """Round fp64 ``acc`` toward zero to ``fmt`` when no non-zero value can lie below ``fmt``'s normal range:
-    clearing the low fraction bits is exact truncation there. Magnitudes above max go to +-max (IEEE RZ)."""
-    acc.view(torch.int64).bitwise_and_(~((1 << (52 - fmt.man_bits)) - 1))
-    if acc.numel():
-        lo, hi = torch.aminmax(acc)
-        if not (bool(lo >= -fmt.max_finite) and bool(hi <= fmt.max_finite)):
-            finite = torch.isfinite(acc)
-            acc.copy_(torch.where(finite, acc.clamp(-fmt.max_finite, fmt.max_finite), acc))
-            apply_overflow_(acc, fmt)  # what is still above max is +-inf: the format's rule for inf
 
 
 # ---------------------------------------------------------------------------------------------- error bounds
@@ -623,12 +410,6 @@ class ErrorBounds:
     probabilistic: float | None
     lam: float
     probability: float | None
-
-
-def _gamma(n: int, u: float) -> float:
-    if n * u >= 1:
-        return math.inf
-    return n * u / (1 - n * u)
 
 
 def _gamma_prob(n: int, u: float, lam: float) -> float:

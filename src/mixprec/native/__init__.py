@@ -10,10 +10,13 @@ the same ``libgomp.so.1`` that torch already loaded, so one OpenMP runtime serve
 A cached library is mapped only from a directory of this user's that nobody else may write (created 0700),
 from a file of this user's, after the checksum the build appended to it matches (a damaged file is rebuilt);
 then its ABI version and functions are checked. A compiler past ``MIXPREC_BUILD_TIMEOUT`` (120 s) is killed
-with its children. Callers keep their torch implementation and use a kernel only when :func:`library` returns
-one: with no compiler (or ``MIXPREC_NATIVE=0``), everything runs as before and one :class:`NativeKernelWarning`
-says so, once per process. :func:`describe` names the path that runs, for benchmark output. Results are the
-same on both paths bit for bit (the tests run both); ``docs/native.md`` says how each kernel keeps that.
+with its children. After a load, other builds in the cache not loaded for ``MIXPREC_CACHE_KEEP_DAYS`` days (30)
+and half-written files of builds that died are deleted. Callers keep their torch implementation and use a kernel
+only when :func:`library` returns one: with no compiler (or ``MIXPREC_NATIVE=0``), everything runs as before and
+one :class:`NativeKernelWarning` says so, once per process. :func:`route` says how a kernel may serve given
+tensors: called directly (:mod:`mixprec.native.kernels`, the typed wrappers), as a ``torch.ops.mixprec`` custom op
+under torch.compile or a dispatch mode (:mod:`mixprec.native.ops`), or not at all. :func:`describe` names the
+path that runs. Results are the same on both paths bit for bit (the tests run both); ``docs/native.md`` says how.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import signal
 import stat
 import subprocess
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,6 +57,7 @@ __all__ = [
     "is_disabled",
     "library",
     "num_threads",
+    "route",
 ]
 
 _CSRC = Path(__file__).with_name("csrc")
@@ -65,7 +70,16 @@ _TIMEOUT_ENV = "MIXPREC_BUILD_TIMEOUT"
 # A build takes 1-10 s (a sanitizer build, or several ranks building at once on few cores, longer); a compiler
 # that hangs must not hold up the first kernel call much longer than that.
 _BUILD_TIMEOUT_S = 120.0
-_ABI_VERSION = 1  # csrc/abi.c's mixprec_abi_version()
+_ABI_VERSION = 2  # csrc/abi.c's mixprec_abi_version()
+_KEEP_ENV = "MIXPREC_CACHE_KEEP_DAYS"
+# A library of another build (other sources, flags, compiler or CPU) that no process loaded for this long is deleted
+# from the cache; a load refreshes its file's time. Deleting a file that a running process has mapped is safe on
+# Linux: the mapping keeps the inode.
+_KEEP_DAYS = 30.0
+# A half-written build (a compiler killed with its process) this old is dead: a build is bounded by the timeout.
+_TMP_KEEP_S = 86400.0
+_LIB_NAME = re.compile(r"mixprec_native-[0-9a-f]{20}\.so\Z")
+_TMP_NAME = re.compile(r"\.mixprec_native-[0-9a-f]{20}\.so\.[0-9]+\.[0-9a-f]{12}\.tmp\Z")
 # What the build appends to the library (the ELF loader ignores bytes past its sections): this tag, then the
 # sha256 of the cache key and the library's bytes. A truncated, damaged or foreign file fails it.
 _MAGIC = b"\0mixprec-sha256\0"
@@ -313,6 +327,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
                 return None, why if state == "absent" else f"{target} is {state}, and rebuilding it failed: {why}"
         try:
             lib, why = _load(fd, target, _exported(sources))
+            if lib is not None:
+                with contextlib.suppress(OSError):  # a read-only cache: nothing to refresh or prune
+                    os.utime(fd)
+                    prune_cache(dfd, target.name)
         finally:
             os.close(fd)
     finally:
@@ -320,6 +338,45 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     if lib is None:
         return None, why
     return lib, f"compiled ({name} {version.splitlines()[0].split()[-1] if version else ''}, {target})"
+
+
+def _keep_days() -> float:
+    raw = os.environ.get(_KEEP_ENV, "").strip()
+    try:
+        days = float(raw) if raw else _KEEP_DAYS
+    except ValueError:
+        days = _KEEP_DAYS
+    return days if days >= 0 else _KEEP_DAYS
+
+
+def prune_cache(dfd: int, current: str, now: float | None = None) -> list[str]:
+    """Delete, from the cache directory open at ``dfd``, the libraries of other builds not loaded for
+    ``MIXPREC_CACHE_KEEP_DAYS`` days and the half-written files of builds older than a day; returns their names.
+
+    Only names this module creates, regular files (no links) owned by this user, and never ``current`` (the
+    library this process loaded) are touched. A library another process loads meanwhile is at most rebuilt."""
+    now = time.time() if now is None else now
+    keep_s = _keep_days() * 86400.0
+    removed = []
+    with os.scandir(dfd) as entries:
+        names = [e.name for e in entries]
+    for name in sorted(names):
+        if name == current:
+            continue
+        if _LIB_NAME.match(name):
+            limit = keep_s
+        elif _TMP_NAME.match(name):
+            limit = _TMP_KEEP_S
+        else:
+            continue
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and now - st.st_mtime > limit:
+                os.unlink(name, dir_fd=dfd)
+                removed.append(name)
+        except OSError:  # gone already (another process pruned it), or not ours to delete
+            continue
+    return removed
 
 
 def library() -> ctypes.CDLL | None:
@@ -378,6 +435,23 @@ def can_run(*tensors: torch.Tensor, device_type: str = "cpu") -> bool:
     if FakeTensor is None or _get_current_dispatch_mode is None or _get_current_dispatch_mode() is not None:
         return False
     return all(t.device.type == device_type and not isinstance(t, FakeTensor) for t in tensors)
+
+
+def route(*tensors: torch.Tensor) -> str | None:
+    """How a compiled CPU kernel may serve ``tensors``: ``"kernel"`` (call :mod:`mixprec.native.kernels`
+    directly), ``"op"`` (call it as its ``torch.ops.mixprec`` custom op, :mod:`mixprec.native.ops`: under
+    torch.compile, a torch dispatch mode or on fake tensors, which must see the op and not a raw pointer), or None
+    (no library, :func:`disabled`, or a tensor not on the CPU: the caller's torch path runs)."""
+    if _disabled_depth or FakeTensor is None:
+        return None  # (FakeTensor None: a torch release that moved the names route relies on)
+    traced = torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+    for t in tensors:  # a loop, not all(...): this runs on every small kernel call
+        if not t.is_cpu:
+            return None
+        traced = traced or isinstance(t, FakeTensor)
+    if library() is None:
+        return None
+    return "op" if traced else "kernel"
 
 
 def is_disabled() -> bool:

@@ -3,6 +3,7 @@
 #define MIXPREC_COMMON_H
 #include <stdint.h>
 #include <string.h>
+#include "dtypes.h"
 
 static inline uint32_t f32_bits(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
 static inline float bits_f32(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }

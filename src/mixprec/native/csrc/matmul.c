@@ -221,7 +221,7 @@ typedef void (*tile_fn)(const double *, const double *, int64_t, int64_t, int, d
                         const rfmt *);
 
 /* ------------------------------------------------------------------------------------------------ packing */
-enum { DT_FP32 = 0, DT_FP16 = 1, DT_BF16 = 2 };
+enum { DT_FP32 = MIXPREC_F32, DT_FP16 = MIXPREC_F16, DT_BF16 = MIXPREC_BF16 }; /* dtypes.h */
 
 static inline __attribute__((always_inline)) double load_elem(const void *p, int64_t idx, int dt) {
     if (dt == DT_FP32) return (double)((const float *)p)[idx];

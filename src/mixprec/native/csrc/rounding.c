@@ -16,7 +16,7 @@
 
 #include "common.h"
 
-enum { SRC_F32 = 0, SRC_F16 = 1, SRC_BF16 = 2 };
+enum { SRC_F32 = MIXPREC_F32, SRC_F16 = MIXPREC_F16, SRC_BF16 = MIXPREC_BF16 }; /* dtypes.h */
 enum { ALG_INT = 0, ALG_MAGIC32 = 1, ALG_MAGIC64 = 2 };
 
 typedef struct {
@@ -426,11 +426,11 @@ static const dloop_fn DLOOPS[4][2][2] = { /* [src kind][stochastic][dst fp64] */
 int mixprec_round_directed(const void *src, int src_kind, const double *u, void *dst, int dst_f64, int64_t n,
                            int exp_bits, int man_bits, int has_inf, int saturate, int subnormals, int nthreads) {
     fmt64_t f;
-    if (src_kind < 0 || src_kind > 3 || fmt64_of(exp_bits, man_bits, has_inf, saturate, subnormals, &f) || n < 0)
+    if (src_kind < 0 || src_kind > MIXPREC_F64 || fmt64_of(exp_bits, man_bits, has_inf, saturate, subnormals, &f) || n < 0)
         return -1;
     const dparams p = {f.lo, f.hi, (uint64_t)man_bits << 52, f.max_bits, f.ovf_bits, f.min_bits};
     const dloop_fn fn = DLOOPS[src_kind][u != 0][dst_f64 != 0];
-    const int64_t in = src_kind == 3 ? 8 : (src_kind == SRC_F32 ? 4 : 2), out = dst_f64 ? 8 : 4;
+    const int64_t in = src_kind == MIXPREC_F64 ? 8 : (src_kind == SRC_F32 ? 4 : 2), out = dst_f64 ? 8 : 4;
 #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (n >= MIXPREC_GRAIN)
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
