@@ -22,7 +22,7 @@ import mixprec  # noqa: F401  (registers the reducers)
 from mixprec.comm import make_reducer
 from mixprec.comm.reducer import bucket_multiple
 from mixprec.compress import BlockScaledWire, CompressionOptions, NonFiniteError
-from mixprec.core.mx import mx_quantize, round_elements
+from mixprec.core.mx import mx_quantize, stream_positions
 from mixprec.testing import run_distributed
 
 # name -> (exponent bits, fraction bits, largest element, block size, scale type)
@@ -208,15 +208,21 @@ def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased(wire: str) -> Non
 
 
 @pytest.mark.parametrize("wire", WIRES)
-def test_the_stochastic_paths_multiplier_is_mx_quantizes(wire: str) -> None:
-    """Stochastic rounding rounds ``block * multiplier`` itself (on the wire's own stream); rounded to nearest
-    instead, that must give mx_quantize's elements bit for bit (the multiplier is core/mx.py's)."""
-    comp = BlockScaledWire(wire, check_finite="flag")
+def test_stochastic_elements_are_mx_quantizes_on_the_wires_stream(wire: str) -> None:
+    """The wire rounds stochastically through mx_quantize's key/positions API: element (r, j) at stream position
+    offset + r * row_stride + j. Rows scaled so that NVFP4's chunk scale is 1 decode to mx_quantize's values."""
+    comp = BlockScaledWire(wire, rounding="stochastic", check_finite="flag")
     x = _samples(4096, 3).view(-1, 2048)
-    x = x * 2.0 ** torch.randint(-20, 20, (2, 1)).float()
-    q = mx_quantize(x, comp.format, scale_mode=comp.scale_mode)
-    v = x.view(2, -1, comp.block).mul(comp._multipliers(q.scales)[:, :, None]).view(2, -1)
-    assert torch.equal(round_elements(v, comp.format, "nearest"), q.elements)
+    x = x / x.abs().amax(dim=1, keepdim=True) * 2000.0  # NVFP4: amax in (1344, 2688], chunk scale 2**0
+    codes = torch.empty(2, comp.encoded_nbytes(2048), dtype=torch.uint8)
+    comp.encode_rows(x, codes, key=77, offset=5, row_stride=3000)
+    got = torch.empty(2, 2048)
+    comp.decode_rows(codes, 2048, got)
+    q = mx_quantize(x, comp.format, scale_mode=comp.scale_mode, rounding="stochastic", key=77,
+                    positions=stream_positions(x.shape, 5, 3000))  # fmt: skip
+    assert torch.equal(got, q.dequantize())
+    nearest = mx_quantize(x, comp.format, scale_mode=comp.scale_mode).dequantize()
+    assert not torch.equal(got, nearest)  # the draws moved some elements
 
 
 @pytest.mark.parametrize("wire", WIRES)

@@ -3,7 +3,8 @@
 rounding, fp32/bf16/fp16 inputs, special blocks (NaN of any sign and payload, +-inf, zeros of both signs, fp32
 subnormals, E8M0's bottom, values near fp32's maximum, element ties), odd shapes and block sizes, tensors that
 cross the kernel's OpenMP slices on 1 and 2 threads, ``out=`` (in place too). Also: where the torch path runs
-instead (stochastic rounding, other axes, 2-D tiles, no library), and that the loader knows the new symbol."""
+instead (explicit stream positions, other axes, 2-D tiles, no library), and that the loader knows the new symbol.
+Stochastic rounding in the kernel: test_blockscaled_native.py."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 
 import mixprec.core.mx as mx_mod
 import mixprec.native as native
-from mixprec.core.mx import E8M0_MODES, MX_FORMATS, fake_quantize, mx_quantize
+from mixprec.core.mx import E8M0_MODES, MX_FORMATS, fake_quantize, mx_quantize, stream_positions
 from test_mx import blocks_of_every_kind
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no compiled kernels: {native.describe()}")
@@ -247,7 +248,8 @@ def test_out_is_checked() -> None:
 def test_the_torch_path_runs_where_the_kernel_does_not(calls: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
     gen = torch.Generator().manual_seed(0)
-    fake_quantize(x, "mxfp4_e2m1", "stochastic", gen)  # stochastic: torch path
+    positions = stream_positions(x.shape)
+    fake_quantize(x, "mxfp4_e2m1", "stochastic", gen, positions=positions)  # explicit stream positions
     mx_quantize(x, "mxfp8_e4m3", axis=0)  # blocks along another axis
     mx_quantize(x, "nvfp4", block_size=(16, 16))  # 2-D tiles
     fake_quantize(torch.empty(0, 32), "mxfp8_e4m3")  # nothing to do

@@ -11,19 +11,26 @@ NaN. Decoding is exact (element times power of two, or E4M3 times e2m1), so a fp
 exactly what was sent. The class has :class:`~mixprec.compress.ScaledFP8`'s row API, so the flat and
 hierarchical pipelines, error feedback and the reducers take it as they take that one. Stochastic rounding
 draws element ``(r, j)``'s bits at Philox stream position ``offset + r * row_stride + j`` (as the fp8 wire).
-Layout, bounds and the choice of scale conventions: ``docs/compress.md``.
+On CPU tensors encode and decode run one compiled pass each (``csrc/mx_wire.c``), and
+:meth:`BlockScaledWire.encode_feedback_rows` folds error feedback's add and residual update into the encode;
+the torch code below is the fallback and the kernels' oracle (same bits). Layout, bounds and the choice of
+scale conventions: ``docs/compress.md``; the kernels: ``docs/mx.md``.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from mixprec.compress.quantize import FLOAT_DTYPES, CheckFinite, ChunkedCompressor, NonFiniteError
 from mixprec.core.dtypes import Rounding
-from mixprec.core.mx import E8M0_MODES, MX_FORMATS, BlockFormat, mx_quantize, round_elements
+from mixprec.core.mx import E8M0_MODES, MX_FORMATS, BlockFormat, mx_quantize, stream_positions
 from mixprec.core.validate import check_choice, check_dtype, check_positive_int, check_tensor
+from mixprec.native import can_run
+from mixprec.native.mx import available as native_available
+from mixprec.native.mx import wire_decode_raw, wire_encode_raw
 
 __all__ = ["BLOCK_WIRES", "DEFAULT_SCALE_MODES", "TENSOR_SCALE_BYTES", "BlockScaledWire"]
 
@@ -43,6 +50,12 @@ TENSOR_SCALE_BYTES = 4  # NVFP4: one fp32 power-of-two scale per chunk
 _NVFP4_TOP = 6.0 * 448.0
 _K_MIN, _K_MAX = -126, 126  # 2**k and 2**-k both normal fp32 numbers
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _native_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the compiled wire kernels may run on these tensors (CPU, real memory, no tracing, library loaded)."""
+    return not torch.compiler.is_compiling() and can_run(*tensors) and native_available()
 
 
 class BlockScaledWire(ChunkedCompressor):
@@ -84,6 +97,7 @@ class BlockScaledWire(ChunkedCompressor):
         self.bits = self.format.element.exp_bits + self.format.element.man_bits + 1  # 8 or 4
         self.HEADER_BYTES = TENSOR_SCALE_BYTES if nv else 0
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._residual: torch.Tensor | None = None  # encode_feedback_rows' residual, for the one call in flight
 
     def __repr__(self) -> str:
         return (
@@ -157,6 +171,33 @@ class BlockScaledWire(ChunkedCompressor):
             scales = scales * chunk[torch.arange(nb, device=buffer.device) // (self.chunk_size // self.block)]
         return scales
 
+    def encode_feedback_rows(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        key: int | None = None,
+        offset: int = 0,
+        row_stride: int | None = None,
+    ) -> int:
+        """:meth:`encode_rows` of ``fl32(x + residual)`` with error feedback folded in: afterwards ``residual``
+        holds ``fl32(x + residual) - decoded`` (what the quantization lost) in every block that was not flagged;
+        a flagged block keeps its residual (the collectives clear every residual after a flagged result).
+        ``residual``: fp32 [R, L] on ``x``'s device, rows contiguous, sharing no memory with ``x`` or ``out``.
+        One compiled pass on CPU tensors; elsewhere the add, encode, decode and subtract of the torch path,
+        with the same bits. Returns the number of flagged blocks."""
+        self._check_rows("residual", residual, (torch.float32,), tuple(x.shape) if x.dim() == 2 else None, x.device)
+        for name, other in (("x", x), ("out", out)):
+            if other.numel() and residual.numel() and _overlap(residual, other):
+                raise ValueError(f"residual must not share memory with {name}")
+        self._residual = residual
+        try:
+            bad = self.encode_rows(x, out, key=key, offset=offset, row_stride=row_stride)
+        finally:
+            self._residual = None
+        return bad
+
     # ------------------------------------------------------------------ row API
     def _nan_code(self) -> int:
         return 0x7F if self.format.scale == "e4m3" else 0xFF
@@ -171,21 +212,36 @@ class BlockScaledWire(ChunkedCompressor):
         k = k + (a * torch.exp2(k + 1) <= _NVFP4_TOP).double()
         return torch.where(a > 0, k.clamp(_K_MIN, _K_MAX), torch.zeros_like(k))
 
-    def _multipliers(self, scales: torch.Tensor) -> torch.Tensor:
-        """What mx_quantize multiplies a block by before rounding (core/mx.py's ``_scale_blocks``): needed for
-        stochastic rounding on the wire's own stream. Checked against mx_quantize's nearest elements in
-        tests/test_compress_blockscaled.py."""
-        if self.format.scale == "e4m3":
-            return torch.reciprocal(scales)
-        mult = torch.reciprocal(scales)  # exact: a power of two in [2**-127, 2**127]
-        if self.scale_mode == "rceil":
-            mult = mult.masked_fill(scales == 2.0**-127, 1.0)
-        return mult
-
     def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, key: int, offset: int, row_stride: int) -> int:
         rows, length = x.shape
+        residual = self._residual
         if length == 0:
             return 0
+        if _native_ok(x, out) and (residual is None or can_run(residual)):
+            grid = self.format.element
+            n_bad = wire_encode_raw(
+                x.data_ptr(), _KERNEL_DTYPES[x.dtype], x.stride(0), None if residual is None else residual.data_ptr(),
+                0 if residual is None else residual.stride(0), out.data_ptr(), out.stride(0), rows, length,
+                (grid.exp_bits, grid.man_bits, self.format.max_element), self.scale_mode, self.block, self.chunk_size,
+                self._nan_code(), key if self.rounding == "stochastic" else None, offset, row_stride,
+            )  # fmt: skip
+            if n_bad is not None:
+                if residual is not None:
+                    torch.autograd.graph.increment_version(residual)
+                return n_bad
+        if residual is None:
+            return self._encode_torch(x, out, key, offset, row_stride)
+        staged = x.float() + residual  # torch.add(x, residual): exact widening, one rounding
+        n_bad = self._encode_torch(staged, out, key, offset, row_stride)
+        decoded = torch.empty_like(staged)
+        self._decode_rows(out, length, decoded, reduce=False)
+        # a flagged block decodes to NaN (and only a flagged one): it keeps its residual
+        residual.copy_(torch.where(torch.isnan(decoded), residual, staged - decoded))
+        return n_bad
+
+    def _encode_torch(self, x: torch.Tensor, out: torch.Tensor, key: int, offset: int, row_stride: int) -> int:
+        """The torch path of ``_encode_rows`` (the compiled encoder's oracle)."""
+        rows, length = x.shape
         nv = self.format.scale == "e4m3"
         nb = self.num_blocks(length)
         # zero padding to whole blocks (NVFP4: whole chunks) changes no block's amax
@@ -207,14 +263,12 @@ class BlockScaledWire(ChunkedCompressor):
             down = torch.exp2(-k).float()
             out[:, :h].copy_(down.view(torch.uint8))
             effective = down.repeat_interleave(self.chunk_size // self.block, dim=1)
-        q = mx_quantize(y, self.format, scale_mode=self.scale_mode)  # type: ignore[arg-type]
+        stream: dict[str, Any] = {}
+        if self.rounding == "stochastic":  # element (r, j) at stream position offset + r * row_stride + j
+            positions = stream_positions((rows, padded), offset, row_stride, x.device)
+            stream = {"rounding": "stochastic", "key": key, "positions": positions}
+        q = mx_quantize(y, self.format, scale_mode=self.scale_mode, **stream)  # type: ignore[arg-type]
         scales, elements = q.scales, q.elements
-        if self.rounding == "stochastic":
-            v = blocks.mul(self._multipliers(scales)[:, :, None]).view(rows, padded)
-            cols = torch.arange(padded, device=x.device)
-            positions = offset + cols + row_stride * torch.arange(rows, device=x.device)[:, None]
-            primary = self._byte_rows(key, offset, row_stride, rows, padded, x.device)
-            elements = round_elements(v, self.format, "stochastic", key=key, primary=primary, positions=positions)
         self._saturate_(elements.view(rows, -1, self.block), scales if effective is None else scales * effective)
         out[:, h : h + nb].copy_(self._scale_codes(scales[:, :nb], bad[:, :nb]))
         out[:, h + nb :].copy_(self._element_codes(elements[:, :length]))
@@ -280,6 +334,16 @@ class BlockScaledWire(ChunkedCompressor):
         rows = buf.shape[0]
         nb, bs = self.num_blocks(length), self.block
         elem_t, scale_t = self._value_tables(buf.device)
+        if length and out.dtype in _KERNEL_DTYPES and _native_ok(buf, out):
+            n_bad = wire_decode_raw(
+                buf.data_ptr(), buf.stride(0), rows, length, out.data_ptr(), _KERNEL_DTYPES[out.dtype],
+                0 if reduce else out.stride(0), reduce, (elem_t.data_ptr(), scale_t.data_ptr()),
+                (self.format.element.exp_bits, self.format.element.man_bits), bs, self.chunk_size,
+                self.format.scale == "e4m3", self._nan_code(),
+            )  # fmt: skip
+            if n_bad is not None:
+                torch.autograd.graph.increment_version(out)
+                return n_bad
         h = 0
         if self.format.scale == "e4m3":
             chunks = self.num_chunks(length)
@@ -307,6 +371,14 @@ class BlockScaledWire(ChunkedCompressor):
         else:
             out.copy_(vals)
         return n_bad
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the storage spans of two tensors intersect (conservative)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + ((a.shape[0] - 1) * a.stride(0) + a.shape[-1]) * a.element_size() if a.dim() == 2 else a0 + a.nbytes
+    b1 = b0 + ((b.shape[0] - 1) * b.stride(0) + b.shape[-1]) * b.element_size() if b.dim() == 2 else b0 + b.nbytes
+    return a0 < b1 and b0 < a1
 
 
 def check_block_wire(wire: str, chunk_size: int) -> None:

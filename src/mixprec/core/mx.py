@@ -7,12 +7,14 @@
 saturate at the element's largest value, as every reference does. Scale conventions (``SCALE_MODES``):
 ``floor`` (OCP MX v1.0), ``ceil``, ``even`` and ``rceil`` (torchao's ``ScaleCalculationMode``; ``rceil`` is
 cuBLAS's and Transformer Engine's), ``neuron`` (AWS Neuron's doubled scale) and ``e4m3`` (NVFP4). Rounding is to
-nearest (ties to even), toward zero, or stochastic on mixprec's Philox stream (:mod:`mixprec.core.philox`).
+nearest (ties to even), toward zero, or stochastic on mixprec's Philox stream (:mod:`mixprec.core.philox`):
+one key per call from ``generator``, or a caller's ``key`` and stream ``positions`` (what a wire that encodes a
+tensor in pieces passes, so that every piece draws the bits of one encode of the whole).
 :func:`hadamard_transform` is the random Hadamard transform of the NVFP4 training recipe.
 
-Blocks along the last axis of a CPU tensor, rounded to nearest or toward zero, go through one compiled pass
-(``mixprec.native``'s ``mx.c``) when the kernel library is loaded; everything else (stochastic rounding, other
-axes, 2-D tiles, CUDA) is vectorised torch code on one fp32 copy of ``x``, which is also the kernel's oracle.
+Blocks along the last axis of a CPU tensor go through one compiled pass (``mixprec.native``'s ``mx.c``) when the
+kernel library is loaded; everything else (other axes, 2-D tiles, explicit stream ``positions``, CUDA) is
+vectorised torch code on one fp32 copy of ``x``, which is also the kernel's oracle.
 Formulas, sources, special values and where the references disagree: ``docs/mx.md``.
 """
 
@@ -44,6 +46,7 @@ __all__ = [
     "mx_quantize",
     "random_signs",
     "round_elements",
+    "stream_positions",
 ]
 
 ScaleMode = Literal["floor", "ceil", "even", "rceil", "neuron", "e4m3"]
@@ -320,6 +323,8 @@ def mx_quantize(
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
     tensor_scale: float | torch.Tensor | None = None,
+    key: int | None = None,
+    positions: torch.Tensor | None = None,
 ) -> BlockScaled:
     """Quantize ``x`` to a block-scaled format (MXFP8, MXFP6, MXFP4, NVFP4); returns a :class:`BlockScaled`.
 
@@ -337,13 +342,18 @@ def mx_quantize(
         generator: the ``torch.Generator`` for ``"stochastic"`` (None: torch's default generator).
         tensor_scale: NVFP4 only: fp32 tensor scale for two-level scaling (block scales are E4M3 values of
             ``amax / 6 / tensor_scale``); e.g. ``amax(x) / (448 * 6)``.
+        key: ``"stochastic"`` only: the 64-bit Philox stream key (an int in [0, 2**64)) instead of one drawn from
+            ``generator``.
+        positions: ``"stochastic"`` only: int64 stream positions of the elements, broadcastable to ``x``'s shape
+            (default: element ``i`` in row-major order at ``i``); see :func:`stream_positions`.
     """
     bf, mode, ts, layout = _prepare(x, fmt, block_size, scale_mode, axis, rounding, generator, tensor_scale)
-    done = _native_quantize(x, bf, mode, ts, layout, rounding, dequantize=False, out=None)
+    key, positions = _stream(x, rounding, generator, key, positions)
+    done = _native_quantize(x, bf, mode, ts, layout, rounding, dequantize=False, out=None, key=key, positions=positions)
     if done is not None:
         elements, block_scales = done
         return BlockScaled(elements, block_scales, ts, bf, layout.block, layout.dims, mode)
-    w, scales = _quantize(x, bf, mode, ts, layout, rounding, generator)
+    w, scales = _quantize(x, bf, mode, ts, layout, rounding, key, positions)
     return BlockScaled(
         elements=layout.from_blocks(w).contiguous(),
         scales=layout.scales_from_blocks(scales).contiguous(),
@@ -381,6 +391,51 @@ def _prepare(
     return bf, str(scale_mode), ts, _layout(x, block_size, axis, bf.block_size)
 
 
+def stream_positions(
+    shape: tuple[int, ...] | torch.Size,
+    offset: int = 0,
+    row_stride: int | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """int64 stream positions for ``mx_quantize(..., positions=...)``: element ``(r, j)`` of a 2-D ``shape``
+    ``[R, L]`` at ``offset + r * row_stride + j`` (``row_stride`` default ``L``: rows back to back); any other
+    shape row-major from ``offset``. The wires' ``encode_rows`` convention (:mod:`mixprec.core.philox`)."""
+    shape = tuple(shape)
+    offset = check_positive_int("offset", offset, minimum=0)
+    if len(shape) != 2 or row_stride is None:
+        return torch.arange(offset, offset + math.prod(shape), device=device).view(shape)
+    rows, length = shape
+    row_stride = check_positive_int("row_stride", row_stride, minimum=0)
+    cols = torch.arange(length, device=device)
+    return offset + cols + row_stride * torch.arange(rows, device=device)[:, None]
+
+
+def _stream(
+    x: torch.Tensor, rounding: str, generator: torch.Generator | None, key: object, positions: object
+) -> tuple[int | None, torch.Tensor | None]:
+    """(key, positions) of a stochastic call: the caller's, or one key drawn from ``generator`` (positions None:
+    row-major); (None, None) for the other roundings, which take neither."""
+    if rounding != "stochastic":
+        if key is not None or positions is not None:
+            raise ValueError(f"key and positions apply to rounding='stochastic' only; got rounding={rounding!r}")
+        return None, None
+    if key is None:
+        key = draw_key(generator)
+    elif isinstance(key, bool) or not isinstance(key, int):
+        raise TypeError(f"key must be an int in [0, 2**64); got {type(key).__name__}")
+    elif not 0 <= key < 1 << 64:
+        raise ValueError(f"key must be an int in [0, 2**64); got {key}")
+    if positions is not None:
+        check_tensor("positions", positions, (torch.int64,))
+        try:
+            positions = positions.to(x.device).expand(x.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"positions (shape {tuple(positions.shape)}) must broadcast to x's shape {tuple(x.shape)}"
+            ) from None
+    return key, positions
+
+
 def _native_quantize(
     x: torch.Tensor,
     bf: BlockFormat,
@@ -391,13 +446,16 @@ def _native_quantize(
     *,
     dequantize: bool,
     out: torch.Tensor | None,
+    key: int | None,
+    positions: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The compiled pass (csrc/mx.c): (elements or, with ``dequantize``, their decoded values, in ``x``'s shape;
-    the scales, or None when dequantizing), or None where it cannot run and the torch path must: stochastic
-    rounding, blocks not along the last axis, a tensor not on the CPU (or fake, or under a dispatch mode),
-    torch.compile tracing, or no kernel library. ``out`` (fp32, ``x``'s shape) receives the result if given."""
+    the scales, or None when dequantizing), or None where it cannot run and the torch path must: explicit
+    stream positions, blocks not along the last axis, a tensor not on the CPU (or fake, or under a dispatch
+    mode), torch.compile tracing, or no kernel library. ``out`` (fp32, ``x``'s shape) receives the result if
+    given."""
     last = x.dim() - 1
-    if rounding == "stochastic" or len(layout.block) != 1 or layout.dims != (last,) or x.numel() == 0:
+    if positions is not None or len(layout.block) != 1 or layout.dims != (last,) or x.numel() == 0:
         return None
     if torch.compiler.is_compiling() or not can_run(x) or (out is not None and not can_run(out)):
         return None
@@ -421,7 +479,7 @@ def _native_quantize(
     ran = mx_quantize_raw(
         src.data_ptr(), str(src.dtype).removeprefix("torch."), dst.data_ptr(),
         None if scales is None else scales.data_ptr(), n_blocks, block, grid.exp_bits, grid.man_bits,
-        bf.max_element, mode, None if ts is None else float(ts), rounding == "toward_zero", dequantize,
+        bf.max_element, mode, None if ts is None else float(ts), rounding == "toward_zero", dequantize, key,
     )  # fmt: skip
     if not ran:
         return None
@@ -448,9 +506,11 @@ def _quantize(
     ts: torch.Tensor | None,
     layout: _Layout,
     rounding: str,
-    generator: torch.Generator | None,
+    key: int | None,
+    positions: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch path: (elements [..., blocks, block], scales [..., blocks])."""
+    """The torch path: (elements [..., blocks, block], scales [..., blocks]); ``key`` (and ``positions``, None:
+    row-major) for stochastic rounding."""
     blocks = layout.to_blocks(x.detach())
     w = blocks.to(torch.float32, memory_format=torch.contiguous_format)
     if w.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
@@ -458,14 +518,33 @@ def _quantize(
     scales, mult = _scale_blocks(w, bf, scale_mode, ts)
     w.mul_(mult.unsqueeze(-1))
     if rounding == "stochastic":
-        key = draw_key(generator)
+        assert key is not None
         n = x.numel()
-        primary = layout.to_blocks(stream_bytes(key, 0, n, x.device).view(x.shape))
-        positions = layout.to_blocks(torch.arange(n, device=x.device).view(x.shape))
+        if positions is None:
+            primary = stream_bytes(key, 0, n, x.device).view(x.shape)
+            positions = torch.arange(n, device=x.device).view(x.shape)
+        else:
+            primary = _bytes_at(key, positions)
+        primary, positions = layout.to_blocks(primary), layout.to_blocks(positions)
         round_elements(w, bf, rounding, key=key, primary=primary, positions=positions)
     else:
         round_elements(w, bf, rounding)
     return w, scales
+
+
+def _bytes_at(key: int, positions: torch.Tensor) -> torch.Tensor:
+    """The primary bytes of arbitrary stream positions (int64, any shape): each row of the last dim drawn as one
+    contiguous run when its positions are (the wire's rows), else the span from the smallest to the largest."""
+    flat = positions.reshape(-1, positions.shape[-1]) if positions.dim() else positions.reshape(1, 1)
+    out = torch.empty(flat.shape, dtype=torch.uint8, device=positions.device)
+    for r in range(flat.shape[0]):
+        row = flat[r]
+        if row.numel() == 0:
+            continue
+        lo, hi = int(row.min()), int(row.max())
+        span = stream_bytes(key, lo, hi - lo + 1, positions.device)
+        out[r] = span[row - lo]
+    return out.view(positions.shape)
 
 
 def fake_quantize(
@@ -479,20 +558,24 @@ def fake_quantize(
     axis: int | tuple[int, int] = -1,
     tensor_scale: float | torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    key: int | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``mx_quantize(x, fmt, ...).dequantize()`` (the same bits) without the intermediate tensors: ``x`` rounded
     to the block-scaled format, in fp32 (the fake quantization of ``round_to(x, "mxfp8_e4m3")``).
 
-    ``out``: an fp32 tensor of ``x``'s shape and device to write into (may be ``x`` itself); returned."""
+    ``out``: an fp32 tensor of ``x``'s shape and device to write into (may be ``x`` itself); returned. ``key``,
+    ``positions``: as :func:`mx_quantize`'s."""
     bf, mode, ts, layout = _prepare(x, fmt, block_size, scale_mode, axis, rounding, generator, tensor_scale)
     if out is not None:
         check_tensor("out", out, (torch.float32,))
         if out.shape != x.shape or out.device != x.device:
             raise ValueError(f"out must have x's shape {tuple(x.shape)} and device {x.device}; got {tuple(out.shape)}")
-    done = _native_quantize(x, bf, mode, ts, layout, rounding, dequantize=True, out=out)
+    key, positions = _stream(x, rounding, generator, key, positions)
+    done = _native_quantize(x, bf, mode, ts, layout, rounding, dequantize=True, out=out, key=key, positions=positions)
     if done is not None:
         return done[0]
-    w, scales = _quantize(x, bf, mode, ts, layout, rounding, generator)
+    w, scales = _quantize(x, bf, mode, ts, layout, rounding, key, positions)
     s = scales if ts is None else ts * scales
     w.mul_(s.unsqueeze(-1))
     result = layout.from_blocks(w)

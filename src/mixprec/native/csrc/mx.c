@@ -9,134 +9,13 @@
  * quantization). The same IEEE fp32 operations as the torch path, in the same order, so the same bits; a NaN
  * block gives the default NaN everywhere, as the torch path does. The loops are plain C that gcc vectorizes
  * (16 lanes with AVX-512, 8 with AVX2, scalar without), as rounding.c's round to nearest: no selects between
- * floats, only integer blends. Stochastic rounding stays on the torch path.
+ * floats, only integer blends. Stochastic rounding (mx.h's sr_span) takes element i's bits at Philox stream
+ * position first + i, in tiles of whole blocks whose primary bytes are drawn together.
  */
 #include <omp.h>
 #include <stdint.h>
 
-#include "common.h"
-
-enum { MX_FLOOR = 0, MX_CEIL = 1, MX_EVEN = 2, MX_RCEIL = 3, MX_NEURON = 4, MX_E4M3 = 5 };
-enum { MX_SRC_F32 = 0, MX_SRC_F16 = 1, MX_SRC_BF16 = 2 };
-#define MX_NAN 0x7FC00000u
-#define GROUP 16 /* blocks whose scales are computed together */
-
-typedef struct {
-    int mode, emax, has_ts, toward_zero;
-    float max_element, ts, rts; /* rts = fl32(1 / ts) */
-    uint32_t even_inc;          /* half a unit of the element's precision, for "even" */
-    uint32_t max_bits, lo, hi, add, keep_mask, min_normal_bits;
-    float up, down; /* 2**(man - emin) and its inverse: toward zero below the element's smallest normal */
-} mxparams;
-
-static inline uint32_t pow2_bits(int k) { return k >= -126 ? (uint32_t)(k + 127) << 23 : 0x00400000u; }
-
-/* The block's decoded scale (what .scales holds), its element multiplier and the dequantization factor. */
-static inline void block_scale(uint32_t amaxb, const mxparams *p, float *scale, float *mult, float *deq) {
-    if (amaxb > 0x7F800000u) {
-        *scale = *mult = *deq = bits_f32(MX_NAN);
-        return;
-    }
-    if (p->mode == MX_E4M3) {
-        float bs = bits_f32(amaxb) / p->max_element;
-        if (p->has_ts) bs = bs / p->ts;
-        bs = bs < 0x1p-6f ? 0x1p-6f : (bs > 448.0f ? 448.0f : bs);
-        /* E4M3 round to nearest even of a normal in [2**-6, 448] (448 is on the grid) */
-        const float m = bits_f32((f32_bits(bs) & 0x7F800000u) + ((20u << 23) | (1u << 22)));
-        const float s = (bs + m) - m;
-        *scale = s;
-        *mult = p->has_ts ? p->rts / s : 1.0f / s;
-        *deq = p->has_ts ? p->ts * s : s;
-        return;
-    }
-    int e;
-    if (p->mode == MX_RCEIL) {
-        const uint32_t d = f32_bits(bits_f32(amaxb) / p->max_element); /* cuBLAS's fp32 quotient */
-        e = (int)((d >> 23) & 0xFFu) - 127 + ((d & 0x7FFFFFu) != 0);
-        if (d < 0x00800000u) e = d > 0x00400000u ? -126 : -127;
-    } else {
-        const uint32_t b = p->mode == MX_EVEN ? amaxb + p->even_inc : amaxb;
-        e = (int)((b >> 23) & 0xFFu) - 127;
-        if (p->mode == MX_CEIL) e += (b & 0x7FFFFFu) != 0;
-        e -= p->emax;
-        if (p->mode == MX_NEURON) e += 1;
-    }
-    e = e < -127 ? -127 : (e > 127 ? 127 : e);
-    *scale = *deq = bits_f32(pow2_bits(e));
-    *mult = (p->mode == MX_RCEIL && e == -127) ? 1.0f : bits_f32(pow2_bits(-e)); /* TE's exp2f_rcp */
-}
-
-/* block_scale for g blocks at once, in loops gcc vectorizes across blocks (integer selects only; dividing by 1
- * and multiplying by 1 are exact, so one loop serves NVFP4 with and without a tensor scale). */
-static void block_scales(const uint32_t *am, int g, const mxparams *p, float *sc, float *mu, float *dq) {
-    uint32_t *scb = (uint32_t *)sc, *mub = (uint32_t *)mu, *dqb = (uint32_t *)dq;
-    if (p->mode == MX_E4M3) {
-        const float maxe = p->max_element, tsd = p->has_ts ? p->ts : 1.0f, rtsd = p->has_ts ? p->rts : 1.0f;
-#pragma omp simd
-        for (int i = 0; i < g; i++) {
-            uint32_t b = f32_bits((bits_f32(am[i]) / maxe) / tsd);
-            b = b < 0x3C800000u ? 0x3C800000u : (b > 0x43E00000u ? 0x43E00000u : b); /* [2**-6, 448] */
-            const float m = bits_f32((b & 0x7F800000u) + ((20u << 23) | (1u << 22)));
-            const float s = (bits_f32(b) + m) - m;
-            const uint32_t nan = 0u - (uint32_t)(am[i] > 0x7F800000u);
-            scb[i] = (f32_bits(s) & ~nan) | (MX_NAN & nan);
-            mub[i] = (f32_bits(rtsd / s) & ~nan) | (MX_NAN & nan);
-            dqb[i] = (f32_bits(tsd * s) & ~nan) | (MX_NAN & nan);
-        }
-        return;
-    }
-    int32_t e[GROUP];
-    if (p->mode == MX_RCEIL) {
-        const float maxe = p->max_element;
-#pragma omp simd
-        for (int i = 0; i < g; i++) {
-            const uint32_t d = f32_bits(bits_f32(am[i]) / maxe);
-            const int32_t en = (int32_t)((d >> 23) & 0xFFu) - 127 + (int32_t)((d & 0x7FFFFFu) != 0);
-            const int32_t es = d > 0x00400000u ? -126 : -127;
-            e[i] = d < 0x00800000u ? es : en;
-        }
-    } else {
-        const uint32_t inc = p->mode == MX_EVEN ? p->even_inc : 0u;
-        const int32_t ceil = p->mode == MX_CEIL, off = -p->emax + (p->mode == MX_NEURON);
-#pragma omp simd
-        for (int i = 0; i < g; i++) {
-            const uint32_t b = am[i] + inc;
-            e[i] = (int32_t)((b >> 23) & 0xFFu) - 127 + (ceil & (int32_t)((b & 0x7FFFFFu) != 0)) + off;
-        }
-    }
-    const uint32_t one_if_rceil = p->mode == MX_RCEIL ? 0x3F800000u : 0u;
-#pragma omp simd
-    for (int i = 0; i < g; i++) {
-        int32_t k = e[i] < -127 ? -127 : (e[i] > 127 ? 127 : e[i]);
-        const uint32_t sb = k >= -126 ? (uint32_t)(k + 127) << 23 : 0x00400000u;
-        uint32_t mb = -k >= -126 ? (uint32_t)(127 - k) << 23 : 0x00400000u;
-        mb = (k == -127 && one_if_rceil) ? one_if_rceil : mb; /* TE's exp2f_rcp */
-        const uint32_t nan = 0u - (uint32_t)(am[i] > 0x7F800000u);
-        scb[i] = dqb[i] = (sb & ~nan) | (MX_NAN & nan);
-        mub[i] = (mb & ~nan) | (MX_NAN & nan);
-    }
-}
-
-static inline __attribute__((always_inline)) uint32_t element(uint32_t xb, float mult, const mxparams *p) {
-    const uint32_t vb = f32_bits(bits_f32(xb) * mult);
-    const uint32_t sign = vb & 0x80000000u, a = vb & 0x7FFFFFFFu;
-    const uint32_t ac = a > p->max_bits ? p->max_bits : a; /* saturate (inf too; NaN is handled last) */
-    uint32_t r;
-    if (!p->toward_zero) {
-        uint32_t c = ac & 0x7F800000u;
-        c = c < p->lo ? p->lo : c;
-        c = c > p->hi ? p->hi : c;
-        const float m = bits_f32(c + p->add);
-        r = f32_bits((bits_f32(ac) + m) - m);
-    } else {
-        /* floor(|v| / spacing) * spacing: drop the fraction bits in the normal range, an integer conversion
-         * (exact, |v| * 2**(man - emin) < 2**man) below it */
-        const uint32_t small = f32_bits((float)(int32_t)(bits_f32(ac) * p->up) * p->down);
-        const uint32_t is_small = 0u - (uint32_t)(ac < p->min_normal_bits);
-        r = (small & is_small) | (ac & p->keep_mask & ~is_small);
-    }
-    return a > 0x7F800000u ? (vb | 0x00400000u) : (sign | r);
-}
+#include "mx.h"
 
 /* One block: amax, scale, elements (times deq when dequantizing) into dst, the scale into *scale_out. */
 #define DEFINE_BLOCK(NAME, SRC_T, LOAD)                                                                        \
@@ -231,37 +110,72 @@ DEFINE_RANGE(range_f32, uint32_t, block_f32, grouped32_f32, grouped16_f32)
 DEFINE_RANGE(range_bf16, uint16_t, block_bf16, grouped32_bf16, grouped16_bf16)
 DEFINE_RANGE(range_f16, uint16_t, block_f16, grouped32_f16, grouped16_f16)
 
+/* Stochastic rounding over blocks [b0, b1): tiles of whole blocks (or of one block's SR_TILE elements) whose
+ * primary bytes are drawn at once; element i of src is stream position first + i. */
+#define SR_TILE 4096
+#define DEFINE_SR_RANGE(NAME, SRC_T, LOAD)                                                                     \
+    static void NAME(const void *src_, float *dst, float *scales, int64_t b0, int64_t b1, int block,           \
+                     int dequant, const mxparams *p, uint64_t key, uint64_t first) {                           \
+        const SRC_T *src = (const SRC_T *)src_;                                                                \
+        uint8_t u[SR_TILE];                                                                                    \
+        uint32_t xb[SR_TILE], r[SR_TILE];                                                                      \
+        const int64_t per = block <= SR_TILE ? SR_TILE / block : 1; /* blocks per tile */                     \
+        for (int64_t t0 = b0; t0 < b1; t0 += per) {                                                            \
+            const int64_t t1 = t0 + per < b1 ? t0 + per : b1;                                                  \
+            if (block <= SR_TILE) mx_philox_fill(key, first + (uint64_t)(t0 * block), (t1 - t0) * block, u);   \
+            for (int64_t b = t0; b < t1; b++) {                                                                \
+                const SRC_T *s = src + b * block;                                                              \
+                uint32_t *d = (uint32_t *)(dst + b * block);                                                   \
+                uint32_t amaxb = 0;                                                                            \
+                _Pragma("omp simd reduction(max : amaxb)") for (int64_t i = 0; i < block; i++) {               \
+                    const uint32_t a = LOAD(s[i]) & 0x7FFFFFFFu;                                               \
+                    amaxb = a > amaxb ? a : amaxb;                                                             \
+                }                                                                                              \
+                float scale, mult, deq;                                                                        \
+                block_scale(amaxb, p, &scale, &mult, &deq);                                                    \
+                if (scales) scales[b] = scale;                                                                 \
+                if (amaxb > 0x7F800000u) {                                                                     \
+                    for (int64_t i = 0; i < block; i++) d[i] = MX_NAN;                                         \
+                    continue;                                                                                  \
+                }                                                                                              \
+                for (int64_t i0 = 0; i0 < block; i0 += SR_TILE) {                                              \
+                    const int64_t n = block - i0 < SR_TILE ? block - i0 : SR_TILE;                             \
+                    const uint64_t e0 = first + (uint64_t)(b * block + i0);                                    \
+                    const uint8_t *ub = u + (b - t0) * block;                                                  \
+                    if (block > SR_TILE) {                                                                     \
+                        mx_philox_fill(key, e0, n, u);                                                         \
+                        ub = u;                                                                                \
+                    }                                                                                          \
+                    _Pragma("omp simd") for (int64_t i = 0; i < n; i++) xb[i] = LOAD(s[i0 + i]);               \
+                    sr_span(xb, n, mult, p, ub, key, e0, r);                                                   \
+                    if (dequant) {                                                                             \
+                        _Pragma("omp simd") for (int64_t i = 0; i < n; i++) dst[b * block + i0 + i] =          \
+                            bits_f32(r[i]) * deq;                                                              \
+                    } else {                                                                                   \
+                        memcpy(d + i0, r, (size_t)n * sizeof(uint32_t));                                       \
+                    }                                                                                          \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+DEFINE_SR_RANGE(sr_range_f32, uint32_t, MX_LOAD_F32)
+DEFINE_SR_RANGE(sr_range_bf16, uint16_t, MX_LOAD_BF16)
+DEFINE_SR_RANGE(sr_range_f16, uint16_t, MX_LOAD_F16)
+
 /* Quantize n_blocks contiguous blocks of `block` elements of src (MX_SRC_* kind) to the block-scaled format
  * (element: exp_bits, man_bits, largest value max_element with exponent emax; scale rule mode; NVFP4's tensor
  * scale ts when has_ts). dst (fp32, n_blocks * block) gets the elements, or with dequant != 0 the elements
  * times their block's scale; scales (n_blocks fp32, may be NULL) the decoded scales. dst may be src itself when
- * src is fp32 (each block is read whole before it is written). Returns 0, or -1 for bad arguments. */
+ * src is fp32 (each block is read whole before it is written). stochastic != 0 rounds stochastically instead,
+ * element i at stream position first + i of the Philox stream key. Returns 0, or -1 for bad arguments. */
 int mixprec_mx_quantize(const void *src, int src_kind, float *dst, float *scales, int64_t n_blocks, int block,
                         int exp_bits, int man_bits, float max_element, int mode, int has_ts, float ts,
-                        int toward_zero, int dequant, int nthreads) {
-    if (src_kind < 0 || src_kind > 2 || n_blocks < 0 || block < 1 || exp_bits < 2 || exp_bits > 7 ||
-        man_bits < 1 || man_bits > 21 || mode < 0 || mode > MX_E4M3 || !(max_element > 0.0f) ||
-        (has_ts && !(ts > 0.0f && ts < 0x1p127f * 2.0f)))
+                        int toward_zero, int dequant, int stochastic, uint64_t key, uint64_t first, int nthreads) {
+    mxparams p;
+    if (src_kind < 0 || src_kind > 2 || n_blocks < 0 || block < 1 ||
+        mx_params(&p, exp_bits, man_bits, max_element, mode, has_ts, ts, toward_zero) != 0 ||
+        (stochastic && toward_zero))
         return -1;
-    const uint32_t mb = f32_bits(max_element);
-    const int emin = 2 - (1 << (exp_bits - 1)), emax = (int)((mb >> 23) & 0xFFu) - 127;
-    mxparams p = {0};
-    p.mode = mode;
-    p.emax = emax;
-    p.has_ts = has_ts;
-    p.toward_zero = toward_zero != 0;
-    p.max_element = max_element;
-    p.ts = ts;
-    p.rts = has_ts ? 1.0f / ts : 1.0f;
-    p.even_inc = 1u << (22 - man_bits);
-    p.max_bits = mb;
-    p.lo = (uint32_t)(emin + 127) << 23;
-    p.hi = (uint32_t)(emax + 1 + 127) << 23;
-    p.add = ((uint32_t)(23 - man_bits) << 23) | (1u << 22);
-    p.keep_mask = ~((1u << (23 - man_bits)) - 1u);
-    p.min_normal_bits = p.lo;
-    p.up = bits_f32((uint32_t)(man_bits - emin + 127) << 23);
-    p.down = bits_f32((uint32_t)(emin - man_bits + 127) << 23);
     void (*fn)(const void *, float *, float *, int64_t, int64_t, int, int, const mxparams *) =
         src_kind == MX_SRC_F32 ? range_f32 : (src_kind == MX_SRC_BF16 ? range_bf16 : range_f16);
     const int64_t n = n_blocks * block;
@@ -272,7 +186,11 @@ int mixprec_mx_quantize(const void *src, int src_kind, float *dst, float *scales
          * as the block size allows */
         const int64_t per = ((n_blocks + nt - 1) / nt + 15) & ~(int64_t)15;
         const int64_t lo = t * per < n_blocks ? t * per : n_blocks, hi = lo + per < n_blocks ? lo + per : n_blocks;
-        if (hi > lo) fn(src, dst, scales, lo, hi, block, dequant != 0, &p);
+        if (hi > lo && stochastic)
+            (src_kind == MX_SRC_F32 ? sr_range_f32 : (src_kind == MX_SRC_BF16 ? sr_range_bf16 : sr_range_f16))(
+                src, dst, scales, lo, hi, block, dequant != 0, &p, key, first);
+        else if (hi > lo)
+            fn(src, dst, scales, lo, hi, block, dequant != 0, &p);
     }
     return 0;
 }
