@@ -38,14 +38,14 @@ TINY = {
 
 
 def tiny(tmp_path, name: str, **changes) -> TrainConfig:
-    return TrainConfig.from_dict({**TINY, "out_dir": str(tmp_path / name), **changes})
+    return TrainConfig.from_fields({**TINY, "out_dir": str(tmp_path / name), **changes})
 
 
 def test_flush_grows_as_the_per_microbatch_factor_shrinks(tmp_path) -> None:
     corpus = load_corpus("stdlib")
-    fp16 = {"precision": "fp16", "loss_scaler": "static", "simulate_dp": 2}  # 4 microbatches per rank
+    fp16 = {"precision": "fp16", "kind": "static", "simulate_dp": 2}  # 4 microbatches per rank
     flush = [
-        measure_flush(tiny(tmp_path, "f", **fp16, loss_scale=4 * factor), corpus, step=0)
+        measure_flush(tiny(tmp_path, "f", **fp16, init_scale=4 * factor), corpus, step=0)
         for factor in (2.0**12, 2.0**-12, 2.0**-20)
     ]
     assert all(0 <= f.rank <= 1 and 0 <= f.reduced <= 1 and 0 <= f.norm_share <= 1 for f in flush)
@@ -53,7 +53,7 @@ def test_flush_grows_as_the_per_microbatch_factor_shrinks(tmp_path) -> None:
     assert flush[0].reduced < flush[1].reduced < flush[2].reduced
     assert flush[0].overflow == 0
     # 2**40 times a gradient of order 1e-3 is far beyond fp16's 65504
-    assert measure_flush(tiny(tmp_path, "f", **fp16, loss_scale=2.0**40), corpus, step=0).overflow > 0
+    assert measure_flush(tiny(tmp_path, "f", **fp16, init_scale=2.0**40), corpus, step=0).overflow > 0
 
 
 def test_a_shadow_reduction_sees_the_same_gradients_and_leaves_the_run_alone(tmp_path) -> None:
