@@ -82,7 +82,7 @@ def rank_main(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
     torch_ddp = torch.nn.parallel.DistributedDataParallel(model)
-    torch_ddp.register_comm_hook(mixprec.hooks.Uint8HookState(error_feedback=True), mixprec.hooks.uint8_compress_hook)
+    torch_ddp.register_comm_hook(mixprec.hooks.CompressedHookState(error_feedback=True), mixprec.hooks.compressed_hook)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     for step in range(5):
         x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1000 * step + rank))
@@ -116,7 +116,7 @@ if __name__ == "__main__":
         f"DistributedDataParallel(uint8_hierarchical, error feedback): loss {first:.3f} -> {last:.3f}; "
         f"replicas identical: {ddp_same}"
     )
-    print(f"torch DDP + uint8_compress_hook: replicas identical: {hook_same}")
+    print(f"torch DDP + compressed_hook: replicas identical: {hook_same}")
     assert same and ddp_same and hook_same and last < 0.5 * first
     assert r0["ratio_to_fp32"] < 0.3
     assert r0["mean_error_with_feedback"] < 0.5 * r0["mean_error_without_feedback"]

@@ -127,8 +127,8 @@ def _worker_hook(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    state = mixprec.hooks.Uint8HookState(chunk_size=CHUNK, wire="auto", link_gbps=0.01)
-    ddp.register_comm_hook(state, mixprec.hooks.uint8_compress_hook)
+    state = mixprec.hooks.CompressedHookState(chunk_size=CHUNK, wire="auto", link_gbps=0.01)
+    ddp.register_comm_hook(state, mixprec.hooks.compressed_hook)
     g = torch.Generator().manual_seed(rank)
     ddp(torch.randn(8, 16, generator=g)).square().mean().backward()
     return {"choices": {k: c.wire for k, c in state.choices.items()}, "bytes": state.bytes_sent_total}

@@ -397,7 +397,7 @@ def test_reduce_scatter_gives_each_owner_its_fp32_sum() -> None:
 def _hooked(rank: int, world: int) -> dict:
     """Three SGD steps under torch DDP with mixprec's compress hook on the block-scaled wires, and under mixprec's
     wrapper with the matching reducer: every step's gradients of both."""
-    from mixprec.hooks import Uint8HookState, uint8_compress_hook
+    from mixprec.hooks import CompressedHookState, compressed_hook
     from mixprec.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
@@ -413,7 +413,7 @@ def _hooked(rank: int, world: int) -> dict:
                 wrapped = torch.nn.parallel.DistributedDataParallel(net)
             elif consumer == "torch":
                 wrapped = torch.nn.parallel.DistributedDataParallel(net)
-                wrapped.register_comm_hook(Uint8HookState(**opts), uint8_compress_hook)
+                wrapped.register_comm_hook(CompressedHookState(**opts), compressed_hook)
             else:
                 wrapped = DistributedDataParallel(net, reduce=name, reduce_options=opts)
             opt = torch.optim.SGD(net.parameters(), lr=0.5)

@@ -315,8 +315,8 @@ def _worker_training(rank: int, world: int, mode: str) -> dict:
     x, y = _batch(rank)
     if mode == "torch_hook":
         ddp = torch.nn.parallel.DistributedDataParallel(_model())
-        state = mixprec.hooks.Uint8HookState(chunk_size=CHUNK, wire="e4m3", error_feedback=True)
-        ddp.register_comm_hook(state, mixprec.hooks.uint8_compress_hook)
+        state = mixprec.hooks.CompressedHookState(chunk_size=CHUNK, wire="e4m3", error_feedback=True)
+        ddp.register_comm_hook(state, mixprec.hooks.compressed_hook)
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         return {"grads": [p.grad.clone() for p in ddp.parameters()], "bytes": state.bytes_sent_total}
     if mode == "fp8_hierarchical":

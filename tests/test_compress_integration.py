@@ -22,7 +22,7 @@ from compress_reference import (
 )
 from mixprec.comm import Topology, make_reducer
 from mixprec.compress import CompressedReducer, CompressionOptions, ErrorFeedback
-from mixprec.integrations.ddp_uint8 import uint8_compress_hook
+from mixprec.integrations.ddp_uint8 import compressed_hook
 from mixprec.parallel import DistributedDataParallel
 
 CHUNK = 256
@@ -187,8 +187,8 @@ def test_factories_validate_options() -> None:
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE is not set"):
         make_reducer("uint8_hierarchical")
-    with pytest.raises(TypeError, match="state must be a Uint8HookState"):
-        uint8_compress_hook(object(), None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="state must be a CompressedHookState"):
+        compressed_hook(object(), None)  # type: ignore[arg-type]
     for kwargs, exc, match in [
         ({"chunk_size": 0}, ValueError, "chunk_size must be an int >= 1"),
         ({"rounding": "up"}, ValueError, "rounding must be one of"),
@@ -210,7 +210,7 @@ def _worker_rank_streams(rank: int, world: int) -> dict:
     reducer = make_reducer("uint8", chunk_size=CHUNK, rounding="stochastic", seed=123)
     bucket = _bucket(rank, 0)
     reducer.all_reduce(bucket, None, average=True, key=0).wait()
-    state = mixprec.hooks.Uint8HookState(chunk_size=CHUNK, rounding="stochastic", seed=9, error_feedback=True)
+    state = mixprec.hooks.CompressedHookState(chunk_size=CHUNK, rounding="stochastic", seed=9, error_feedback=True)
     comp = state.compressor_for(torch.device("cpu"))
     same_stream = comp.generator is rank_generator(9, "cpu")
     first_draw = torch.rand(4, generator=comp.generator)
@@ -264,8 +264,8 @@ def test_stochastic_streams_are_rank_seeded_and_hook_state_validates(dist_run) -
 
 
 def test_hook_state_needs_an_initialised_group() -> None:
-    with pytest.raises(RuntimeError, match="Uint8HookState needs an initialised process group"):
-        mixprec.hooks.Uint8HookState(rounding="stochastic")
+    with pytest.raises(RuntimeError, match="CompressedHookState needs an initialised process group"):
+        mixprec.hooks.CompressedHookState(rounding="stochastic")
 
 
 def _model() -> torch.nn.Module:
@@ -290,8 +290,8 @@ def _worker_ddp(rank: int, world: int, mode: str) -> dict:
     if mode.startswith("torch_hook"):
         ddp = torch.nn.parallel.DistributedDataParallel(_model())
         topology = Topology(2, 2) if mode == "torch_hook_2x2" else None
-        state = mixprec.hooks.Uint8HookState(chunk_size=CHUNK, error_feedback=True, topology=topology)
-        ddp.register_comm_hook(state, mixprec.hooks.uint8_compress_hook)
+        state = mixprec.hooks.CompressedHookState(chunk_size=CHUNK, error_feedback=True, topology=topology)
+        ddp.register_comm_hook(state, mixprec.hooks.compressed_hook)
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         grads = [p.grad.clone() for p in ddp.parameters()]
         intra = sum(st.bytes_sent_intra_node for st in state.last_stats.values())

@@ -28,7 +28,7 @@ EXPECTED: dict[str, list[str]] = {
         "with it",
         "hierarchical (2 nodes x 2 ranks)",
         "DistributedDataParallel(uint8_hierarchical, error feedback): loss",
-        "torch DDP + uint8_compress_hook: replicas identical: True",
+        "torch DDP + compressed_hook: replicas identical: True",
     ],
     "emulation.py": [
         "round_to: fp8_e4m3 and bf16 bit-exact with torch's casts",

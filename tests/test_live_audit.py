@@ -266,7 +266,7 @@ def _bad_argument_case(rank: int, world_size: int) -> list[str]:
         except (TypeError, ValueError) as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
     try:
-        mixprec.hooks.Uint8HookState(audit_every=-1)
+        mixprec.hooks.CompressedHookState(audit_every=-1)
     except ValueError as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
     dist.barrier()  # nothing was left half-issued: the group still works
@@ -318,8 +318,8 @@ def _hook_case(rank: int, world_size: int, which: str) -> list[tuple[int, int, f
     model = VecNet()
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=384 * 4 / 2**20)
     if which == "uint8":
-        state = mixprec.hooks.Uint8HookState(audit_every=2)
-        ddp.register_comm_hook(state, mixprec.hooks.uint8_compress_hook)
+        state = mixprec.hooks.CompressedHookState(audit_every=2)
+        ddp.register_comm_hook(state, mixprec.hooks.compressed_hook)
     else:
         state = mixprec.hooks.FP32HookState(audit_every=2)
         ddp.register_comm_hook(state, mixprec.hooks.fp32_accumulate_hook)

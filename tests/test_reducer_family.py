@@ -157,7 +157,7 @@ def test_a_model_fixes_its_group_size_and_checks_its_rows() -> None:
 def _hooked(rank: int, world: int, dtype: torch.dtype) -> dict:
     """Three SGD steps of one small model under torch DDP with each mixprec hook, and under mixprec's wrapper
     with the matching reducer; every step's gradients of both."""
-    from mixprec.hooks import Uint8HookState, fp32_accumulate_hook, uint8_compress_hook
+    from mixprec.hooks import CompressedHookState, compressed_hook, fp32_accumulate_hook
     from mixprec.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
@@ -166,8 +166,8 @@ def _hooked(rank: int, world: int, dtype: torch.dtype) -> dict:
     setups = {
         "native": (None, None),  # torch DDP's own hook: pre-divide, then the backend's all-reduce
         "fp32_accumulate": (fp32_accumulate_hook, lambda: None),
-        "uint8": (uint8_compress_hook, lambda: Uint8HookState(**uint8)),
-        "fp8": (uint8_compress_hook, lambda: Uint8HookState(**fp8)),
+        "uint8": (compressed_hook, lambda: CompressedHookState(**uint8)),
+        "fp8": (compressed_hook, lambda: CompressedHookState(**fp8)),
     }
     options = {"native": {}, "fp32_accumulate": {}, "uint8": uint8, "fp8": fp8}
     out: dict = {}

@@ -9,7 +9,7 @@
 * :class:`CompressedReducer`: the reducers ``"uint8"``, ``"fp8"``, ``"mxfp8"``, ``"nvfp4"`` (each also
   ``_hierarchical``) and ``"auto"`` for :class:`mixprec.parallel.DistributedDataParallel` (registered when this
   package is imported), configured by one validated :class:`CompressionOptions`, as is the torch DDP hook
-  :func:`mixprec.hooks.uint8_compress_hook`.
+  :func:`mixprec.hooks.compressed_hook`.
 
 Deprecated names, importable with a DeprecationWarning: ``Uint8Reducer`` (now :class:`CompressedReducer`),
 ``Uint8Options`` (now :class:`CompressionOptions`), ``Topology`` (its home is :mod:`mixprec.comm`).

@@ -1,4 +1,4 @@
-"""What :class:`~mixprec.compress.CompressedReducer` (mixprec's DDP) and :class:`~mixprec.hooks.Uint8HookState`
+"""What :class:`~mixprec.compress.CompressedReducer` (mixprec's DDP) and :class:`~mixprec.hooks.CompressedHookState`
 (torch DDP) share: their validated options, the per-device compressors with their rank-seeded streams, and
 the checks of the state they save.
 """

@@ -1,20 +1,25 @@
-"""A torch DDP communication hook that all-reduces each gradient bucket with 8-bit compression.
+"""A torch DDP communication hook that all-reduces each gradient bucket on a compressed wire.
 
 Usage::
 
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    state = Uint8HookState(error_feedback=True)
-    ddp.register_comm_hook(state, uint8_compress_hook)
+    state = CompressedHookState(error_feedback=True)
+    ddp.register_comm_hook(state, compressed_hook)
 
-The hook averages the bucket over the group (like DDP's default hook) with
-:func:`mixprec.compress.compressed_all_reduce`. It runs the whole collective inside the hook and returns
-an already completed future: simple and safe (every collective is issued from the backward thread, in
+The hook averages the bucket over the group (like DDP's default hook) with the state's
+:class:`mixprec.compress.CompressedReducer`: the same reduction, wire and bits as mixprec's own
+``DistributedDataParallel(reduce=...)`` on the same bucket. It runs the whole collective inside the hook and
+returns an already completed future: simple and safe (every collective is issued from the backward thread, in
 bucket order), at the price of not overlapping this bucket's communication with the rest of backward.
-``Uint8HookState(wire="e4m3")`` sends fp8; ``wire="auto"`` picks full precision, uint8 or fp8 per bucket.
+``wire=`` picks what is sent: ``"uint8"`` (default), fp8 ``"e4m3"`` / ``"e5m2"``, block-scaled ``"mxfp8_e4m3"``,
+``"nvfp4"`` ..., or ``"auto"`` (full precision, uint8 or fp8 per bucket). ``audit_every=N`` runs the live
+numerics audit (:mod:`mixprec.comm.live_audit`). Formerly ``Uint8HookState`` / ``uint8_compress_hook``
+(deprecated aliases in :mod:`mixprec.hooks`).
 """
 
 # No ``from __future__ import annotations`` here: torch DDP's register_comm_hook checks the hook's
 # annotations against the real dist.GradBucket and torch.futures.Future[torch.Tensor] objects.
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,12 +35,12 @@ from mixprec.compress.state import CompressionStats, ErrorFeedback
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED
 from mixprec.core.validate import check_group, check_positive_int
 
-__all__ = ["Uint8HookState", "uint8_compress_hook"]
+__all__ = ["CompressedHookState", "compressed_hook"]
 
 
-class Uint8HookState:
-    """State of :func:`uint8_compress_hook`: a :class:`mixprec.compress.CompressedReducer` (options, per-bucket error
-    feedback, streams, buffers, stats) and the size of each torch DDP bucket it has seen.
+class CompressedHookState:
+    """State of :func:`compressed_hook`: a :class:`mixprec.compress.CompressedReducer` (options, per-bucket error
+    feedback, streams, buffers, stats), the size of each torch DDP bucket it has seen and the live audit.
 
     Create it after ``torch.distributed.init_process_group`` (RuntimeError otherwise), like the DDP model.
 
@@ -48,13 +53,17 @@ class Uint8HookState:
         seed: stochastic rounding's generator is ``mixprec.comm.rank_generator(seed, bucket device)``: seeded
             with ``seed + global rank``, on the gradients' device, created at the first hook call; each
             reduction draws one 64-bit Philox key from it (``docs/compress.md``).
-        wire, link_gbps: ``"uint8"``, ``"e4m3"``, ``"e5m2"`` or ``"auto"`` (see
-            :class:`mixprec.compress.CompressionOptions`); with ``"auto"`` the choice of each bucket index is
-            made at its first call and kept (:attr:`choices`).
-        audit_every: None, or an int N >= 1: at synced steps N, 2N, ... one bucket (bucket index
-            ``(step // N - 1) mod buckets``) is also reduced exactly and the error of the compressed
-            reduction (and of the backend's own all-reduce) recorded in :attr:`audit_results`
-            (:class:`mixprec.comm.live_audit.LiveAudit`).
+        wire, link_gbps: any wire of :class:`mixprec.compress.CompressionOptions`: ``"uint8"``, ``"e4m3"``,
+            ``"e5m2"``, ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"``, ``"mxfp4_e2m1"``, ``"nvfp4"`` (block-scaled:
+            ``chunk_size`` a multiple of the block) or ``"auto"``; with ``"auto"`` the choice of each bucket
+            index is made at its first call and kept (:attr:`choices`).
+        audit_every: None, or an int N >= 1: at synced steps N, 2N, ... one bucket (index ``(step // N - 1) mod
+            buckets``) is also reduced exactly (a sample of at most 65536 elements of it) and the error of the
+            compressed reduction and of the backend's own all-reduce recorded (:attr:`audit_results`,
+            :attr:`audit_rows`). Its collectives run on the same group, before the bucket's own; the
+            reduction itself is unchanged, bit for bit.
+        on_audit: called with each :class:`mixprec.comm.live_audit.AuditResult` as it is recorded, on every
+            rank, from inside backward (e.g. ``lambda r: logger.log(r.as_row())`` on rank 0).
 
     Raises:
         RuntimeError: torch.distributed is not initialised (every rank would otherwise share one stream).
@@ -74,11 +83,12 @@ class Uint8HookState:
         wire: str = "uint8",
         link_gbps: float | None = None,
         audit_every: int | None = None,
+        on_audit: Callable[[AuditResult], None] | None = None,
     ) -> None:
-        self.audit = LiveAudit(audit_every)
+        self.audit = LiveAudit(audit_every, on_audit=on_audit)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
-                "Uint8HookState needs an initialised process group: call torch.distributed.init_process_group "
+                "CompressedHookState needs an initialised process group: call torch.distributed.init_process_group "
                 "first (as for torch's DistributedDataParallel)"
             )
         self.process_group = check_group("process_group", process_group)
@@ -104,6 +114,11 @@ class Uint8HookState:
     def audit_results(self) -> list[AuditResult]:
         """This rank's live-audit results, oldest first (``audit_every``)."""
         return self.audit.results
+
+    @property
+    def audit_rows(self) -> list[dict[str, Any]]:
+        """:attr:`audit_results` as ``metrics.jsonl`` rows (the ``audit_*`` keys of ``AuditResult.as_row``)."""
+        return [r.as_row() for r in self.audit.results]
 
     @property
     def options(self) -> CompressionOptions:
@@ -181,19 +196,19 @@ class Uint8HookState:
         self._numels = numels
 
 
-def uint8_compress_hook(state: Uint8HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: average ``bucket`` over ``state.process_group`` with uint8 min-max compression.
+def compressed_hook(state: CompressedHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: average ``bucket`` over ``state.process_group`` on the state's compressed wire.
 
     A thin adapter: ``state.reducer.all_reduce_any_length(buffer, group, average=True, key=bucket.index())``
     (:class:`mixprec.compress.CompressedReducer`, so the same bits as mixprec's wrapper on the same bucket).
-    Wire: uint8 codes + fp32 per-chunk headers (~1/4 of fp32's bytes); accumulation: fp32 in rank order;
-    extra memory: the reducer's buffers (~3 bytes per bucket element) and, with error feedback, fp32
-    residuals per bucket. Returns a completed future holding the reduced bucket buffer. With
+    Wire: the state's (uint8 codes + fp32 per-chunk headers, ~1/4 of fp32's bytes, by default); accumulation:
+    fp32 in rank order; extra memory: the reducer's buffers (a few bytes per bucket element) and, with error
+    feedback, fp32 residuals per bucket. Returns a completed future holding the reduced bucket buffer. With
     ``audit_every``, the audited bucket's collectives run first, on the same group (module
     :mod:`mixprec.comm.live_audit`).
     """
-    if not isinstance(state, Uint8HookState):
-        raise TypeError(f"state must be a Uint8HookState; got {type(state).__name__}")
+    if not isinstance(state, CompressedHookState):
+        raise TypeError(f"state must be a CompressedHookState; got {type(state).__name__}")
     buffer = bucket.buffer()
     index = bucket.index()
     state._seen(index, buffer.numel())

@@ -29,7 +29,13 @@ import torch.distributed as dist
 
 from mixprec.comm.compat import require_initialized
 from mixprec.comm.handles import PendingReduction, wait_all
-from mixprec.comm.live_audit import AuditResult, LiveAudit, PendingAudit
+from mixprec.comm.live_audit import (
+    AUDIT_SAMPLE_ELEMENTS,
+    AuditResult,
+    LiveAudit,
+    PendingAudit,
+    check_audit_every,
+)
 from mixprec.comm.reducer import BucketReducer, ReductionHandle, make_reducer
 from mixprec.core.dtypes import LOW_PRECISION_DTYPES
 from mixprec.core.validate import check_bool, check_group
@@ -80,9 +86,12 @@ class DistributedDataParallel(torch.nn.Module):
         check_finite: check every bucket for inf/NaN before sending it, warn with
             :class:`NonFiniteGradientWarning` and record :attr:`last_nonfinite` (see ``docs/parallel.md``).
         audit_every: None, or an int N >= 1: at synced steps N, 2N, ... one bucket (``(step // N - 1) mod
-            buckets``) is also reduced exactly and the reduction's error recorded in :attr:`audit_results`
-            (:class:`mixprec.comm.live_audit.LiveAudit`: one all-gather of that bucket, and one native
-            all-reduce of a copy beside a non-native reducer).
+            buckets``) is also reduced exactly on a sample of it and the reduction's error there recorded in
+            :attr:`audit_results` (:class:`mixprec.comm.live_audit.LiveAudit`: one all-gather of the sample,
+            and one native all-reduce of a copy of it beside a non-native reducer); the gradients are unchanged.
+        audit_sample: elements of the audited bucket reduced exactly, at most (int >= 1, default 65536): the
+            whole bucket when it holds no more, else one segment at the same offset of each rank's shard,
+            moving on at each visit of the bucket; None = always the whole bucket (cost grows with it).
 
     The gradients are averaged over the group. Parameters that no rank used get a zero gradient.
     """
@@ -100,10 +109,11 @@ class DistributedDataParallel(torch.nn.Module):
         sharded_optimizer: bool = False,
         check_finite: bool = True,
         audit_every: int | None = None,
+        audit_sample: int | None = AUDIT_SAMPLE_ELEMENTS,
     ) -> None:
         super().__init__()
         require_initialized("DistributedDataParallel")
-        self.audit = LiveAudit(audit_every)
+        self.audit = LiveAudit(audit_every, sample=check_audit_every(audit_sample, "audit_sample"))
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module; got {type(module).__name__}")
         # group, bucket_size, grad_dtype and the parameters are checked by GradBuffer, before any collective.
