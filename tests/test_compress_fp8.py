@@ -24,12 +24,11 @@ from compress_reference import (
     ref_hierarchical_reduce_scatter,
 )
 from mixprec import native
-from mixprec.comm import make_reducer
+from mixprec.comm import Topology, make_reducer
 from mixprec.compress import (
     ErrorFeedback,
     NonFiniteError,
     ScaledFP8,
-    Topology,
     compressed_all_reduce,
     compressed_reduce_scatter,
 )
