@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import mixprec.compress.blockscaled as bs_mod
 import mixprec.core.mx as mx_mod
 import mixprec.native as native
 from mixprec.compress import BlockScaledWire
 from mixprec.compress.blockscaled import BLOCK_WIRES
 from mixprec.core.mx import E8M0_MODES, MX_FORMATS, fake_quantize, mx_quantize, stream_positions
+from mixprec.native import kernels
 from test_mx import blocks_of_every_kind
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no compiled kernels: {native.describe()}")
@@ -37,18 +37,18 @@ pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no compiled k
 def ran(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Records the compiled wire kernels' runs, so that a comparison knows the kernel ran."""
     seen: list[str] = []
-    enc, dec = bs_mod.wire_encode_raw, bs_mod.wire_decode_raw
+    enc, dec = kernels.mx_wire_encode, kernels.mx_wire_decode
 
-    def encode(*args: object) -> int | None:
+    def encode(*args: object) -> int:
         seen.append("encode")
         return enc(*args)  # type: ignore[arg-type]
 
-    def decode(*args: object) -> int | None:
+    def decode(*args: object) -> int:
         seen.append("decode")
         return dec(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(bs_mod, "wire_encode_raw", encode)
-    monkeypatch.setattr(bs_mod, "wire_decode_raw", decode)
+    monkeypatch.setattr(kernels, "mx_wire_encode", encode)
+    monkeypatch.setattr(kernels, "mx_wire_decode", decode)
     return seen
 
 
@@ -245,14 +245,13 @@ CASES = [(f, m) for f, bf in MX_FORMATS.items() for m in (("e4m3",) if bf.scale 
 @pytest.fixture
 def quantize_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen: list[int] = []
-    raw = mx_mod.mx_quantize_raw
+    raw = kernels.mx_quantize
 
-    def counted(*args: object) -> bool:
-        ok = raw(*args)  # type: ignore[arg-type]
-        seen.append(int(ok))
-        return ok
+    def counted(*args: object) -> None:
+        raw(*args)  # type: ignore[arg-type]
+        seen.append(1)
 
-    monkeypatch.setattr(mx_mod, "mx_quantize_raw", counted)
+    monkeypatch.setattr(kernels, "mx_quantize", counted)
     return seen
 
 

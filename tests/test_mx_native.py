@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import mixprec.core.mx as mx_mod
 import mixprec.native as native
 from mixprec.core.mx import E8M0_MODES, MX_FORMATS, fake_quantize, mx_quantize, stream_positions
+from mixprec.native import kernels
 from test_mx import blocks_of_every_kind
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no compiled kernels: {native.describe()}")
@@ -33,14 +33,13 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the compiled kernel's runs, so that a test comparing both paths knows the kernel ran (and a
     fallback test that it did not)."""
     seen: list[int] = []
-    raw = mx_mod.mx_quantize_raw
+    raw = kernels.mx_quantize
 
-    def counted(*args: object) -> bool:
-        ran = raw(*args)  # type: ignore[arg-type]
-        seen.append(int(ran))
-        return ran
+    def counted(*args: object) -> None:
+        raw(*args)  # type: ignore[arg-type]
+        seen.append(1)
 
-    monkeypatch.setattr(mx_mod, "mx_quantize_raw", counted)
+    monkeypatch.setattr(kernels, "mx_quantize", counted)
     return seen
 
 
@@ -258,7 +257,7 @@ def test_the_torch_path_runs_where_the_kernel_does_not(calls: list[int], monkeyp
     assert calls == []
     want = fake_quantize(x, "mxfp8_e4m3")
     assert calls == [1]
-    monkeypatch.setattr(mx_mod, "native_available", lambda: False)  # no library in this process
+    monkeypatch.setattr(native, "library", lambda: None)  # no library in this process
     got = fake_quantize(x, "mxfp8_e4m3")
     assert calls == [1] and torch.equal(bits(got), bits(want))
 

@@ -14,7 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec.native as native
 from mixprec.comm.fp32_sum import sum_shards_into
-from mixprec.compress import MinMaxUInt8, ScaledFP8
+from mixprec.compress import BlockScaledWire, MinMaxUInt8, ScaledFP8
+from mixprec.core.mx import fake_quantize, mx_quantize
 from mixprec.core.rounding import round_to, round_to_
 from mixprec.emulate import matmul
 from mixprec.native import kernels, ops
@@ -32,11 +33,10 @@ def test_one_dtype_table_on_both_sides_of_the_boundary() -> None:
     assert {names[d]: code for d, code in DTYPE_CODES.items()} == c_side
     # no kernel source keeps a private table: a dtype name set to a number instead of the shared name
     for src in CSRC.glob("*.c"):
-        if src.name == "mx.c":  # converted separately (native/mx.py)
-            continue
         private = re.findall(r"\b(?:DT|SRC)_B?FP?(?:16|32|64)\s*=\s*\d", src.read_text())
         assert not private, (src.name, private)
     assert "MIXPREC_F32" in (CSRC / "fp32sum.c").read_text()
+    assert "MIXPREC_BF16" in (CSRC / "mx.c").read_text()
 
 
 @needs_kernels
@@ -52,12 +52,18 @@ def test_fp32_sum_reads_and_writes_each_dtype_as_itself(wire: torch.dtype, out_d
 
 
 # ------------------------------------------------------------------ the typed wrappers' contract
+def _mx_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 e4m3's element and E8M0 scale value tables, as BlockScaledWire builds them."""
+    return BlockScaledWire("mxfp8_e4m3")._value_tables(torch.device("cpu"))
+
+
 def _contract_cases() -> list[tuple[str, object]]:
     f32 = torch.ones(8)
     out = torch.empty(8)
     fmt = (5, 10, True, False, True)
     enc = torch.empty(2, 8 * 2 + 8, dtype=torch.uint8)
     nine = torch.ones(9)
+    mxbuf = torch.empty(1, 33, dtype=torch.uint8)
     return [
         ("int tensor", lambda: kernels.round_nearest(torch.ones(8, dtype=torch.int32), out, *fmt)),
         ("strided src", lambda: kernels.round_nearest(torch.ones(16)[::2], out, *fmt)),
@@ -72,6 +78,17 @@ def _contract_cases() -> list[tuple[str, object]]:
         ("fp8 fmt", lambda: kernels.quant_encode_fp8(torch.ones(2, 8), enc[:, :16], 4, 7, False, 0, 0, 8)),
         ("decode out", lambda: kernels.quant_decode_u8(enc, 8, torch.empty(2, 8, dtype=torch.int8), 4, False)),
         ("table", lambda: kernels.fp8_table_format(torch.ones(255))),
+        ("mx block", lambda: kernels.mx_quantize(f32, out, None, 3, (4, 3, 448.0), 0, None, False, False, None)),
+        ("mx mode", lambda: kernels.mx_quantize(f32, out, None, 8, (4, 3, 448.0), 9, None, False, False, None)),
+        ("mx scales", lambda: kernels.mx_quantize(f32, out, out[:1], 8, (4, 3, 448.0), 0, None, False, True, None)),
+        ("wire out", lambda: kernels.mx_wire_encode(torch.ones(2, 32), None, enc, (4, 3, 448.0), 3, 32, 32, 255,
+                                                    None, 0, 32)),
+        ("wire residual", lambda: kernels.mx_wire_encode(torch.ones(1, 32), torch.ones(1, 32).double(), mxbuf,
+                                                         (4, 3, 448.0), 3, 32, 32, 255, None, 0, 32)),
+        ("wire grid", lambda: kernels.mx_wire_decode(mxbuf, 32, torch.empty(1, 32), _mx_tables(), (4, 2), 32, 32,
+                                                     False, 255, False)),
+        ("wire table", lambda: kernels.mx_wire_decode(mxbuf, 32, torch.empty(32), (torch.ones(16), _mx_tables()[1]),
+                                                      (4, 3), 32, 32, False, 255, True)),
         ("matmul b", lambda: kernels.matmul_model(torch.ones(1, 2, 3), torch.ones(1, 4, 2), torch.empty(1, 2, 2),
                                                   16, 0, 0, (23, -126, 127, 3e38, 3e38, 1e-38, True))),
     ]  # fmt: skip
@@ -94,6 +111,7 @@ def test_every_wrapper_bumps_the_version_of_what_it_wrote() -> None:
     fp8 = torch.empty(2, 4 * 2 + 64, dtype=torch.uint8)
     table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     mm = torch.empty(1, 2, 3)
+    mxbuf = torch.empty(2, 2 + 64, dtype=torch.uint8)
     acc = (23, -126, 127, 3.4e38, float("inf"), 2.0**-126, True)
     writes = [
         (lambda o: kernels.round_nearest(x[0], o, *fmt), torch.empty(64)),
@@ -105,6 +123,17 @@ def test_every_wrapper_bumps_the_version_of_what_it_wrote() -> None:
         (lambda o: kernels.quant_decode_fp8(fp8, 64, o, 32, table, 0, True), torch.empty(64)),
         (lambda o: kernels.philox_bytes(5, 0, o), torch.empty(64, dtype=torch.uint8)),
         (lambda o: kernels.matmul_model(torch.ones(1, 2, 4), torch.ones(1, 4, 3), o, 16, 0, 0, acc), mm),
+        (lambda o: kernels.mx_quantize(x, o, None, 32, (4, 3, 448.0), 3, None, False, True, 5), torch.empty(2, 64)),
+        (
+            lambda o: kernels.mx_quantize(x, torch.empty(2, 64), o, 32, (4, 3, 448.0), 0, None, True, False, None),
+            torch.empty(2, 2),
+        ),
+        (lambda o: kernels.mx_wire_encode(x, None, o, (4, 3, 448.0), 3, 32, 32, 255, None, 0, 64), mxbuf),
+        (lambda o: kernels.mx_wire_encode(x, o, mxbuf, (4, 3, 448.0), 3, 32, 32, 255, None, 0, 64), torch.zeros(2, 64)),
+        (
+            lambda o: kernels.mx_wire_decode(mxbuf, 64, o, _mx_tables(), (4, 3), 32, 32, False, 255, True),
+            torch.empty(64),
+        ),
     ]
     for i, (write, out) in enumerate(writes):
         before = out._version
@@ -138,6 +167,23 @@ def _workloads() -> dict[str, object]:
 
         return run
 
+    def wire(w, feedback=False):
+        def run(x):
+            buf = torch.empty(x.shape[0], w.encoded_nbytes(x.shape[1]), dtype=torch.uint8)
+            if feedback:
+                residual = torch.full(x.shape, 1e-3)
+                w.encode_feedback_rows(x, residual, buf, key=2**63 + 12345)
+            else:
+                residual = torch.empty(0)
+                w.encode_rows(x, buf, key=2**63 + 12345)
+            dec = torch.empty(x.shape[1])
+            w.decode_rows(buf, x.shape[1], dec, reduce=True)
+            rows = torch.empty(x.shape, dtype=torch.bfloat16)
+            w.decode_rows(buf, x.shape[1], rows)
+            return buf, dec, rows, residual
+
+        return run
+
     def fp32_sum(x):
         out = torch.empty(x.shape[1], dtype=torch.bfloat16)
         sum_shards_into(out, x.to(torch.float16), average=True, rounding="nearest", generator=None, factor=0.5)
@@ -158,6 +204,13 @@ def _workloads() -> dict[str, object]:
         "fp8": quant(fp8),
         "fp32_sum": fp32_sum,
         "matmul": lambda x: matmul(x[:, :48].reshape(3, 4, 12), x[0, :60].reshape(12, 5), mode="fp16/16"),
+        "mx_quantize": lambda x: mx_quantize(x[:, :992], "mxfp4_e2m1", scale_mode="even").elements,
+        "mx_fake_quantize": lambda x: fake_quantize(x[:, :992].bfloat16(), "nvfp4", tensor_scale=0.25),
+        "mx_round_to": lambda x: round_to(x[:, :992], "mxfp8_e4m3"),
+        "mx_stochastic": lambda x: fake_quantize(x[:, :992], "mxfp8_e5m2", "stochastic", key=2**63 + 7),
+        "mx_wire": wire(BlockScaledWire("mxfp8_e4m3", chunk_size=64)),
+        "mx_wire_nvfp4_stochastic": wire(BlockScaledWire("nvfp4", chunk_size=64, rounding="stochastic")),
+        "mx_wire_feedback": wire(BlockScaledWire("mxfp4_e2m1", chunk_size=64), feedback=True),
     }
 
 
@@ -185,12 +238,14 @@ def test_torch_compile_runs_the_compiled_kernel_as_an_op(name: str) -> None:
     torch._dynamo.reset()
     got = torch.compile(fn, backend=backend)(X)
     _assert_same(got, expected)
-    assert any("torch.ops.mixprec." in code for code in graphs), graphs  # the kernel, not the torch path
+    op = "torch.ops.mixprec." + ("mx_" if name.startswith("mx_") else "")
+    assert any(op in code for code in graphs), graphs  # the kernel, not the torch path
 
 
 @needs_kernels
-def test_torch_compile_with_aot_autograd_functionalizes_the_mutating_ops() -> None:
-    fn = _workloads()["uint8"]
+@pytest.mark.parametrize("name", ["uint8", "mx_wire_feedback"])
+def test_torch_compile_with_aot_autograd_functionalizes_the_mutating_ops(name: str) -> None:
+    fn = _workloads()[name]
     with native.disabled():
         expected = fn(X)
     torch._dynamo.reset()
@@ -216,7 +271,8 @@ def test_a_dispatch_mode_sees_the_kernel_and_gets_the_same_bits(name: str) -> No
     with _Log() as log:
         got = fn(X)
     _assert_same(got, expected)
-    assert any(op.startswith("mixprec.") for op in log.ops), log.ops
+    prefix = "mixprec." + ("mx_" if name.startswith("mx_") else "")
+    assert any(op.startswith(prefix) for op in log.ops), log.ops
 
 
 @needs_kernels
@@ -229,6 +285,9 @@ def test_fake_tensor_mode_gives_shapes_from_the_fake_kernels() -> None:
         z = round_to(x.double(), "bf16", "toward_zero", out=torch.empty(4, 6, dtype=torch.float64))
         m = matmul(x, x.t().contiguous())
     assert (y.shape, y.dtype, z.dtype, m.shape) == ((4, 6), torch.float32, torch.float64, (4, 4))
+    with FakeTensorMode() as mode:
+        q = mx_quantize(mode.from_tensor(torch.randn(4, 64)).half(), "mxfp8_e4m3")
+    assert (q.elements.shape, q.elements.dtype, q.scales.shape) == ((4, 64), torch.float32, (4, 2))
 
 
 def _op_samples() -> dict[str, tuple]:
@@ -238,6 +297,10 @@ def _op_samples() -> dict[str, tuple]:
     kernels.quant_encode_u8(x, q8, 32, False, 0, 0, 96)
     kernels.quant_encode_fp8(x, fp8, 32, 0, False, 0, 0, 96)
     acc = (10, -14, 15, 65504.0, float("inf"), 2.0**-14, True)
+    w4 = BlockScaledWire("mxfp4_e2m1", chunk_size=32)
+    mx4 = torch.empty(2, w4.encoded_nbytes(96), dtype=torch.uint8)
+    w4.encode_rows(x, mx4)
+    tables = w4._value_tables(torch.device("cpu"))
     return {
         "round_nearest": (x, 5, 10, True, False, True, False),
         "round_directed": (x.double(), torch.rand(2, 96, dtype=torch.float64), 4, 3, False, False, True, True),
@@ -247,6 +310,9 @@ def _op_samples() -> dict[str, tuple]:
         "quant_decode_u8": (q8, 96, torch.empty(96), 32, True),
         "quant_decode_fp8": (fp8, 96, torch.empty(2, 96, dtype=torch.float16), 32, table, 0, False),
         "matmul_model": (x[:, :64].reshape(2, 4, 16).half(), x[0, :80].reshape(1, 16, 5).half(), 16, 0, 1, *acc),
+        "mx_quantize": (x.bfloat16(), 16, 2, 1, 6.0, 5, torch.tensor(0.5), False, True, True, -3),
+        "mx_wire_encode": (x, torch.randn(2, 96), torch.empty_like(mx4), 2, 1, 6.0, 3, 32, 32, 255, True, 9, 0, 96),
+        "mx_wire_decode": (mx4, 96, torch.empty(2, 96, dtype=torch.float16), *tables, 2, 1, 32, 32, False, 255, False),
     }
 
 

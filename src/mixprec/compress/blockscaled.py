@@ -24,13 +24,12 @@ from typing import Any
 
 import torch
 
+import mixprec.native as native
 from mixprec.compress.quantize import FLOAT_DTYPES, CheckFinite, ChunkedCompressor, NonFiniteError
 from mixprec.core.dtypes import Rounding
 from mixprec.core.mx import E8M0_MODES, MX_FORMATS, BlockFormat, mx_quantize, stream_positions
 from mixprec.core.validate import check_choice, check_dtype, check_positive_int, check_tensor
-from mixprec.native import can_run
-from mixprec.native.mx import available as native_available
-from mixprec.native.mx import wire_decode_raw, wire_encode_raw
+from mixprec.native import kernels, ops
 
 __all__ = ["BLOCK_WIRES", "DEFAULT_SCALE_MODES", "TENSOR_SCALE_BYTES", "BlockScaledWire"]
 
@@ -50,12 +49,7 @@ TENSOR_SCALE_BYTES = 4  # NVFP4: one fp32 power-of-two scale per chunk
 _NVFP4_TOP = 6.0 * 448.0
 _K_MIN, _K_MAX = -126, 126  # 2**k and 2**-k both normal fp32 numbers
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def _native_ok(*tensors: torch.Tensor) -> bool:
-    """Whether the compiled wire kernels may run on these tensors (CPU, real memory, no tracing, library loaded)."""
-    return not torch.compiler.is_compiling() and can_run(*tensors) and native_available()
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class BlockScaledWire(ChunkedCompressor):
@@ -213,22 +207,21 @@ class BlockScaledWire(ChunkedCompressor):
         return torch.where(a > 0, k.clamp(_K_MIN, _K_MAX), torch.zeros_like(k))
 
     def _encode_rows(self, x: torch.Tensor, out: torch.Tensor, key: int, offset: int, row_stride: int) -> int:
-        rows, length = x.shape
+        length = x.shape[1]
         residual = self._residual
         if length == 0:
             return 0
-        if _native_ok(x, out) and (residual is None or can_run(residual)):
+        path = native.route(x, out) if residual is None else native.route(x, out, residual)
+        if path is not None:  # the compiled kernel (under a tracer as torch.ops.mixprec.mx_wire_encode)
             grid = self.format.element
-            n_bad = wire_encode_raw(
-                x.data_ptr(), _KERNEL_DTYPES[x.dtype], x.stride(0), None if residual is None else residual.data_ptr(),
-                0 if residual is None else residual.stride(0), out.data_ptr(), out.stride(0), rows, length,
-                (grid.exp_bits, grid.man_bits, self.format.max_element), self.scale_mode, self.block, self.chunk_size,
-                self._nan_code(), key if self.rounding == "stochastic" else None, offset, row_stride,
+            args = (
+                (grid.exp_bits, grid.man_bits, self.format.max_element), kernels.MX_SCALE_MODES[self.scale_mode],
+                self.block, self.chunk_size, self._nan_code(), key if self.rounding == "stochastic" else None,
+                offset, row_stride,
             )  # fmt: skip
-            if n_bad is not None:
-                if residual is not None:
-                    torch.autograd.graph.increment_version(residual)
-                return n_bad
+            if path == "kernel":
+                return kernels.mx_wire_encode(x, residual, out, *args)
+            return int(ops.mx_wire_encode(x, residual, out, *args))
         if residual is None:
             return self._encode_torch(x, out, key, offset, row_stride)
         staged = x.float() + residual  # torch.add(x, residual): exact widening, one rounding
@@ -334,16 +327,15 @@ class BlockScaledWire(ChunkedCompressor):
         rows = buf.shape[0]
         nb, bs = self.num_blocks(length), self.block
         elem_t, scale_t = self._value_tables(buf.device)
-        if length and out.dtype in _KERNEL_DTYPES and _native_ok(buf, out):
-            n_bad = wire_decode_raw(
-                buf.data_ptr(), buf.stride(0), rows, length, out.data_ptr(), _KERNEL_DTYPES[out.dtype],
-                0 if reduce else out.stride(0), reduce, (elem_t.data_ptr(), scale_t.data_ptr()),
-                (self.format.element.exp_bits, self.format.element.man_bits), bs, self.chunk_size,
-                self.format.scale == "e4m3", self._nan_code(),
+        path = native.route(buf, out) if length and out.dtype in _KERNEL_DTYPES else None
+        if path is not None:  # the compiled kernel (under a tracer as torch.ops.mixprec.mx_wire_decode)
+            args = (
+                (elem_t, scale_t), (self.format.element.exp_bits, self.format.element.man_bits), bs, self.chunk_size,
+                self.format.scale == "e4m3", self._nan_code(), reduce,
             )  # fmt: skip
-            if n_bad is not None:
-                torch.autograd.graph.increment_version(out)
-                return n_bad
+            if path == "kernel":
+                return kernels.mx_wire_decode(buf, length, out, *args)
+            return int(ops.mx_wire_decode(buf, length, out, *args))
         h = 0
         if self.format.scale == "e4m3":
             chunks = self.num_chunks(length)

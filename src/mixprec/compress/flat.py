@@ -23,10 +23,18 @@ import torch.distributed as dist
 from mixprec.comm.agree import agree_any
 from mixprec.comm.compat import all_gather_flat
 from mixprec.compress._scratch import Scratch
+from mixprec.compress.blockscaled import BlockScaledWire
 from mixprec.compress.fp8 import Compressor
 from mixprec.compress.state import ErrorFeedback, Traffic
 
-__all__ = ["FlatPhase", "overflowed_low_precision", "segment_bounds", "start_all_reduce", "start_reduce_scatter"]
+__all__ = [
+    "FlatPhase",
+    "encode_with_feedback",
+    "overflowed_low_precision",
+    "segment_bounds",
+    "start_all_reduce",
+    "start_reduce_scatter",
+]
 
 # Elements of the tensor per pipeline segment (all ranks' sub-parts together). Each segment gets its own
 # all-to-all and all-gather, started asynchronously, so quantizing segment k+1 overlaps sending segment k, and
@@ -41,6 +49,37 @@ def segment_bounds(part: int, world: int, chunk: int) -> list[tuple[int, int]]:
     """Pipeline segments ``[a, b)`` of each rank's part: whole chunks, about ``_SEGMENT_ELEMENTS / world``."""
     sub = max(chunk, -(-_SEGMENT_ELEMENTS // (world * chunk)) * chunk)
     return [(a, min(part, a + sub)) for a in range(0, part, sub)] or [(0, 0)]
+
+
+def encode_with_feedback(
+    comp: Compressor,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    out: torch.Tensor,
+    staging: torch.Tensor | None,
+    *,
+    key: int | None = None,
+    offset: int = 0,
+    row_stride: int | None = None,
+) -> int:
+    """Error feedback's encode: the rows of ``fl32(x + residual)`` into ``out``, and ``residual`` becomes what the
+    quantization lost; returns the flagged chunks. ``residual`` fp32, ``x``'s shape, rows contiguous.
+
+    A :class:`BlockScaledWire` does it in one pass (:meth:`~BlockScaledWire.encode_feedback_rows`: no staging
+    copy, no decode). The others add into ``staging`` (fp32, ``x``'s shape; may be ``x`` itself; None: a new
+    tensor), encode, decode and subtract. Both give the same codes, and the same residuals when nothing is
+    flagged; with a flagged chunk the staged path keeps every residual and the fused one updates the unflagged
+    blocks', but then the result is flagged on every rank and the collective clears all residuals
+    (``CompressedCollectives.conclude``), so the state after the call is the same too.
+    """
+    if isinstance(comp, BlockScaledWire):
+        return comp.encode_feedback_rows(x, residual, out, key=key, offset=offset, row_stride=row_stride)
+    v = x.float() + residual if staging is None else torch.add(x, residual, out=staging)
+    bad = comp.encode_rows(v, out, key=key, offset=offset, row_stride=row_stride)
+    if not bad:
+        comp.decode_rows(out, x.shape[1], residual)
+        torch.sub(v, residual, out=residual)
+    return bad
 
 
 class FlatPhase:
@@ -78,7 +117,8 @@ class FlatPhase:
         worker = staged = None
         if ef is not None:
             worker = ef.residual("worker", numel, device).view(world, part)
-            staged = shared.get(tag + "v", numel, torch.float32, device).view(world, part)
+            if not isinstance(comp, BlockScaledWire):  # its encode adds the residual itself
+                staged = shared.get(tag + "v", numel, torch.float32, device).view(world, part)
         # Stochastic rounding: one Philox key per call; the worker encode takes stream positions [0, numel) (the
         # element's index in the input), the server re-encode [numel, numel + part): every bit is the same
         # whatever the segments.
@@ -88,14 +128,14 @@ class FlatPhase:
         self._works: list[Any] = []
         for s, ((a, b), send, recv) in enumerate(zip(self.segments, self.send, self.recv)):
             v = first if s == 0 else source(s, a, b)
-            if worker is not None and staged is not None:
-                v = torch.add(v, worker[:, a:b], out=staged[:, a:b])
-            bad = comp.encode_rows(v, send, key=self.key, offset=a, row_stride=part)
+            if worker is not None:
+                stage = None if staged is None else staged[:, a:b]
+                bad = encode_with_feedback(
+                    comp, v, worker[:, a:b], send, stage, key=self.key, offset=a, row_stride=part
+                )
+            else:
+                bad = comp.encode_rows(v, send, key=self.key, offset=a, row_stride=part)
             self.local_bad += bad
-            if worker is not None and not bad:
-                res = worker[:, a:b]
-                comp.decode_rows(send, b - a, res)
-                torch.sub(v, res, out=res)  # what this quantization lost
             self._works.append(dist.all_to_all_single(recv.view(-1), send.view(-1), group=group, async_op=True))
         self.recv_bad = 0
 
@@ -160,12 +200,13 @@ class FlatPhase:
             acc_s = acc[a:b]
             self._sum_segment(s, acc_s, divisor)
             own = gathered[s][self.rank : self.rank + 1]
-            if server is not None:
-                acc_s.add_(server[a:b])
-            bad = self.comp.encode_rows(acc_s.view(1, -1), own, key=self.key, offset=self.numel + a)
-            if server is not None and not bad:
-                self.comp.decode_rows(own, b - a, server[a:b].view(1, -1))
-                torch.sub(acc_s, server[a:b], out=server[a:b])
+            if server is not None:  # acc_s is the staging buffer: nothing reads it after this encode
+                row = acc_s.view(1, -1)
+                encode_with_feedback(
+                    self.comp, row, server[a:b].view(1, -1), own, row, key=self.key, offset=self.numel + a
+                )
+            else:
+                self.comp.encode_rows(acc_s.view(1, -1), own, key=self.key, offset=self.numel + a)
             works.append(all_gather_flat(gathered[s].view(-1), own.view(-1), self.group, async_op=True))
         n_bad = 0
         for s, (a, b) in enumerate(self.segments):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from mixprec.comm.fp32_sum import sum_shards_into
+from mixprec.compress.flat import encode_with_feedback
 from mixprec.compress.fp8 import Compressor
 
 __all__ = ["compressed_all_reduce_rows", "feedback_shapes"]
@@ -64,17 +65,15 @@ class _Pipeline:
         """Sender ``sender`` quantizes ``x`` [R, part] (plus its residual); the owners ``owners`` add its rows."""
         rows = x.shape[0]
         codes = self.codes[:rows]
-        residual = None
-        if self.worker is not None:
+        # the sender's stream, row r at position r * part: what FlatPhase's first encode takes
+        stream: dict[str, int] = {}
+        if self.keys is not None:
+            stream = {"key": self.keys[sender], "offset": 0, "row_stride": self.part}
+        if self.worker is not None:  # FlatPhase's encode (the staging's fp32 add, or the wire's fused pass)
             residual = self.worker[sender].view(rows, self.part)
-            x = x.float() + residual  # torch.add(input, residual, out=fp32 staging): exact widening, one rounding
-        if self.keys is None:
-            bad = self.comp.encode_rows(x, codes)
-        else:  # the sender's stream, row r at position r * part: what FlatPhase's first encode takes
-            bad = self.comp.encode_rows(x, codes, key=self.keys[sender], offset=0, row_stride=self.part)
-        if residual is not None and not bad:
-            self.comp.decode_rows(codes, self.part, residual)
-            torch.sub(x, residual, out=residual)  # what this quantization lost
+            encode_with_feedback(self.comp, x, residual, codes, None, **stream)
+        else:
+            self.comp.encode_rows(x, codes, **stream)
         target = self.acc.view(self.world, self.part)[owners]
         if first:
             self.comp.decode_rows(codes, self.part, target)
@@ -83,17 +82,22 @@ class _Pipeline:
             self.comp.decode_rows(codes, self.part, decoded)
             target.add_(decoded)
 
-    def reencode(self, row: int, x: torch.Tensor, codes: torch.Tensor) -> int:
-        """The owner of result part ``row`` re-quantizes it: with stochastic rounding from its own key, at the
-        positions after its sent ones (FlatPhase: ``numel + a``, numel = senders' rows x part)."""
-        if self.keys is None:
-            return self.comp.encode_rows(x, codes)
-        if self.hierarchical:  # part l m + j is owned by local rank l of node j
-            local, node = divmod(row, self.nodes)
-            owner = node * self.per_node + local
+    def reencode(self, row: int, x: torch.Tensor, codes: torch.Tensor, server: torch.Tensor | None) -> None:
+        """The owner of result part ``row`` re-quantizes it (plus its ``server`` residual, which it updates, as
+        FlatPhase does: ``x`` is the staging): with stochastic rounding from its own key, at the positions after
+        its sent ones (FlatPhase: ``numel + a``, numel = senders' rows x part)."""
+        stream: dict[str, int] = {}
+        if self.keys is not None:
+            if self.hierarchical:  # part l m + j is owned by local rank l of node j
+                local, node = divmod(row, self.nodes)
+                owner = node * self.per_node + local
+            else:
+                owner = row
+            stream = {"key": self.keys[owner], "offset": self.sender_rows * self.part}
+        if server is None:
+            self.comp.encode_rows(x, codes, **stream)
         else:
-            owner = row
-        return self.comp.encode_rows(x, codes, key=self.keys[owner], offset=self.sender_rows * self.part)
+            encode_with_feedback(self.comp, x, server, codes, x, **stream)
 
     def run(self, rows: torch.Tensor, average: bool) -> torch.Tensor:
         world, part = self.world, self.part
@@ -117,13 +121,8 @@ class _Pipeline:
             self.comp.encode_rows(owned, self.codes)  # each owner re-quantizes its part
         else:
             server = self.server.view(world, part) if self.server is not None else None
-            if server is not None:
-                owned.add_(server)
-            for p in range(world):  # an owner's residual is kept only when its own part was finite
-                bad = self.reencode(p, owned[p : p + 1], self.codes[p : p + 1])
-                if server is not None and not bad:
-                    self.comp.decode_rows(self.codes[p : p + 1], part, server[p : p + 1])
-                    torch.sub(owned[p : p + 1], server[p : p + 1], out=server[p : p + 1])
+            for p in range(world):
+                self.reencode(p, owned[p : p + 1], self.codes[p : p + 1], None if server is None else server[p : p + 1])
         out = torch.empty(self.numel, dtype=self.dtype, device=rows.device)
         self.comp.decode_rows(self.codes, part, out.view(world, part))
         return out

@@ -26,13 +26,12 @@ from typing import Literal
 
 import torch
 
+import mixprec.native as native
 from mixprec.core.formats import FloatFormat
 from mixprec.core.philox import draw_key, round_up, stream_bytes
 from mixprec.core.rounding import ROUNDING_MODES, round_nearest_grid_, round_to_
 from mixprec.core.validate import check_choice, check_positive_int, check_tensor
-from mixprec.native import can_run
-from mixprec.native.mx import available as native_available
-from mixprec.native.mx import mx_quantize_raw
+from mixprec.native import kernels, ops
 
 __all__ = [
     "MX_FORMATS",
@@ -451,16 +450,20 @@ def _native_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The compiled pass (csrc/mx.c): (elements or, with ``dequantize``, their decoded values, in ``x``'s shape;
     the scales, or None when dequantizing), or None where it cannot run and the torch path must: explicit
-    stream positions, blocks not along the last axis, a tensor not on the CPU (or fake, or under a dispatch
-    mode), torch.compile tracing, or no kernel library. ``out`` (fp32, ``x``'s shape) receives the result if
-    given."""
+    stream positions, blocks not along the last axis, a tensor not on the CPU, or no kernel library. Under
+    torch.compile, a dispatch mode or fake tensors the kernel runs as ``torch.ops.mixprec.mx_quantize``
+    (:func:`mixprec.native.route`). ``out`` (fp32, ``x``'s shape) receives the result if given."""
     last = x.dim() - 1
     if positions is not None or len(layout.block) != 1 or layout.dims != (last,) or x.numel() == 0:
         return None
-    if torch.compiler.is_compiling() or not can_run(x) or (out is not None and not can_run(out)):
+    path = native.route(x) if out is None else native.route(x, out)
+    if path is None:
         return None
-    if not native_available():
-        return None
+    block, grid = layout.block[0], bf.element
+    args = (block, (grid.exp_bits, grid.man_bits, bf.max_element), kernels.MX_SCALE_MODES[mode])
+    if path == "op":
+        values, scales = ops.mx_quantize(x.detach(), *args, ts, rounding == "toward_zero", dequantize, key)
+        return (values if out is None else out.copy_(values)), (None if dequantize else scales)
     src = x.detach()
     if not src.is_contiguous():
         src = src.contiguous()
@@ -472,24 +475,11 @@ def _native_quantize(
         and ((out.data_ptr() == src.data_ptr() and src.dtype == torch.float32) or not _shares_memory(out, src))
     )
     dst = out if direct else torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    block = layout.block[0]
-    n_blocks = x.numel() // block
     scales = None if dequantize else torch.empty((*x.shape[:-1], x.shape[-1] // block), dtype=torch.float32)
-    grid = bf.element
-    ran = mx_quantize_raw(
-        src.data_ptr(), str(src.dtype).removeprefix("torch."), dst.data_ptr(),
-        None if scales is None else scales.data_ptr(), n_blocks, block, grid.exp_bits, grid.man_bits,
-        bf.max_element, mode, None if ts is None else float(ts), rounding == "toward_zero", dequantize, key,
-    )  # fmt: skip
-    if not ran:
-        return None
-    if out is not None:
-        if dst is out:
-            # a raw-pointer write is invisible to autograd: bump the version counter as an in-place op would
-            torch.autograd.graph.increment_version(out)
-        else:
-            out.copy_(dst)
-            dst = out
+    ts_ = None if ts is None else float(ts)
+    kernels.mx_quantize(src, dst, scales, *args, ts_, rounding == "toward_zero", dequantize, key)
+    if out is not None and dst is not out:
+        dst = out.copy_(dst)
     return dst, scales
 
 

@@ -24,7 +24,11 @@ __all__ = [
     "KernelContractError",
     "fp8_table_format",
     "fp32_sum_rows",
+    "MX_SCALE_MODES",
     "matmul_model",
+    "mx_quantize",
+    "mx_wire_decode",
+    "mx_wire_encode",
     "philox_block",
     "philox_bytes",
     "philox_tie_words",
@@ -59,9 +63,16 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "mixprec_quant_philox_block": (None, [_P, _P, _P]),
     "mixprec_quant_philox_bytes": (None, [_U64, _I64, _I64, _P]),
     "mixprec_quant_philox_tie_words": (None, [_U64, _P, _I64, _P]),
+    "mixprec_mx_quantize": (_I, [_P, _I, _P, _P, _I64, _I, _I, _I, _F, _I, _I, _F, _I, _I, _I, _U64, _U64, _I]),
+    "mixprec_mx_wire_encode": (_I64, [_P, _I, _I64, _P, _I64, _P, _I64, _I64, _I64, _I, _I, _F, _I, _I, _I, _I64,
+                                      _I, _I, _U64, _U64, _U64, _I]),
+    "mixprec_mx_wire_decode": (_I64, [_P, _I64, _I64, _I64, _P, _I, _I64, _I, _P, _P, _I, _I, _I, _I64, _I, _I,
+                                      _I]),
     "mixprec_matmul_model": (_I, [_P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I, _P, _I64, _I64, _I64, _I64,
                                   _I, _I, _I, _I, _I, _I, _D, _D, _D, _I, _I]),
 }  # fmt: skip
+# csrc/mx.h's scale rules (MX_FLOOR ... MX_E4M3): the block-scaled kernels' scale_mode argument
+MX_SCALE_MODES: dict[str, int] = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3, "neuron": 4, "e4m3": 5}
 _KEY_MASK = (1 << 64) - 1
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _bound: dict[int, tuple[ctypes.CDLL, dict[str, Any]]] = {}
@@ -381,3 +392,166 @@ def matmul_model(
     )  # fmt: skip
     torch.autograd.graph.increment_version(out)
     return status == 0
+
+
+def _apart(name: str, a: torch.Tensor, b: torch.Tensor, other: str) -> None:
+    """``a`` and ``b`` share no byte (their spans from the first to the last element read or written)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + (sum((n - 1) * s for n, s in zip(a.shape, a.stride(), strict=True)) + 1) * a.element_size()
+    b1 = b0 + (sum((n - 1) * s for n, s in zip(b.shape, b.stride(), strict=True)) + 1) * b.element_size()
+    if a0 < b1 and b0 < a1:
+        _fail(f"{name} must not overlap {other}")
+
+
+def mx_quantize(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    scales: torch.Tensor | None,
+    block: int,
+    grid: tuple[int, int, float],
+    scale_mode: int,
+    tensor_scale: float | None,
+    toward_zero: bool,
+    dequantize: bool,
+    key: int | None,
+) -> None:
+    """Block-scaled quantization of the contiguous blocks of ``block`` elements of ``src`` (``csrc/mx.c``): the
+    elements (or, with ``dequantize``, their decoded values) into fp32 ``dst`` (``src`` itself when fp32, or apart
+    from it), the decoded block scales into fp32 ``scales`` (one per block, or None). ``grid``: the element's
+    exp_bits, man_bits and largest value; ``scale_mode`` one of :data:`MX_SCALE_MODES`; ``tensor_scale`` NVFP4's
+    second level. ``key``: round stochastically on that Philox stream, element ``i`` at stream position ``i``."""
+    _flat("src", src, _FLOATS)
+    _flat("dst", dst, (torch.float32,))
+    n = src.numel()
+    if not (dst.numel() == n and block >= 1 and n % block == 0):
+        _fail(f"dst has {dst.numel()} elements, src {n}, not whole blocks of {block}")
+    _same_or_apart(src, dst)
+    if scales is not None:
+        _flat("scales", scales, (torch.float32,))
+        if scales.numel() != n // block:
+            _fail(f"scales must hold {n // block} values, got {scales.numel()}")
+        _apart("scales", scales, src, "src")
+        _apart("scales", scales, dst, "dst")
+    if scale_mode not in MX_SCALE_MODES.values() or (key is not None and toward_zero):
+        _fail(f"scale_mode {scale_mode}, toward_zero {toward_zero} with key {key}")
+    exp_bits, man_bits, max_element = grid
+    status = _fn("mixprec_mx_quantize")(
+        src.data_ptr(), DTYPE_CODES[src.dtype], dst.data_ptr(), None if scales is None else scales.data_ptr(),
+        n // block, block, exp_bits, man_bits, max_element, scale_mode, int(tensor_scale is not None),
+        1.0 if tensor_scale is None else tensor_scale, int(toward_zero), int(dequantize), int(key is not None),
+        0 if key is None else key & _KEY_MASK, 0, num_threads(),
+    )  # fmt: skip
+    _status(status, f"mixprec_mx_quantize for the grid e{exp_bits}m{man_bits}, block {block}")
+    torch.autograd.graph.increment_version(dst)
+    if scales is not None:
+        torch.autograd.graph.increment_version(scales)
+
+
+def _wire_nbytes(length: int, bits: int, block: int, chunk: int, nv: bool) -> int:
+    """A block-scaled wire row's bytes (``BlockScaledWire.encoded_nbytes``): NVFP4's fp32 chunk scales, one scale
+    byte per block, the codes."""
+    return 4 * -(-length // chunk) * nv + -(-length // block) + (length if bits == 8 else -(-length // 2))
+
+
+def mx_wire_encode(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+    grid: tuple[int, int, float],
+    scale_mode: int,
+    block: int,
+    chunk: int,
+    nan_code: int,
+    key: int | None,
+    offset: int,
+    row_stride: int,
+) -> int:
+    """``BlockScaledWire``'s encode of the rows of ``x`` (fp32, fp16 or bf16) into the rows of ``out``
+    (``csrc/mx_wire.c``); returns the flagged blocks. ``residual`` (fp32, ``x``'s shape, or None): error feedback,
+    the rows of ``fl32(x + residual)`` are encoded and ``residual`` gets what the encoding lost (a flagged block
+    keeps its own). ``grid``: exp_bits, man_bits, largest element; ``chunk``: NVFP4's elements per fp32 scale
+    (a multiple of ``block``); ``key``: stochastic rounding, element (r, j) at stream position
+    ``offset + r * row_stride + j``. MemoryError when the kernel cannot allocate its buffers."""
+    _rows("x", x, _FLOATS)
+    _rows("out", out, (torch.uint8,))
+    rows, length = x.shape
+    exp_bits, man_bits, max_element = grid
+    bits, nv = 1 + exp_bits + man_bits, scale_mode == MX_SCALE_MODES["e4m3"]
+    if not (bits in (4, 8) and block >= 2 and chunk >= block and chunk % block == 0):
+        _fail(f"grid e{exp_bits}m{man_bits}, block {block}, chunk {chunk}")
+    want = _wire_nbytes(length, bits, block, chunk, nv)
+    if tuple(out.shape) != (rows, want):
+        _fail(f"out must be [{rows}, {want}], got {tuple(out.shape)}")
+    if residual is not None:
+        _rows("residual", residual, (torch.float32,))
+        if residual.shape != x.shape:
+            _fail(f"residual must be {tuple(x.shape)}, got {tuple(residual.shape)}")
+        _apart("residual", residual, x, "x")
+        _apart("residual", residual, out, "out")
+    if not (offset >= 0 and row_stride >= 0):
+        _fail(f"offset {offset} and row_stride {row_stride} must be >= 0")
+    n_bad = _fn("mixprec_mx_wire_encode")(
+        x.data_ptr(), DTYPE_CODES[x.dtype], x.stride(0), None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0), out.data_ptr(), out.stride(0), rows, length, exp_bits,
+        man_bits, max_element, scale_mode, block, bits, chunk, nan_code, int(key is not None),
+        0 if key is None else key & _KEY_MASK, offset, row_stride, num_threads(),
+    )  # fmt: skip
+    if n_bad == -2:
+        raise MemoryError("the compiled block-scaled wire encoder could not allocate its tile buffers")
+    if not (n_bad >= 0):
+        _fail(f"mixprec_mx_wire_encode rejected its arguments (status {n_bad})")
+    torch.autograd.graph.increment_version(out)
+    if residual is not None:
+        torch.autograd.graph.increment_version(residual)
+    return int(n_bad)
+
+
+def mx_wire_decode(
+    buf: torch.Tensor,
+    length: int,
+    out: torch.Tensor,
+    tables: tuple[torch.Tensor, torch.Tensor],
+    grid: tuple[int, int],
+    block: int,
+    chunk: int,
+    nv: bool,
+    nan_code: int,
+    reduce: bool,
+) -> int:
+    """``BlockScaledWire``'s decode of the rows of ``buf`` into the rows of ``out`` (fp32, fp16 or bf16), or with
+    ``reduce`` their fp32 sum in row order into the 1-D fp32 ``out`` (``csrc/mx_wire.c``); returns the flagged
+    blocks seen. ``tables``: the fp32 value of each element code (256, or 16 for 4-bit codes) and of each scale
+    byte (256); ``grid``: the element's exp_bits, man_bits; ``nv``: rows start with NVFP4's chunk scales."""
+    exp_bits, man_bits = grid
+    bits = 1 + exp_bits + man_bits
+    _rows("buf", buf, (torch.uint8,))
+    if not (bits in (4, 8) and block >= 2 and chunk >= block and chunk % block == 0):
+        _fail(f"grid e{exp_bits}m{man_bits}, block {block}, chunk {chunk}")
+    want = _wire_nbytes(length, bits, block, chunk, nv)
+    if buf.shape[1] != want:
+        _fail(f"buf rows must hold {want} bytes, got {buf.shape[1]}")
+    if reduce:
+        _flat("out", out, (torch.float32,))
+        if out.numel() != length:
+            _fail(f"out must hold {length} elements, got {out.numel()}")
+    else:
+        _rows("out", out, _FLOATS)
+        if tuple(out.shape) != (buf.shape[0], length):
+            _fail(f"out must be [{buf.shape[0]}, {length}], got {tuple(out.shape)}")
+    _apart("out", out, buf, "buf")
+    elem_t, scale_t = tables
+    for name, t, n in (("element table", elem_t, 256 if bits == 8 else 16), ("scale table", scale_t, 256)):
+        _flat(name, t, (torch.float32,))
+        if t.numel() != n:
+            _fail(f"the {name} must hold {n} values, got {t.numel()}")
+    n_bad = _fn("mixprec_mx_wire_decode")(
+        buf.data_ptr(), buf.stride(0), buf.shape[0], length, out.data_ptr(), DTYPE_CODES[out.dtype],
+        0 if reduce else out.stride(0), int(reduce), elem_t.data_ptr(), scale_t.data_ptr(), exp_bits, man_bits,
+        block, chunk, int(nv), nan_code, num_threads(),
+    )  # fmt: skip
+    if not (n_bad >= 0):
+        _fail(f"mixprec_mx_wire_decode rejected its arguments (status {n_bad})")
+    torch.autograd.graph.increment_version(out)
+    return int(n_bad)

@@ -8,7 +8,7 @@ Callers ask :func:`mixprec.native.route`: ``"op"`` calls these functions, ``"ker
 :mod:`mixprec.native.kernels` directly (the eager path: a custom op's dispatch costs about 20 us, more than a
 small kernel call). Ops that write a caller's buffer declare it in ``mutates_args`` (torch bumps its version
 counter and functionalizes the write); counts come back as 0-d int64 tensors. Not registered: the Philox test
-helpers and the fp8 table check (no tracing caller), and the MX kernel (``native/mx.py``, converted on its own).
+helpers and the fp8 table check (no tracing caller).
 The ops have no autograd formula: callers keep the torch path for inputs that need grad.
 """
 
@@ -21,6 +21,9 @@ from mixprec.native import kernels
 __all__ = [
     "fp32_sum_rows",
     "matmul_model",
+    "mx_quantize",
+    "mx_wire_decode",
+    "mx_wire_encode",
     "quant_decode_fp8",
     "quant_decode_u8",
     "quant_encode_fp8",
@@ -166,6 +169,90 @@ def _(a, b, k_group, promote_groups, mode, man_bits, emin, emax, max_finite, ove
     return a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=torch.float32)
 
 
+@torch.library.custom_op("mixprec::mx_quantize", device_types="cpu", mutates_args=())
+def _mx_quantize(
+    x: _Tensor,
+    block: int,
+    exp_bits: int,
+    man_bits: int,
+    max_element: float,
+    scale_mode: int,
+    tensor_scale: _Tensor | None,
+    toward_zero: bool,
+    dequantize: bool,
+    stochastic: bool,
+    key: int,
+) -> tuple[_Tensor, _Tensor]:
+    dst = torch.empty(x.shape, dtype=torch.float32)
+    scales = torch.empty((*x.shape[:-1], x.shape[-1] // block), dtype=torch.float32)
+    ts = None if tensor_scale is None else float(tensor_scale)
+    grid = (exp_bits, man_bits, max_element)
+    key_ = key if stochastic else None
+    kernels.mx_quantize(x.contiguous(), dst, scales, block, grid, scale_mode, ts, toward_zero, dequantize, key_)
+    return dst, scales
+
+
+@_mx_quantize.register_fake
+def _(x, block, exp_bits, man_bits, max_element, scale_mode, tensor_scale, toward_zero, dequantize, stochastic, key):  # type: ignore[no-untyped-def]
+    scales = x.new_empty((*x.shape[:-1], x.shape[-1] // block), dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=torch.float32), scales
+
+
+@torch.library.custom_op("mixprec::mx_wire_encode", device_types="cpu", mutates_args=("out", "residual"))
+def _mx_wire_encode(
+    x: _Tensor,
+    residual: _Tensor | None,
+    out: _Tensor,
+    exp_bits: int,
+    man_bits: int,
+    max_element: float,
+    scale_mode: int,
+    block: int,
+    chunk: int,
+    nan_code: int,
+    stochastic: bool,
+    key: int,
+    offset: int,
+    row_stride: int,
+) -> _Tensor:
+    grid = (exp_bits, man_bits, max_element)
+    key_ = key if stochastic else None
+    return _count(
+        kernels.mx_wire_encode(x, residual, out, grid, scale_mode, block, chunk, nan_code, key_, offset, row_stride)
+    )
+
+
+@_mx_wire_encode.register_fake
+def _(x, residual, out, *args):  # type: ignore[no-untyped-def]
+    return _fake_count(out)
+
+
+@torch.library.custom_op("mixprec::mx_wire_decode", device_types="cpu", mutates_args=("out",))
+def _mx_wire_decode(
+    buf: _Tensor,
+    length: int,
+    out: _Tensor,
+    elem_table: _Tensor,
+    scale_table: _Tensor,
+    exp_bits: int,
+    man_bits: int,
+    block: int,
+    chunk: int,
+    nv: bool,
+    nan_code: int,
+    reduce: bool,
+) -> _Tensor:
+    tables = (elem_table, scale_table)
+    return _count(
+        kernels.mx_wire_decode(buf, length, out, tables, (exp_bits, man_bits), block, chunk, nv, nan_code, reduce)
+    )
+
+
+@_mx_wire_decode.register_fake
+def _(buf, length, out, elem_table, scale_table, exp_bits, man_bits, block, chunk, nv, nan_code, reduce):  # type: ignore[no-untyped-def]
+    return _fake_count(out)
+
+
 # The callers' entry points: each calls its op through torch.ops, which Dynamo puts in the graph as one node.
 def round_nearest(x: _Tensor, fmt: tuple[int, int, bool, bool, bool], f64_out: bool) -> _Tensor:
     """``round_to(x, fmt, "nearest")`` into a new fp32 (fp64 with ``f64_out``, fp64 ``x`` only) tensor.
@@ -220,3 +307,56 @@ def matmul_model(
     """:func:`mixprec.native.kernels.matmul_model` into a new fp32 [B, M, N] tensor (MemoryError when the kernel
     cannot allocate: a traced graph has no torch path to fall back to)."""
     return torch.ops.mixprec.matmul_model(a, b, k_group, promote_groups, mode, *accumulator)
+
+
+def mx_quantize(
+    x: _Tensor,
+    block: int,
+    grid: tuple[int, int, float],
+    scale_mode: int,
+    tensor_scale: _Tensor | None,
+    toward_zero: bool,
+    dequantize: bool,
+    key: int | None,
+) -> tuple[_Tensor, _Tensor]:
+    """:func:`mixprec.native.kernels.mx_quantize` of ``x`` (blocks along its last axis) into new tensors: (the
+    elements or their decoded values, fp32 in ``x``'s shape; the block scales, [..., blocks])."""
+    return torch.ops.mixprec.mx_quantize(
+        x, block, *grid, scale_mode, tensor_scale, toward_zero, dequantize, key is not None, _signed(key or 0)
+    )
+
+
+def mx_wire_encode(
+    x: _Tensor,
+    residual: _Tensor | None,
+    out: _Tensor,
+    grid: tuple[int, int, float],
+    scale_mode: int,
+    block: int,
+    chunk: int,
+    nan_code: int,
+    key: int | None,
+    offset: int,
+    row_stride: int,
+) -> _Tensor:
+    """:func:`mixprec.native.kernels.mx_wire_encode`; the flagged blocks as a 0-d tensor."""
+    return torch.ops.mixprec.mx_wire_encode(
+        x, residual, out, *grid, scale_mode, block, chunk, nan_code, key is not None, _signed(key or 0), offset,
+        row_stride,
+    )  # fmt: skip
+
+
+def mx_wire_decode(
+    buf: _Tensor,
+    length: int,
+    out: _Tensor,
+    tables: tuple[_Tensor, _Tensor],
+    grid: tuple[int, int],
+    block: int,
+    chunk: int,
+    nv: bool,
+    nan_code: int,
+    reduce: bool,
+) -> _Tensor:
+    """:func:`mixprec.native.kernels.mx_wire_decode`; the flagged blocks as a 0-d tensor."""
+    return torch.ops.mixprec.mx_wire_decode(buf, length, out, *tables, *grid, block, chunk, nv, nan_code, reduce)

@@ -15,7 +15,12 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "dtypes.h"
 #include "mx.h"
+
+/* mx.h's MX_SRC_* names predate the shared table; until they go, they must be its codes */
+_Static_assert(MX_SRC_F32 == MIXPREC_F32 && MX_SRC_F16 == MIXPREC_F16 && MX_SRC_BF16 == MIXPREC_BF16,
+               "mx.h's element codes must be dtypes.h's");
 
 /* One block: amax, scale, elements (times deq when dequantizing) into dst, the scale into *scale_out. */
 #define DEFINE_BLOCK(NAME, SRC_T, LOAD)                                                                        \
@@ -162,22 +167,23 @@ DEFINE_SR_RANGE(sr_range_f32, uint32_t, MX_LOAD_F32)
 DEFINE_SR_RANGE(sr_range_bf16, uint16_t, MX_LOAD_BF16)
 DEFINE_SR_RANGE(sr_range_f16, uint16_t, MX_LOAD_F16)
 
-/* Quantize n_blocks contiguous blocks of `block` elements of src (MX_SRC_* kind) to the block-scaled format
- * (element: exp_bits, man_bits, largest value max_element with exponent emax; scale rule mode; NVFP4's tensor
- * scale ts when has_ts). dst (fp32, n_blocks * block) gets the elements, or with dequant != 0 the elements
- * times their block's scale; scales (n_blocks fp32, may be NULL) the decoded scales. dst may be src itself when
- * src is fp32 (each block is read whole before it is written). stochastic != 0 rounds stochastically instead,
- * element i at stream position first + i of the Philox stream key. Returns 0, or -1 for bad arguments. */
+/* Quantize n_blocks contiguous blocks of `block` elements of src (element type src_kind: MIXPREC_F32, MIXPREC_F16
+ * or MIXPREC_BF16, dtypes.h) to the block-scaled format (element: exp_bits, man_bits, largest value max_element
+ * with exponent emax; scale rule mode; NVFP4's tensor scale ts when has_ts). dst (fp32, n_blocks * block) gets
+ * the elements, or with dequant != 0 the elements times their block's scale; scales (n_blocks fp32, may be NULL)
+ * the decoded scales. dst may be src itself when src is fp32 (each block is read whole before it is written).
+ * stochastic != 0 rounds stochastically instead, element i at stream position first + i of the Philox stream
+ * key. Returns 0, or -1 for bad arguments. */
 int mixprec_mx_quantize(const void *src, int src_kind, float *dst, float *scales, int64_t n_blocks, int block,
                         int exp_bits, int man_bits, float max_element, int mode, int has_ts, float ts,
                         int toward_zero, int dequant, int stochastic, uint64_t key, uint64_t first, int nthreads) {
     mxparams p;
-    if (src_kind < 0 || src_kind > 2 || n_blocks < 0 || block < 1 ||
-        mx_params(&p, exp_bits, man_bits, max_element, mode, has_ts, ts, toward_zero) != 0 ||
+    if ((src_kind != MIXPREC_F32 && src_kind != MIXPREC_F16 && src_kind != MIXPREC_BF16) || n_blocks < 0 ||
+        block < 1 || mx_params(&p, exp_bits, man_bits, max_element, mode, has_ts, ts, toward_zero) != 0 ||
         (stochastic && toward_zero))
         return -1;
     void (*fn)(const void *, float *, float *, int64_t, int64_t, int, int, const mxparams *) =
-        src_kind == MX_SRC_F32 ? range_f32 : (src_kind == MX_SRC_BF16 ? range_bf16 : range_f16);
+        src_kind == MIXPREC_F32 ? range_f32 : (src_kind == MIXPREC_BF16 ? range_bf16 : range_f16);
     const int64_t n = n_blocks * block;
 #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (n >= MIXPREC_GRAIN)
     {
@@ -187,7 +193,7 @@ int mixprec_mx_quantize(const void *src, int src_kind, float *dst, float *scales
         const int64_t per = ((n_blocks + nt - 1) / nt + 15) & ~(int64_t)15;
         const int64_t lo = t * per < n_blocks ? t * per : n_blocks, hi = lo + per < n_blocks ? lo + per : n_blocks;
         if (hi > lo && stochastic)
-            (src_kind == MX_SRC_F32 ? sr_range_f32 : (src_kind == MX_SRC_BF16 ? sr_range_bf16 : sr_range_f16))(
+            (src_kind == MIXPREC_F32 ? sr_range_f32 : (src_kind == MIXPREC_BF16 ? sr_range_bf16 : sr_range_f16))(
                 src, dst, scales, lo, hi, block, dequant != 0, &p, key, first);
         else if (hi > lo)
             fn(src, dst, scales, lo, hi, block, dequant != 0, &p);
