@@ -90,6 +90,74 @@ static inline __attribute__((always_inline)) __m512i nearest16(const uint32_t *x
     return _mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(vb, _mm512_set1_epi32((int)0x80000000u)));
 }
 
+/* What nearest_codes16 needs, per call: the grid's rebias, its rounding shift and its subnormal magic. */
+typedef struct {
+    __m512i max_bits, rebias, half, one, min_normal, magic_bits, absm;
+    __m512 magic;
+    uint32_t shift, sign_shift;
+} rne_t;
+
+static inline rne_t rne_of(const wire_t *w) {
+    const int man = w->man, bias = w->bias;
+    rne_t k;
+    k.max_bits = _mm512_set1_epi32((int)w->p.max_bits);
+    k.rebias = _mm512_set1_epi32((int)((uint32_t)(127 - bias) << 23));
+    k.half = _mm512_set1_epi32((int)((1u << (22 - man)) - 1u));
+    k.one = _mm512_set1_epi32(1);
+    k.min_normal = _mm512_set1_epi32((int)w->elem_min_normal);
+    /* 2**(1 - bias - man + 23): below the grid's smallest normal, |v| + magic rounds |v| to a multiple of the
+     * subnormal spacing (ties to even, the fp32 add) and the low bits of the sum are the code */
+    const uint32_t mb = (uint32_t)(1 - bias - man + 23 + 127) << 23;
+    k.magic_bits = _mm512_set1_epi32((int)mb);
+    k.magic = _mm512_castsi512_ps(k.magic_bits);
+    k.absm = _mm512_set1_epi32(0x7FFFFFFF);
+    k.shift = (uint32_t)(23 - man);
+    k.sign_shift = (uint32_t)(w->bits - 1);
+    return k;
+}
+
+/* code_of(element(x, mult)) for 16 finite values x, to nearest, without the grid value: v = fl32(x * mult)
+ * saturated at max_bits (a grid value), then round to nearest even on the bits: above the grid's smallest normal
+ * the fp32 bits rebiased, plus half an element ulp less one plus the kept lsb, shifted down (a carry into the
+ * exponent is the next binade's code); below it the magic add. Returns the codes (sign included), one a lane. */
+static inline __attribute__((always_inline)) __m512i nearest_codes16(__m512 xv, __m512 mult, const rne_t *k) {
+    const __m512i vb = _mm512_castps_si512(_mm512_mul_ps(xv, mult));
+    const __m512i ac = _mm512_min_epu32(_mm512_and_si512(vb, k->absm), k->max_bits);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(ac, (unsigned)k->shift), k->one);
+    const __m512i t = _mm512_add_epi32(_mm512_sub_epi32(ac, k->rebias), _mm512_add_epi32(k->half, lsb));
+    __m512i code = _mm512_srli_epi32(t, (unsigned)k->shift);
+    const __mmask16 small = _mm512_cmplt_epu32_mask(ac, k->min_normal);
+    const __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(ac), k->magic)),
+                                         k->magic_bits);
+    code = _mm512_mask_mov_epi32(code, small, sub);
+    return _mm512_or_si512(code, _mm512_slli_epi32(_mm512_srli_epi32(vb, 31), (unsigned)k->sign_shift));
+}
+
+/* 16 codes (one a lane) into out: bytes, or nibble pairs (element 2i in the low nibble). */
+static inline __attribute__((always_inline)) void put_codes16(__m512i code, uint8_t *out, int nibbles) {
+    if (nibbles)
+        _mm_storel_epi64((__m128i *)out, _mm512_cvtepi64_epi8(_mm512_or_si512(code, _mm512_srli_epi64(code, 28))));
+    else
+        _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(code));
+}
+
+/* The codes of a tile's nbt full blocks of x, every one finite and none at risk of overflow when decoded, to
+ * nearest: block j scaled by mult[j] (NVFP4, nv: the values times the chunk's 2**k first, as the torch path). */
+static inline __attribute__((always_inline)) void nearest_blocks(const uint32_t *x, int nbt, const int B,
+                                                                 const float *mult, float up, const int nv,
+                                                                 const rne_t *k, uint8_t *codes, const int bits8) {
+    const __m512 upv = _mm512_set1_ps(up);
+    for (int j = 0; j < nbt; j++) {
+        const __m512 mv = _mm512_set1_ps(mult[j]);
+        for (int i = 0; i < B; i += 16) {
+            const int64_t e = (int64_t)j * B + i;
+            __m512 xv = _mm512_loadu_ps((const float *)(x + e));
+            if (nv) xv = _mm512_mul_ps(xv, upv);
+            put_codes16(nearest_codes16(xv, mv, k), codes + (bits8 ? e : e / 2), !bits8);
+        }
+    }
+}
+
 /* sr_span's arithmetic for 16 finite values x with primary bytes u at stream positions e0 .. e0 + 15, the ties
  * (about 1 in 256) settled by sr_tie; returns the grid values (fp32 bits). */
 static inline __attribute__((always_inline)) __m512i stochastic16(const uint32_t *x, float mult, const mxparams *q,
@@ -187,6 +255,9 @@ encode_unit(const void *src, load_fn load, float *res, uint8_t *o, int64_t j0, i
     const int direct = w->src_f32 && !res;
     const mxparams q = w->p;
     const codec_t cd = codec_of(w);
+#if defined(__AVX512F__)
+    const rne_t rk = rne_of(w);
+#endif
     const uint8_t nan_code = w->nan_code;
     const int bits8 = w->bits == 8, nv = w->nv;
     const float max_element = q.max_element;
@@ -198,9 +269,13 @@ encode_unit(const void *src, load_fn load, float *res, uint8_t *o, int64_t j0, i
         int64_t i = 0;
         for (int64_t t0 = j0; t0 < j1; t0 += WIRE_TILE) {
             const int64_t n = j1 - t0 < WIRE_TILE ? j1 - t0 : WIRE_TILE, n_pad = (n + B - 1) / B * B;
-            load(src, t0, n, n_pad, res ? res : 0, v);
+            const uint32_t *xv = v;
+            if (direct && n == n_pad)
+                xv = (const uint32_t *)src + t0; /* fp32 without a residual: read in place */
+            else
+                load(src, t0, n, n_pad, res, v);
             for (int64_t b = 0; b < n_pad; b += B, i++) {
-                const uint32_t m = amax_bits(v + b, B);
+                const uint32_t m = amax_bits(xv + b, B);
                 am[i] = m;
                 if (m < 0x7F800000u && m > cm) cm = m;
             }
@@ -229,6 +304,38 @@ encode_unit(const void *src, load_fn load, float *res, uint8_t *o, int64_t j0, i
         for (; g0 + GROUP <= nbt; g0 += GROUP) /* a constant count: the loops inline without remainders */
             block_scales(amx + g0, GROUP, &q, sc + g0, mu + g0, dq + g0);
         if (g0 < nbt) block_scales(amx + g0, nbt - g0, &q, sc + g0, mu + g0, dq + g0);
+#if defined(__AVX512F__)
+        if (n == n_pad && !stochastic && !res && B % 16 == 0) {
+            /* the hot case, one tight loop: every block of the tile finite, and none whose decoded values could
+             * overflow (the _saturate_ step below) */
+            uint32_t bad = 0;
+            const float dn = nv ? down : 1.0f;
+            for (int j = 0; j < nbt; j++) {
+                const uint32_t a = nv ? am[bi + j] : amx[j];
+                bad |= (uint32_t)(a >= 0x7F800000u) |
+                       (uint32_t)((f32_bits(max_element * (sc[j] * dn)) & 0x7FFFFFFFu) == 0x7F800000u);
+            }
+            if (!bad) {
+                uint8_t *sb = sbytes + t0 / B;
+                for (int j = 0; j < nbt; j++) {
+                    const uint32_t sbits = f32_bits(sc[j]);
+                    sb[j] = nv ? (uint8_t)((((sbits >> 23) - 120u) << 3) | ((sbits >> 20) & 7u))
+                               : (uint8_t)(sbits >= 0x00800000u ? sbits >> 23 : 0u);
+                }
+                uint8_t *ct = codes + (bits8 ? t0 : t0 / 2);
+                if (nv && bits8)
+                    nearest_blocks(xv, nbt, B, mu, up, 1, &rk, ct, 1);
+                else if (nv)
+                    nearest_blocks(xv, nbt, B, mu, up, 1, &rk, ct, 0);
+                else if (bits8)
+                    nearest_blocks(xv, nbt, B, mu, 1.0f, 0, &rk, ct, 1);
+                else
+                    nearest_blocks(xv, nbt, B, mu, 1.0f, 0, &rk, ct, 0);
+                bi += nbt;
+                continue;
+            }
+        }
+#endif
         for (int j = 0; j < nbt; j++, bi++) {
             const int64_t b = (int64_t)j * B, jb = t0 + b, nb_real = n - b < B ? n - b : B;
             const uint32_t *vb = xv + b;
@@ -258,6 +365,12 @@ encode_unit(const void *src, load_fn load, float *res, uint8_t *o, int64_t j0, i
             }
             const int risky = isinf(max_element * eff); /* a decoded value could overflow: _saturate_ */
 #if defined(__AVX512F__)
+            if (!risky && nb_real == B && B % 16 == 0 && !stochastic && !res) { /* the hot case: codes by bits */
+                for (int i = 0; i < B; i += 16)
+                    put_codes16(nearest_codes16(_mm512_loadu_ps((const float *)(x + i)), _mm512_set1_ps(mult), &rk),
+                                codes + (bits8 ? jb + i : (jb + i) / 2), !bits8);
+                continue;
+            }
             if (!risky && nb_real == B && B % 16 == 0) { /* the common case: 16 lanes, the codes straight out */
                 for (int i = 0; i < B; i += 16) {
                     const uint64_t e = pos0 + (uint64_t)(jb + i);
@@ -442,59 +555,71 @@ int64_t mixprec_mx_wire_decode(const uint8_t *buf, int64_t buf_stride, int64_t r
         float vals[WIRE_TILE];
         for (int64_t row = r0; row < r1; row++) {
             const uint8_t *o = buf + row * buf_stride, *sbytes = o + header, *codes = sbytes + nb;
+            /* fp32 rows decode in place; a sum or a narrower row goes through the tile's buffer */
+            const int direct = !reduce && out_kind == MX_SRC_F32;
+            float *tile = direct ? (float *)out + row * out_stride + j0 : vals;
             for (int64_t jb = j0; jb < j1; jb += block) {
                 const int64_t n = j1 - jb < block ? j1 - jb : block;
                 const uint8_t sb = sbytes[jb / block];
                 n_bad += sb == nan_code;
                 const float s = scale_t[sb];
-                float *d = vals + (jb - j0);
+                float *d = tile + (jb - j0);
+                float ts = 1.0f; /* NVFP4: the chunk's fp32 scale, applied after the block's (the torch order) */
+                if (nv) memcpy(&ts, o + 4 * (jb / chunk), 4);
+                int64_t k = 0;
                 if (bits == 8) {
                     const uint8_t *c = codes + jb;
-                    int64_t k = 0;
 #if defined(__AVX512F__)
                     /* fp8 codes to fp32 by their fields (AVX-512 gathers from the table measured slower on Zen 4):
                      * normal codes shift into place, subnormal ones are mag * 2**(1 - bias - man); the codes at or
                      * above special (e5m2's inf and NaN, e4m3's NaN) are then read from the table */
-                    const __m512 sv = _mm512_set1_ps(s), sub = _mm512_set1_ps(dc.sub);
+                    const __m512 sv = _mm512_set1_ps(s), sub = _mm512_set1_ps(dc.sub), tsv = _mm512_set1_ps(ts);
                     const __m512i m7f = _mm512_set1_epi32(0x7F), minn = _mm512_set1_epi32((int)dc.min_normal);
                     const __m512i adj = _mm512_set1_epi32((int)dc.adj), spec = _mm512_set1_epi32((int)dc.special);
+                    const __m512i sgn = _mm512_set1_epi32((int)0x80000000u);
                     for (; k + 16 <= n; k += 16) {
                         const __m512i cv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + k)));
                         const __m512i mag = _mm512_and_si512(cv, m7f);
-                        const __m512i normal =
-                            _mm512_add_epi32(_mm512_sllv_epi32(mag, _mm512_set1_epi32(dc.shift)), adj);
-                        const __m512i subv = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(mag), sub));
-                        __m512i bitsv = _mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(mag, minn), subv, normal);
-                        bitsv = _mm512_or_si512(bitsv, _mm512_slli_epi32(_mm512_srli_epi32(cv, 7), 31));
-                        _mm512_storeu_ps(d + k, _mm512_mul_ps(_mm512_castsi512_ps(bitsv), sv));
-                        for (uint32_t t = _mm512_cmpge_epu32_mask(mag, spec); t; t &= t - 1) {
-                            const int64_t q = k + __builtin_ctz(t);
-                            d[q] = elem_t[c[q]] * s;
+                        __m512i bitsv = _mm512_add_epi32(_mm512_sllv_epi32(mag, _mm512_set1_epi32(dc.shift)), adj);
+                        bitsv = _mm512_mask_mov_epi32(bitsv, _mm512_cmplt_epu32_mask(mag, minn),
+                                                      _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(mag), sub)));
+                        bitsv = _mm512_ternarylogic_epi32(bitsv, _mm512_slli_epi32(cv, 24), sgn, 0xF8); /* | sign */
+                        __m512 val = _mm512_mul_ps(_mm512_castsi512_ps(bitsv), sv);
+                        const __mmask16 sp = _mm512_cmpge_epu32_mask(mag, spec);
+                        if (sp) {
+                            float tmp[16];
+                            _mm512_storeu_ps(tmp, val);
+                            for (uint32_t t = sp; t; t &= t - 1) {
+                                const int q = __builtin_ctz(t);
+                                tmp[q] = elem_t[c[k + q]] * s;
+                            }
+                            val = _mm512_loadu_ps(tmp);
                         }
+                        if (nv) val = _mm512_mul_ps(val, tsv);
+                        _mm512_storeu_ps(d + k, val);
                     }
 #endif
-                    for (; k < n; k++) d[k] = elem_t[c[k]] * s;
+                    for (int64_t q = k; q < n; q++) d[q] = elem_t[c[q]] * s;
                 } else {
                     const uint8_t *c = codes + jb / 2;
-                    int64_t k = 0;
 #if defined(__AVX512F__)
                     /* 16 nibbles: each byte twice, the high nibble of odd lanes shifted down, looked up in-register */
-                    const __m512 tv = _mm512_loadu_ps(elem_t), sv = _mm512_set1_ps(s);
+                    const __m512 tv = _mm512_loadu_ps(elem_t), sv = _mm512_set1_ps(s), tsv = _mm512_set1_ps(ts);
                     const __m512i shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
                     for (; k + 16 <= n; k += 16) {
                         const __m128i b = _mm_loadl_epi64((const __m128i *)(c + (k >> 1)));
                         const __m512i idx = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b)), shifts);
                         const __m512 e = _mm512_permutexvar_ps(_mm512_and_si512(idx, _mm512_set1_epi32(15)), tv);
-                        _mm512_storeu_ps(d + k, _mm512_mul_ps(e, sv));
+                        __m512 val = _mm512_mul_ps(e, sv);
+                        if (nv) val = _mm512_mul_ps(val, tsv);
+                        _mm512_storeu_ps(d + k, val);
                     }
 #endif
-                    for (; k < n; k++) d[k] = elem_t[(c[k >> 1] >> (4 * (k & 1))) & 15u] * s;
+                    for (int64_t q = k; q < n; q++) d[q] = elem_t[(c[q >> 1] >> (4 * (q & 1))) & 15u] * s;
                 }
-                if (nv) {
-                    float ts;
-                    memcpy(&ts, o + 4 * (jb / chunk), 4);
+                if (nv) { /* the elements the vector loops left */
 #pragma omp simd
-                    for (int64_t k = 0; k < n; k++) d[k] = d[k] * ts;
+                    for (int64_t q = k; q < n; q++) d[q] = d[q] * ts;
                 }
             }
             const int64_t n = j1 - j0;
@@ -506,15 +631,13 @@ int64_t mixprec_mx_wire_decode(const uint8_t *buf, int64_t buf_stride, int64_t r
 #pragma omp simd
                     for (int64_t k = 0; k < n; k++) acc[k] = acc[k] + vals[k];
                 }
-            } else if (out_kind == MX_SRC_F32) {
-                memcpy((float *)out + row * out_stride + j0, vals, (size_t)n * sizeof(float));
             } else if (out_kind == MX_SRC_BF16) {
                 uint16_t *d = (uint16_t *)out + row * out_stride + j0;
                 for (int64_t k = 0; k < n; k++) d[k] = f32_to_bf16(vals[k]);
-            } else {
+            } else if (out_kind == MX_SRC_F16) {
                 uint16_t *d = (uint16_t *)out + row * out_stride + j0;
                 for (int64_t k = 0; k < n; k++) d[k] = f32_to_f16(vals[k]);
-            }
+            } /* fp32: decoded in place */
         }
     }
     return n_bad;
