@@ -92,7 +92,7 @@ static inline __attribute__((always_inline)) __m512i nearest16(const uint32_t *x
 
 /* What nearest_codes16 needs, per call: the grid's rebias, its rounding shift and its subnormal magic. */
 typedef struct {
-    __m512i max_bits, rebias, half, one, min_normal, magic_bits, absm;
+    __m512i max_bits, rebias, half, one, min_normal, magic_bits, absm, keep;
     __m512 magic;
     uint32_t shift, sign_shift;
 } rne_t;
@@ -111,6 +111,7 @@ static inline rne_t rne_of(const wire_t *w) {
     k.magic_bits = _mm512_set1_epi32((int)mb);
     k.magic = _mm512_castsi512_ps(k.magic_bits);
     k.absm = _mm512_set1_epi32(0x7FFFFFFF);
+    k.keep = _mm512_set1_epi32((int)~((1u << (23 - man)) - 1u));
     k.shift = (uint32_t)(23 - man);
     k.sign_shift = (uint32_t)(w->bits - 1);
     return k;
@@ -133,6 +134,29 @@ static inline __attribute__((always_inline)) __m512i nearest_codes16(__m512 xv, 
     return _mm512_or_si512(code, _mm512_slli_epi32(_mm512_srli_epi32(vb, 31), (unsigned)k->sign_shift));
 }
 
+/* nearest_codes16 for error feedback: also the grid values (the rounded |v| has the same bits above the grid's
+ * smallest normal, with the fraction bits past the grid's cleared; the magic sum less the magic below it), and
+ * into res the value val (xv before NVFP4's 2**k) less its decoded value (grid * scale, NVFP4: * the chunk's 2**-k, the decode's products). */
+static inline __attribute__((always_inline)) __m512i nearest_codes_res16(__m512 xv, __m512 mult, const rne_t *k,
+                                                                        __m512 val, __m512 scale, __m512 down,
+                                                                        const int nv, float *res) {
+    const __m512i vb = _mm512_castps_si512(_mm512_mul_ps(xv, mult));
+    const __m512i ac = _mm512_min_epu32(_mm512_and_si512(vb, k->absm), k->max_bits);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(ac, (unsigned)k->shift), k->one);
+    const __m512i up = _mm512_add_epi32(ac, _mm512_add_epi32(k->half, lsb));
+    __m512i code = _mm512_srli_epi32(_mm512_sub_epi32(up, k->rebias), (unsigned)k->shift);
+    __m512i grid = _mm512_and_si512(up, k->keep);
+    const __mmask16 small = _mm512_cmplt_epu32_mask(ac, k->min_normal);
+    const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(ac), k->magic);
+    code = _mm512_mask_sub_epi32(code, small, _mm512_castps_si512(sum), k->magic_bits);
+    grid = _mm512_mask_mov_epi32(grid, small, _mm512_castps_si512(_mm512_sub_ps(sum, k->magic)));
+    const __m512i sign = _mm512_and_si512(vb, _mm512_set1_epi32((int)0x80000000u));
+    __m512 dec = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(grid, sign)), scale);
+    if (nv) dec = _mm512_mul_ps(dec, down);
+    _mm512_storeu_ps(res, _mm512_sub_ps(val, dec));
+    return _mm512_or_si512(code, _mm512_slli_epi32(_mm512_srli_epi32(vb, 31), (unsigned)k->sign_shift));
+}
+
 /* 16 codes (one a lane) into out: bytes, or nibble pairs (element 2i in the low nibble). */
 static inline __attribute__((always_inline)) void put_codes16(__m512i code, uint8_t *out, int nibbles) {
     if (nibbles)
@@ -145,15 +169,18 @@ static inline __attribute__((always_inline)) void put_codes16(__m512i code, uint
  * nearest: block j scaled by mult[j] (NVFP4, nv: the values times the chunk's 2**k first, as the torch path). */
 static inline __attribute__((always_inline)) void nearest_blocks(const uint32_t *x, int nbt, const int B,
                                                                  const float *mult, float up, const int nv,
-                                                                 const rne_t *k, uint8_t *codes, const int bits8) {
-    const __m512 upv = _mm512_set1_ps(up);
+                                                                 const rne_t *k, uint8_t *codes, const int bits8,
+                                                                 const float *scale, float down, float *res) {
+    const __m512 upv = _mm512_set1_ps(up), dnv = _mm512_set1_ps(down);
     for (int j = 0; j < nbt; j++) {
         const __m512 mv = _mm512_set1_ps(mult[j]);
         for (int i = 0; i < B; i += 16) {
             const int64_t e = (int64_t)j * B + i;
-            __m512 xv = _mm512_loadu_ps((const float *)(x + e));
-            if (nv) xv = _mm512_mul_ps(xv, upv);
-            put_codes16(nearest_codes16(xv, mv, k), codes + (bits8 ? e : e / 2), !bits8);
+            const __m512 xv = _mm512_loadu_ps((const float *)(x + e));
+            const __m512 xs = nv ? _mm512_mul_ps(xv, upv) : xv;
+            const __m512i code = res ? nearest_codes_res16(xs, mv, k, xv, _mm512_set1_ps(scale[j]), dnv, nv, res + e)
+                                     : nearest_codes16(xs, mv, k);
+            put_codes16(code, codes + (bits8 ? e : e / 2), !bits8);
         }
     }
 }
@@ -305,9 +332,9 @@ encode_unit(const void *src, load_fn load, float *res, uint8_t *o, int64_t j0, i
             block_scales(amx + g0, GROUP, &q, sc + g0, mu + g0, dq + g0);
         if (g0 < nbt) block_scales(amx + g0, nbt - g0, &q, sc + g0, mu + g0, dq + g0);
 #if defined(__AVX512F__)
-        if (n == n_pad && !stochastic && !res && B % 16 == 0) {
-            /* the hot case, one tight loop: every block of the tile finite, and none whose decoded values could
-             * overflow (the _saturate_ step below) */
+        if (n == n_pad && !stochastic && B % 16 == 0) {
+            /* the hot case, one tight loop (with or without error feedback): every block of the tile finite, and
+             * none whose decoded values could overflow (the _saturate_ step below) */
             uint32_t bad = 0;
             const float dn = nv ? down : 1.0f;
             for (int j = 0; j < nbt; j++) {
@@ -323,14 +350,20 @@ encode_unit(const void *src, load_fn load, float *res, uint8_t *o, int64_t j0, i
                                : (uint8_t)(sbits >= 0x00800000u ? sbits >> 23 : 0u);
                 }
                 uint8_t *ct = codes + (bits8 ? t0 : t0 / 2);
-                if (nv && bits8)
-                    nearest_blocks(xv, nbt, B, mu, up, 1, &rk, ct, 1);
+                float *rt = res ? res + t0 : 0; /* error feedback: the residual, rewritten in the same pass */
+                if (rt) {
+                    if (nv)
+                        nearest_blocks(xv, nbt, B, mu, up, 1, &rk, ct, bits8, sc, down, rt);
+                    else
+                        nearest_blocks(xv, nbt, B, mu, 1.0f, 0, &rk, ct, bits8, sc, 1.0f, rt);
+                } else if (nv && bits8)
+                    nearest_blocks(xv, nbt, B, mu, up, 1, &rk, ct, 1, sc, down, 0);
                 else if (nv)
-                    nearest_blocks(xv, nbt, B, mu, up, 1, &rk, ct, 0);
+                    nearest_blocks(xv, nbt, B, mu, up, 1, &rk, ct, 0, sc, down, 0);
                 else if (bits8)
-                    nearest_blocks(xv, nbt, B, mu, 1.0f, 0, &rk, ct, 1);
+                    nearest_blocks(xv, nbt, B, mu, 1.0f, 0, &rk, ct, 1, sc, 1.0f, 0);
                 else
-                    nearest_blocks(xv, nbt, B, mu, 1.0f, 0, &rk, ct, 0);
+                    nearest_blocks(xv, nbt, B, mu, 1.0f, 0, &rk, ct, 0, sc, 1.0f, 0);
                 bi += nbt;
                 continue;
             }
