@@ -217,6 +217,29 @@ static inline __attribute__((always_inline)) __m512i stochastic16(const uint32_t
     }
     return rr;
 }
+
+/* nearest_blocks' loop for stochastic rounding: block j's codes by stochastic16 with mult[j], primary bytes u and
+ * stream positions e0 + element (NVFP4: the values times the chunk's 2**k first). */
+static inline __attribute__((always_inline)) void stochastic_blocks(const uint32_t *x, int nbt, const int B,
+                                                                    const float *mult, float up, const int nv,
+                                                                    const mxparams *q, const codec_t cd,
+                                                                    const uint8_t *u, uint64_t key, uint64_t e0,
+                                                                    uint8_t *codes, const int bits8) {
+    const __m512 upv = _mm512_set1_ps(up);
+    uint32_t xs[16];
+    for (int j = 0; j < nbt; j++) {
+        for (int i = 0; i < B; i += 16) {
+            const int64_t e = (int64_t)j * B + i;
+            const uint32_t *xe = x + e;
+            if (nv) {
+                _mm512_storeu_ps((float *)xs, _mm512_mul_ps(_mm512_loadu_ps((const float *)xe), upv));
+                xe = xs;
+            }
+            store_codes16(stochastic16(xe, mult[j], q, u + e, key, e0 + (uint64_t)e), cd, codes + (bits8 ? e : e / 2),
+                          !bits8);
+        }
+    }
+}
 #endif
 
 /* The grid value (fp32 bits) of a non-negative code magnitude. */
@@ -332,8 +355,8 @@ encode_unit(const void *src, load_fn load, float *res, uint8_t *o, int64_t j0, i
             block_scales(amx + g0, GROUP, &q, sc + g0, mu + g0, dq + g0);
         if (g0 < nbt) block_scales(amx + g0, nbt - g0, &q, sc + g0, mu + g0, dq + g0);
 #if defined(__AVX512F__)
-        if (n == n_pad && !stochastic && B % 16 == 0) {
-            /* the hot case, one tight loop (with or without error feedback): every block of the tile finite, and
+        if (n == n_pad && !(stochastic && res) && B % 16 == 0) {
+            /* the hot case, one tight loop (nearest with or without error feedback, or stochastic): every block of the tile finite, and
              * none whose decoded values could overflow (the _saturate_ step below) */
             uint32_t bad = 0;
             const float dn = nv ? down : 1.0f;
@@ -351,7 +374,13 @@ encode_unit(const void *src, load_fn load, float *res, uint8_t *o, int64_t j0, i
                 }
                 uint8_t *ct = codes + (bits8 ? t0 : t0 / 2);
                 float *rt = res ? res + t0 : 0; /* error feedback: the residual, rewritten in the same pass */
-                if (rt) {
+                if (stochastic) {
+                    const uint64_t e0 = pos0 + (uint64_t)t0;
+                    if (nv)
+                        stochastic_blocks(xv, nbt, B, mu, up, 1, &q, cd, u, key, e0, ct, bits8);
+                    else
+                        stochastic_blocks(xv, nbt, B, mu, 1.0f, 0, &q, cd, u, key, e0, ct, bits8);
+                } else if (rt) {
                     if (nv)
                         nearest_blocks(xv, nbt, B, mu, up, 1, &rk, ct, bits8, sc, down, rt);
                     else
