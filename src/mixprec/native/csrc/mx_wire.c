@@ -219,12 +219,12 @@ static inline __attribute__((always_inline)) __m512i stochastic16(const uint32_t
 }
 
 /* nearest_blocks' loop for stochastic rounding: block j's codes by stochastic16 with mult[j], primary bytes u and
- * stream positions e0 + element (NVFP4: the values times the chunk's 2**k first). */
-static inline __attribute__((always_inline)) void stochastic_blocks(const uint32_t *x, int nbt, const int B,
-                                                                    const float *mult, float up, const int nv,
-                                                                    const mxparams *q, const codec_t cd,
-                                                                    const uint8_t *u, uint64_t key, uint64_t e0,
-                                                                    uint8_t *codes, const int bits8) {
+ * stream positions e0 + element (NVFP4: the values times the chunk's 2**k first); out of line, where it leaves
+ * the registers of encode_unit's nearest loops alone (inlined, it cost NVFP4 nearest ~10%). */
+static __attribute__((noinline)) void stochastic_blocks(const uint32_t *x, int nbt, const int B, const float *mult,
+                                                        float up, const int nv, const mxparams *q, const codec_t cd,
+                                                        const uint8_t *u, uint64_t key, uint64_t e0, uint8_t *codes,
+                                                        const int bits8) {
     const __m512 upv = _mm512_set1_ps(up);
     uint32_t xs[16];
     for (int j = 0; j < nbt; j++) {
