@@ -620,7 +620,29 @@ int64_t mixprec_mx_wire_decode(const uint8_t *buf, int64_t buf_stride, int64_t r
             /* fp32 rows decode in place; a sum or a narrower row goes through the tile's buffer */
             const int direct = !reduce && out_kind == MX_SRC_F32;
             float *tile = direct ? (float *)out + row * out_stride + j0 : vals;
-            for (int64_t jb = j0; jb < j1; jb += block) {
+            int64_t jb = j0;
+#if defined(__AVX512F__)
+            if (bits == 4 && block == 16 && (j1 - j0) % 16 == 0 && (!nv || chunk % WIRE_TILE == 0)) {
+                /* 4-bit codes in 16-element blocks (NVFP4): one vector a block, the tile in one chunk */
+                const int64_t nbk = (j1 - j0) / 16;
+                const uint8_t *sbt = sbytes + j0 / 16, *c = codes + j0 / 2;
+                for (int64_t k = 0; k < nbk; k++) n_bad += sbt[k] == nan_code;
+                float ts = 1.0f;
+                if (nv) memcpy(&ts, o + 4 * (j0 / chunk), 4);
+                const __m512 tv = _mm512_loadu_ps(elem_t), tsv = _mm512_set1_ps(ts);
+                const __m512i shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+                for (int64_t k = 0; k < nbk; k++) {
+                    const __m128i b = _mm_loadl_epi64((const __m128i *)(c + 8 * k));
+                    const __m512i idx = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b)), shifts);
+                    const __m512 e = _mm512_permutexvar_ps(_mm512_and_si512(idx, _mm512_set1_epi32(15)), tv);
+                    __m512 val = _mm512_mul_ps(e, _mm512_set1_ps(scale_t[sbt[k]]));
+                    if (nv) val = _mm512_mul_ps(val, tsv);
+                    _mm512_storeu_ps(tile + 16 * k, val);
+                }
+                jb = j1;
+            }
+#endif
+            for (; jb < j1; jb += block) {
                 const int64_t n = j1 - jb < block ? j1 - jb : block;
                 const uint8_t sb = sbytes[jb / block];
                 n_bad += sb == nan_code;
