@@ -10,7 +10,7 @@ cuBLAS's and Transformer Engine's), ``neuron`` (AWS Neuron's doubled scale) and 
 nearest (ties to even), toward zero, or stochastic on mixprec's Philox stream (:mod:`mixprec.core.philox`):
 one key per call from ``generator``, or a caller's ``key`` and stream ``positions`` (what a wire that encodes a
 tensor in pieces passes, so that every piece draws the bits of one encode of the whole).
-:func:`hadamard_transform` is the random Hadamard transform of the NVFP4 training recipe.
+:func:`hadamard_transform` (from :mod:`mixprec.core.hadamard`) is the NVFP4 recipe's random Hadamard transform.
 
 Blocks along the last axis of a CPU tensor go through one compiled pass (``mixprec.native``'s ``mx.c``) when the
 kernel library is loaded; everything else (other axes, 2-D tiles, explicit stream ``positions``, CUDA) is
@@ -28,6 +28,7 @@ import torch
 
 import mixprec.native as native
 from mixprec.core.formats import FloatFormat
+from mixprec.core.hadamard import hadamard_matrix, hadamard_transform, random_signs
 from mixprec.core.philox import draw_key, round_up, stream_bytes
 from mixprec.core.rounding import ROUNDING_MODES, round_nearest_grid_, round_to_
 from mixprec.core.validate import check_choice, check_positive_int, check_tensor
@@ -570,50 +571,3 @@ def fake_quantize(
     w.mul_(s.unsqueeze(-1))
     result = layout.from_blocks(w)
     return result.contiguous() if out is None else out.copy_(result)
-
-
-# ------------------------------------------------------------------------------------------------ Hadamard
-def hadamard_matrix(n: int = 16, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """The Sylvester Hadamard matrix of order ``n`` (a power of two), entries +-1, unnormalised."""
-    check_positive_int("n", n)
-    if n & (n - 1):
-        raise ValueError(f"n must be a power of two; got {n}")
-    h = torch.ones(1, 1, dtype=dtype)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
-
-
-def random_signs(n: int = 16, *, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``n`` independent random signs (fp32 +-1) from ``generator``: the diagonal of the random Hadamard
-    transform. Seed the generator to rebuild the same transform for its inverse."""
-    check_positive_int("n", n)
-    return torch.randint(0, 2, (n,), generator=generator).mul_(2).sub_(1).to(torch.float32)
-
-
-def hadamard_transform(
-    x: torch.Tensor, signs: torch.Tensor | None = None, *, axis: int = -1, inverse: bool = False
-) -> torch.Tensor:
-    """Random Hadamard transform of ``x`` in blocks of ``n = len(signs)`` (default 16, no signs) along ``axis``.
-
-    Each block ``v`` becomes ``Q v`` with ``Q = H diag(signs) / sqrt(n)`` (orthogonal); ``inverse=True`` applies
-    ``Q^T``, undoing it. Computed in ``x``'s dtype (fp32 or fp64): exact up to one matmul's rounding.
-    """
-    check_tensor("x", x, (torch.float32, torch.float64))
-    if signs is None:
-        signs = torch.ones(16, dtype=x.dtype, device=x.device)
-    check_tensor("signs", signs)
-    if signs.dim() != 1 or not bool(((signs == 1) | (signs == -1)).all()):
-        raise ValueError("signs must be a 1-D tensor of +-1 (see random_signs)")
-    n = signs.numel()
-    if not isinstance(axis, int) or isinstance(axis, bool) or not -x.dim() <= axis < x.dim():
-        raise ValueError(f"axis {axis!r} is out of range for x with {x.dim()} dimensions")
-    if x.shape[axis] % n:
-        raise ValueError(f"the Hadamard size {n} does not divide dimension {axis} of x (shape {tuple(x.shape)})")
-    q = hadamard_matrix(n, dtype=torch.float64) * signs.to(torch.float64) / math.sqrt(n)  # Q = H D / sqrt(n)
-    q = q.to(x.dtype).to(x.device)
-    t = x.movedim(axis, -1)
-    blocks = t.reshape(*t.shape[:-1], -1, n)
-    # row vectors: Q v is v @ Q^T, Q^T y is y @ Q
-    out = blocks @ (q if inverse else q.T)
-    return out.reshape(t.shape).movedim(-1, axis)

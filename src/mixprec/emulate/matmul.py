@@ -115,7 +115,7 @@ MATMUL_PRESETS: dict[str, MatmulModel] = {
     "bf16/32": MatmulModel(inputs="bf16", accumulator="fp32", k_group=16, name="bf16/32"),
     # fp16/32 with the Hopper alignment model (F=25, truncation): 95% of the outputs of cuBLAS's fp16 GEMM with fp32
     # output on an H200 bit-equal at M=N=K=1024 and 4096, where the exact-sum "fp16/32" has ~20x too small an error
-    # (benchmarks/RESULTS.md, "Precision emulation")
+    # (benchmarks/RESULTS.md, "Matmul accumulators on the H200")
     "fp16/32-h100": MatmulModel(
         inputs="fp16", accumulator="fp32", k_group=16, align_bits=TENSOR_CORE_ALIGN_BITS["h100"], name="fp16/32-h100"
     ),

@@ -1,4 +1,4 @@
-"""Triton kernels: the GPU twins of ``csrc/rounding.c``, ``csrc/quantize.c`` (uint8 part) and ``csrc/matmul.c``.
+"""Triton kernels: the GPU twins of ``csrc/rounding.c``, ``csrc/quant_u8.c`` and ``csrc/matmul.c``.
 
 Imported only by :mod:`mixprec.native.gpu`, and only when ``triton`` is installed (it is an optional dependency).
 Each kernel does, element by element, the same IEEE operations as the torch path it replaces, so the bits are
