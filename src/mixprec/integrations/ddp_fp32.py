@@ -28,18 +28,19 @@ import torch
 import torch.distributed as dist
 
 from mixprec.comm.groups import new_group
-from mixprec.comm.live_audit import AuditResult, LiveAudit, PendingAudit
+from mixprec.comm.live_audit import AuditResult, PendingAudit
 from mixprec.comm.padding import pad_flat
 from mixprec.comm.reducer import bucket_multiple
 from mixprec.comm.topology import Topology, check_topology, resolve_topology
 from mixprec.core.dtypes import WIRE_DTYPES
 from mixprec.core.validate import check_group
+from mixprec.integrations.hook_audit import AuditedHookState
 from mixprec.parallel.reducers import FP32AccumulateReducer
 
 __all__ = ["FP32HookState", "fp32_accumulate_hook"]
 
 
-class FP32HookState:
+class FP32HookState(AuditedHookState):
     """:func:`fp32_accumulate_hook`'s state when it takes options beyond the group.
 
     Args:
@@ -60,30 +61,11 @@ class FP32HookState:
         audit_every: int | None = None,
         on_audit: Callable[[AuditResult], None] | None = None,
     ) -> None:
-        self.audit = LiveAudit(audit_every, on_audit=on_audit)
+        self._init_audit(audit_every, on_audit)
         self.process_group = process_group
-        self._num_buckets: int | None = None
-        self._audit_bucket: int | None = None
-
-    @property
-    def audit_results(self) -> list[AuditResult]:
-        """This rank's live-audit results, oldest first."""
-        return self.audit.results
-
-    @property
-    def audit_rows(self) -> list[dict[str, Any]]:
-        """:attr:`audit_results` as ``metrics.jsonl`` rows (``AuditResult.as_row``)."""
-        return [r.as_row() for r in self.audit.results]
 
     def _begin(self, bucket: dist.GradBucket, group: dist.ProcessGroup | None) -> PendingAudit | None:
-        index = bucket.index()
-        if index == 0:  # torch DDP runs the hook on its buckets in index order: bucket 0 starts a step
-            self._audit_bucket = self.audit.new_step(self._num_buckets)
-        if bucket.is_last():
-            self._num_buckets = index + 1
-        if index != self._audit_bucket:
-            return None
-        return self.audit.begin(bucket.buffer(), group, average=True, native=True, index=index)
+        return self._begin_audit(bucket.buffer(), bucket.index(), is_last=bucket.is_last(), group=group, native=True)
 
 
 class _Runner:

@@ -21,15 +21,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec.comm.live_audit import AuditResult, LiveAudit
+from mixprec.comm.live_audit import AuditResult
 from mixprec.comm.reducer import BucketReducer, bucket_multiple, make_reducer
 from mixprec.core.validate import check_group
+from mixprec.integrations.hook_audit import AuditedHookState
 from mixprec.parallel.reducers import NativeReducer
 
 __all__ = ["ReducerHookState", "reducer_hook"]
 
 
-class ReducerHookState:
+class ReducerHookState(AuditedHookState):
     """State of :func:`reducer_hook`: the reducer, the group and one zero-padded scratch buffer per bucket.
 
     Args:
@@ -58,7 +59,7 @@ class ReducerHookState:
         on_audit: Callable[[AuditResult], None] | None = None,
         **reducer_options: Any,
     ) -> None:
-        self.audit = LiveAudit(audit_every, on_audit=on_audit)
+        self._init_audit(audit_every, on_audit)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "ReducerHookState needs an initialised process group: create it after "
@@ -77,18 +78,6 @@ class ReducerHookState:
         self._multiple = bucket_multiple(dist.get_world_size(self.process_group))
         self._scratch: dict[int, torch.Tensor] = {}
         self._numels: dict[int, int] = {}  # bucket index -> its size when last reduced
-        self._num_buckets: int | None = None  # buckets per step, known once a last bucket was seen
-        self._audit_bucket: int | None = None
-
-    @property
-    def audit_results(self) -> list[AuditResult]:
-        """This rank's live-audit results, oldest first (``audit_every``)."""
-        return self.audit.results
-
-    @property
-    def audit_rows(self) -> list[dict[str, Any]]:
-        """:attr:`audit_results` as ``metrics.jsonl`` rows (the ``audit_*`` keys of ``AuditResult.as_row``)."""
-        return [r.as_row() for r in self.audit.results]
 
     def _scratch_for(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
         padded = -(-buffer.numel() // self._multiple) * self._multiple
@@ -100,15 +89,8 @@ class ReducerHookState:
     def reduce(self, buffer: torch.Tensor, index: int, *, is_last: bool = False) -> torch.Tensor:
         """Average ``buffer`` (1-D, any length) in place over the group with the reducer; returns it.
         ``is_last``: the step's last bucket (torch DDP's ``bucket.is_last()``: it sizes the audit's rotation)."""
-        audit = None
-        if self.audit.enabled:
-            if index == 0:  # torch DDP runs the hook on its buckets in index order: bucket 0 starts a step
-                self._audit_bucket = self.audit.new_step(self._num_buckets)
-            if is_last:
-                self._num_buckets = index + 1
-            if index == self._audit_bucket:
-                native = not isinstance(self.reducer, NativeReducer)
-                audit = self.audit.begin(buffer, self.process_group, average=True, native=native, index=index)
+        native = not isinstance(self.reducer, NativeReducer)
+        audit = self._begin_audit(buffer, index, is_last=is_last, group=self.process_group, native=native)
         self._reduce(buffer, index)
         if audit is not None:
             audit.finish(buffer)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec.comm.live_audit import AuditResult, LiveAudit
+from mixprec.comm.live_audit import AuditResult
 from mixprec.comm.topology import check_topology
 from mixprec.compress import auto
 from mixprec.compress.fp8 import Compressor
@@ -34,11 +34,12 @@ from mixprec.compress.reducers import CompressedReducer
 from mixprec.compress.state import CompressionStats, ErrorFeedback
 from mixprec.core.random import DEFAULT_STOCHASTIC_SEED
 from mixprec.core.validate import check_group, check_positive_int
+from mixprec.integrations.hook_audit import AuditedHookState
 
 __all__ = ["CompressedHookState", "compressed_hook"]
 
 
-class CompressedHookState:
+class CompressedHookState(AuditedHookState):
     """State of :func:`compressed_hook`: a :class:`mixprec.compress.CompressedReducer` (options, per-bucket error
     feedback, streams, buffers, stats), the size of each torch DDP bucket it has seen and the live audit.
 
@@ -85,7 +86,7 @@ class CompressedHookState:
         audit_every: int | None = None,
         on_audit: Callable[[AuditResult], None] | None = None,
     ) -> None:
-        self.audit = LiveAudit(audit_every, on_audit=on_audit)
+        self._init_audit(audit_every, on_audit)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "CompressedHookState needs an initialised process group: call torch.distributed.init_process_group "
@@ -107,18 +108,6 @@ class CompressedHookState:
         if topology is not None:
             check_topology(topology, process_group)  # the hierarchical scheme needs the default group
         self._numels: dict[int, int] = {}  # bucket index -> its size when last reduced
-        self._num_buckets: int | None = None  # buckets per step, known once a last bucket was seen
-        self._audit_bucket: int | None = None
-
-    @property
-    def audit_results(self) -> list[AuditResult]:
-        """This rank's live-audit results, oldest first (``audit_every``)."""
-        return self.audit.results
-
-    @property
-    def audit_rows(self) -> list[dict[str, Any]]:
-        """:attr:`audit_results` as ``metrics.jsonl`` rows (the ``audit_*`` keys of ``AuditResult.as_row``)."""
-        return [r.as_row() for r in self.audit.results]
 
     @property
     def options(self) -> CompressionOptions:
@@ -212,13 +201,7 @@ def compressed_hook(state: CompressedHookState, bucket: dist.GradBucket) -> torc
     buffer = bucket.buffer()
     index = bucket.index()
     state._seen(index, buffer.numel())
-    if index == 0:  # torch DDP runs the hook on its buckets in index order: bucket 0 starts a step
-        state._audit_bucket = state.audit.new_step(state._num_buckets)
-    if bucket.is_last():
-        state._num_buckets = index + 1
-    audit = None
-    if index == state._audit_bucket:
-        audit = state.audit.begin(buffer, state.process_group, average=True, native=True, index=index)
+    audit = state._begin_audit(buffer, index, is_last=bucket.is_last(), group=state.process_group, native=True)
     state.reducer.all_reduce_any_length(buffer, state.process_group, average=True, key=index)
     if audit is not None:
         audit.finish(buffer)
