@@ -8,6 +8,7 @@ audit rows the adapter logged: through a tracker given to ``Accelerator(log_with
 
 import argparse
 import csv
+import gc
 import importlib.util
 from pathlib import Path
 
@@ -120,6 +121,12 @@ def lightning_run(out: str, audit_every: int | None) -> None:
         rows = list(csv.DictReader(path.open())) if path.exists() else []
         state_rows = strategy.hook_state.audit_rows
         torch.save({"weight": module.net[0].weight.detach().clone(), "rows": rows, "state_rows": state_rows}, out)
+    # Lightning leaves the gloo group to interpreter shutdown, where torch 2.13 now and then aborts a rank
+    # ("terminate called without an active exception"): drop the DDP module, then the group, while alive.
+    trainer.strategy.barrier()
+    del trainer, module, strategy
+    gc.collect()
+    torch.distributed.destroy_process_group()
 
 
 def main() -> None:
