@@ -49,12 +49,12 @@ def test_watch_blames_the_rank_that_failed_on_its_own_not_the_first_to_exit() ->
 @pytest.mark.slow  # GRACE_S (5 s) before the launcher terminates the "hung" rank
 def test_watch_blames_the_hung_rank_when_every_exit_was_a_peer_failure() -> None:
     procs = _procs([(0.0, PEER_FAILURE_EXIT), (3600.0, 0)])  # rank 1 "hangs"; the launcher terminates it
-    start = time.monotonic()
     with pytest.raises(RanksFailed) as info:
         watch_ranks(procs)
-    assert time.monotonic() - start < 60  # GRACE_S + SIGTERM; generous for a loaded machine
     assert info.value.summary.startswith("rank(s) 1 stopped responding (hung)") and info.value.hung == [1]
-    assert procs[1].exitcode is not None
+    # Stopped by the launcher's signal (SIGTERM, or SIGKILL after GRACE_S), not by its own exit an hour later:
+    # the cause, not the seconds, so the test holds on a loaded machine.
+    assert procs[1].exitcode in (-signal.SIGTERM, -signal.SIGKILL)
 
 
 def test_watch_reports_a_signal() -> None:
